@@ -1,0 +1,64 @@
+"""Typed errors, each carrying the process exit code the CLI reports for it."""
+
+from __future__ import annotations
+
+# Exit codes (documented in README "Exit codes"); 0 is success, 1 an unexpected bug.
+EXIT_OK = 0
+EXIT_BUG = 1
+EXIT_USAGE = 2
+EXIT_CHECKPOINT = 3
+EXIT_DEVICE = 4
+EXIT_IO = 5
+EXIT_AUDIO_CHECK = 6
+EXIT_NO_AUDIO = 7
+EXIT_PARTIAL = 8
+EXIT_INPUT = 9
+EXIT_INTERRUPTED = 130
+
+
+class MimoTTSError(Exception):
+    """Base of every error mimo-tts reports as a one-line `Error:` message."""
+
+    exit_code = EXIT_BUG
+
+
+class UsageError(MimoTTSError):
+    """Bad option values or option combinations."""
+
+    exit_code = EXIT_USAGE
+
+
+class CheckpointError(MimoTTSError):
+    """A model or tokenizer checkpoint is missing, incomplete or inconsistent."""
+
+    exit_code = EXIT_CHECKPOINT
+
+
+class DeviceError(MimoTTSError):
+    """An invalid or unavailable device, or out of memory on one."""
+
+    exit_code = EXIT_DEVICE
+
+
+class OutputError(MimoTTSError):
+    """Reading an input file or writing an output failed."""
+
+    exit_code = EXIT_IO
+
+
+class AudioCheckError(MimoTTSError):
+    """Generated audio failed a sanity check (NaN/inf, silent, codes out of range)."""
+
+    exit_code = EXIT_AUDIO_CHECK
+
+
+class NoAudioError(AudioCheckError):
+    """The LM generated no audio tokens for an item."""
+
+    exit_code = EXIT_NO_AUDIO
+
+
+class InputError(MimoTTSError):
+    """A bad input item (empty text, malformed line, unusable prompt audio)."""
+
+    exit_code = EXIT_INPUT

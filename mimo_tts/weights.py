@@ -1,0 +1,120 @@
+"""Checkpoint files: config.json and safetensors weights (single file or sharded index).
+
+Only JSON and safetensors are ever read: nothing is unpickled and no remote code runs. Every
+failure names the file or tensor at fault as a CheckpointError.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from mimo_tts.errors import CheckpointError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def read_config(directory: str | Path) -> dict:
+    """Parse `config.json` of a checkpoint directory."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {directory}")
+    path = directory / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"missing config.json in {directory}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"unreadable {path}: {exc}") from None
+
+
+def weight_files(directory: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the single file, or every shard the index names."""
+    directory = Path(directory)
+    single = directory / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    indexes = sorted(directory.glob("*.safetensors.index.json"))
+    if not indexes:
+        shards = sorted(directory.glob("*.safetensors"))
+        if shards:
+            return shards
+        raise CheckpointError(f"no {SINGLE_FILE} or *.safetensors.index.json in {directory}")
+    try:
+        weight_map = json.loads(indexes[0].read_text(encoding="utf-8"))["weight_map"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"unreadable index {indexes[0]}: {exc}") from None
+    files = [directory / name for name in sorted(set(weight_map.values()))]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"{indexes[0].name} names missing shard(s): {', '.join(missing)}")
+    return files
+
+
+def load_tensors(directory: str | Path, device: str = "cpu") -> dict:
+    """All tensors of a checkpoint, memory-mapped from safetensors."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    tensors: dict = {}
+    for path in weight_files(directory):
+        try:
+            tensors.update(load_file(str(path), device=device))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"corrupt or truncated safetensors file {path}: {exc}") from None
+    return tensors
+
+
+def _summary(names: Iterable[str], limit: int = 8) -> str:
+    names = sorted(names)
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def check_state_dict(
+    expected: dict,
+    found: dict,
+    where: str,
+    ignore: Iterable[str] = (),
+) -> dict:
+    """Strictly compare checkpoint tensors with a module's state dict; return the usable subset.
+
+    `expected` maps names to tensors (e.g. from `module.state_dict()` on the meta device);
+    `ignore` holds regexes of checkpoint tensors that are known and unused (EMA buffers).
+    """
+    patterns = [re.compile(p) for p in ignore]
+    used = {k: v for k, v in found.items() if not any(p.fullmatch(k) for p in patterns)}
+    missing = set(expected) - set(used)
+    unexpected = set(used) - set(expected)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensor(s): {_summary(missing)}")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} tensor(s): {_summary(unexpected)}")
+        raise CheckpointError(f"{where}: " + "; ".join(parts))
+    bad = [
+        f"{k} {tuple(used[k].shape)} != {tuple(expected[k].shape)}"
+        for k in sorted(expected)
+        if tuple(used[k].shape) != tuple(expected[k].shape)
+    ]
+    if bad:
+        raise CheckpointError(f"{where}: wrong tensor shape(s): {_summary(bad, 4)}")
+    not_float = [k for k in sorted(used) if expected[k].is_floating_point()
+                 and not used[k].is_floating_point()]
+    if not_float:
+        raise CheckpointError(f"{where}: non-float dtype for tensor(s): {_summary(not_float)}")
+    return used
+
+
+def load_module_weights(module, directory: str | Path, where: str, ignore=()) -> None:
+    """Load a checkpoint into a module built on the meta device (strict, by official names)."""
+    found = load_tensors(directory)
+    expected = module.state_dict()
+    used = check_state_dict(expected, found, where, ignore)
+    # Match each tensor's dtype to the module's before assigning (checkpoints may be bf16).
+    used = {k: v.to(expected[k].dtype) for k, v in used.items()}
+    module.load_state_dict(used, strict=True, assign=True)
