@@ -1,0 +1,156 @@
+"""Architecture of the MiMo-Audio audio tokenizer, read only from its `config.json` (spec §2.1).
+
+The reference class defaults differ from the published checkpoint in almost every field, so
+nothing here has a default: a missing field is a CheckpointError that names it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from mimo_tts.errors import CheckpointError
+
+MODEL_TYPE = "mimo_audio_tokenizer"
+
+
+def _window(value, name: str) -> tuple[int, int]:
+    """A flash-attn style (left, right) window; -1 means unbounded (spec §3.2)."""
+    try:
+        left, right = (int(v) for v in value)
+    except (TypeError, ValueError):
+        raise CheckpointError(
+            f"tokenizer config field {name} must be [left, right], got {value!r}"
+        ) from None
+    return left, right
+
+
+def _codebook_sizes(value, num_quantizers: int) -> tuple[int, ...]:
+    sizes = [int(value)] if isinstance(value, int) else [int(v) for v in value]
+    if len(sizes) == 1:
+        sizes = sizes * num_quantizers
+    if len(sizes) != num_quantizers:
+        raise CheckpointError(
+            f"tokenizer config codebook_size has {len(sizes)} entries, "
+            f"num_quantizers is {num_quantizers}"
+        )
+    return tuple(sizes)
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """Every architecture field of the audio tokenizer's config.json, plus derived rates."""
+
+    sampling_rate: int
+    hop_length: int
+    nfft: int
+    window_size: int
+    n_mels: int
+    fmin: float
+    fmax: float | None
+    stride_size: int
+    avg_pooler: int
+    kernel_size: int
+    d_model: int
+    activation_function: str
+    encoder_layers: int
+    encoder_attention_heads: int
+    encoder_ffn_dim: int
+    encoder_skip_layer_id: int | None
+    encoder_causal: bool
+    encoder_attn_window_size: tuple[int, int]
+    decoder_layers: int
+    decoder_attention_heads: int
+    decoder_ffn_dim: int
+    decoder_kernel_size: int
+    decoder_stride_size: int
+    decoder_causal: bool
+    decoder_attn_window_size: tuple[int, int]
+    vocoder_dim: int
+    vocoder_intermediate_dim: int
+    vocoder_num_layers: int
+    vocoder_attention_heads: int
+    vocoder_attn_window_size: tuple[int, int]
+    vocoder_padding: str
+    num_quantizers: int
+    codebook_size: tuple[int, ...]
+    position_embedding_type: str
+    rope_theta: float
+    ln_type: str
+
+    @classmethod
+    def from_json(cls, data: dict) -> CodecConfig:
+        """Build from a parsed config.json; raises CheckpointError naming a missing/bad field."""
+        if data.get("model_type", MODEL_TYPE) != MODEL_TYPE:
+            raise CheckpointError(
+                f"tokenizer config model_type is {data.get('model_type')!r}, "
+                f"expected {MODEL_TYPE!r}"
+            )
+        names = [f.name for f in fields(cls)]
+        missing = [n for n in names if n not in data]
+        if missing:
+            raise CheckpointError(f"tokenizer config.json lacks field(s): {', '.join(missing)}")
+        values = {n: data[n] for n in names}
+        for name in ("encoder_attn_window_size", "decoder_attn_window_size",
+                     "vocoder_attn_window_size"):
+            values[name] = _window(values[name], name)
+        values["codebook_size"] = _codebook_sizes(values["codebook_size"], data["num_quantizers"])
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Reject values this implementation does not support, naming the field."""
+        checks = [
+            (self.activation_function == "gelu", "activation_function must be 'gelu'"),
+            (self.position_embedding_type == "rope", "position_embedding_type must be 'rope'"),
+            (self.ln_type == "LayerNorm", "ln_type must be 'LayerNorm'"),
+            (self.vocoder_padding == "same", "vocoder_padding must be 'same'"),
+            (self.d_model % self.encoder_attention_heads == 0,
+             "d_model must divide by encoder_attention_heads"),
+            (self.d_model % self.decoder_attention_heads == 0,
+             "d_model must divide by decoder_attention_heads"),
+            (self.vocoder_dim % self.vocoder_attention_heads == 0,
+             "vocoder_dim must divide by vocoder_attention_heads"),
+            (self.nfft >= self.hop_length and (self.nfft - self.hop_length) % 2 == 0,
+             "nfft - hop_length must be even and >= 0 (ISTFT 'same' padding)"),
+            (self.window_size == self.nfft, "window_size must equal nfft (ISTFT window)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise CheckpointError(f"unsupported tokenizer config: {message}")
+
+    # Derived rates (spec §1, §2.1).
+    @property
+    def samples_per_frame(self) -> int:
+        """Waveform samples per 25 Hz code frame: avg_pooler * stride_size * hop_length (960)."""
+        return self.avg_pooler * self.stride_size * self.hop_length
+
+    @property
+    def frame_rate(self) -> float:
+        """Code frames per second (25.0)."""
+        return self.sampling_rate / self.samples_per_frame
+
+    @property
+    def mel_rate(self) -> float:
+        return self.sampling_rate / self.hop_length
+
+    @property
+    def mel_frames_per_code(self) -> int:
+        """Decoder output (vocoder) frames per code frame: the decoder upsamples x4."""
+        return self.samples_per_frame // self.hop_length
+
+    @property
+    def encoder_head_dim(self) -> int:
+        return self.d_model // self.encoder_attention_heads
+
+    @property
+    def decoder_head_dim(self) -> int:
+        return self.d_model // self.decoder_attention_heads
+
+    @property
+    def vocoder_head_dim(self) -> int:
+        return self.vocoder_dim // self.vocoder_attention_heads
+
+    @property
+    def n_freqs(self) -> int:
+        return self.nfft // 2 + 1

@@ -1,0 +1,81 @@
+"""Build the audio tokenizer on the meta device and load its checkpoint strictly (house style).
+
+meta build -> safetensors (single file or sharded index) -> strict load_state_dict(assign=True)
+-> move to the tokenizer device -> parameters to the chosen dtype -> eval. The RVQ codebooks and
+the ISTFT window are buffers and stay float32 whatever the dtype (spec §3.4, §8 item 4).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mimo_tts.codec.config import CodecConfig
+from mimo_tts.codec.decoder import AudioDecoder
+from mimo_tts.codec.encoder import AudioEncoder
+from mimo_tts.codec.tokenizer import AudioTokenizer
+from mimo_tts.devices import normalize_device
+from mimo_tts.errors import UsageError
+from mimo_tts.weights import load_module_weights, read_config
+
+# Checkpoint tensors that exist only for training (RVQ EMA state); everything else must match.
+IGNORED_TENSORS = (
+    r"encoder\.quantizer\.vq\.layers\.\d+\._codebook\.(embed_avg|cluster_size|inited)",
+)
+DTYPE_NAMES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+class CodecModel(nn.Module):
+    """The checkpoint's module tree: `encoder.*` (with the quantizer) and `decoder.*`."""
+
+    def __init__(self, config: CodecConfig):
+        super().__init__()
+        self.config = config
+        self.encoder = AudioEncoder(config)
+        self.decoder = AudioDecoder(config)
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch dtype from a dtype or a name (float32, bfloat16, float16 and short forms)."""
+    if isinstance(dtype, torch.dtype) and dtype in DTYPE_NAMES.values():
+        return dtype
+    name = str(dtype).lower()
+    if name not in DTYPE_NAMES:
+        raise UsageError(f"unsupported tokenizer dtype {dtype!r}: use float32, bfloat16 or float16")
+    return DTYPE_NAMES[name]
+
+
+def build_model(config: CodecConfig) -> CodecModel:
+    """The module tree on the meta device (no memory, no init), ready for assign-loading."""
+    with torch.device("meta"):
+        return CodecModel(config)
+
+
+def place_model(model: CodecModel, device: torch.device, dtype: torch.dtype) -> CodecModel:
+    """Move to `device`; parameters (not the float32 codebook/window buffers) to `dtype`."""
+    model.to(device)
+    for param in model.parameters():
+        if param.dtype != dtype:
+            param.data = param.data.to(dtype)
+    return model.eval().requires_grad_(False)
+
+
+def load_audio_tokenizer(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+    cuda_graph: bool = False,
+) -> AudioTokenizer:
+    """Load a MiMo-Audio tokenizer directory (config.json + safetensors) onto `device`."""
+    device = torch.device(normalize_device(str(device)))
+    dtype = resolve_dtype(dtype)
+    config = CodecConfig.from_json(read_config(path))
+    model = build_model(config)
+    load_module_weights(model, path, f"audio tokenizer {path}", ignore=IGNORED_TENSORS)
+    return AudioTokenizer(place_model(model, device, dtype), device, dtype, cuda_graph=cuda_graph)

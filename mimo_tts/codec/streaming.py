@@ -1,0 +1,68 @@
+"""Streaming decode following the official `MiMoAudioTokenizer.streaming_decode` (spec §7.2).
+
+Each push dequantises the new codes, prepends the cached latent frames and decodes the combined
+sequence from scratch. Audio is held back by `right_overlap` frames (the vocoder looks ahead) and
+the cache keeps at most `left_overlap` frames once audio has been emitted, so memory stays bounded.
+The output totals 960*T samples but differs slightly from one-shot decode (chunk-wide GroupNorm).
+Shapes: K codebooks, n new frames, C combined frames, S samples.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mimo_tts.errors import UsageError
+
+# Spec §7.2 StreamingConfig defaults, in code frames (10 s and 1.6 s).
+LEFT_OVERLAP = 250
+RIGHT_OVERLAP = 40
+
+
+class StreamingDecoder:
+    """One stream: push code chunks in order; each push returns new audio or None."""
+
+    def __init__(self, tokenizer, left_overlap: int = LEFT_OVERLAP,
+                 right_overlap: int = RIGHT_OVERLAP):
+        if not 0 <= right_overlap <= left_overlap:
+            # The kept cache must cover the held-back frames, or the next start goes negative.
+            raise UsageError(
+                "streaming overlaps need 0 <= right_overlap <= left_overlap, got "
+                f"left={left_overlap}, right={right_overlap}"
+            )
+        self.tokenizer = tokenizer
+        self.left_overlap, self.right_overlap = int(left_overlap), int(right_overlap)
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new stream (drop the cached frames)."""
+        self._cache: Tensor | None = None  # [C, d_model] float32 latent frames
+        self.processed_length = 0
+
+    @property
+    def cache_length(self) -> int:
+        return 0 if self._cache is None else self._cache.shape[0]
+
+    def push(self, codes: Tensor, last: bool = False) -> Tensor | None:
+        """codes [K, n] -> new waveform samples [S] float32 on the tokenizer device, or None."""
+        hidden = self.tokenizer.dequantize(codes)
+        if self._cache is not None:
+            hidden = torch.cat([self._cache, hidden])
+        self._cache = hidden
+        combined = hidden.shape[0]
+        start = self.processed_length
+        spf = self.tokenizer.samples_per_frame
+        if last:
+            self.processed_length = combined
+            return self.tokenizer.decode_hidden(hidden)[start * spf:]
+        if combined <= self.right_overlap:
+            # Nothing is final yet; the official code decodes and discards, which changes nothing.
+            self.processed_length = 0
+            return None
+        end = combined - self.right_overlap
+        wave = self.tokenizer.decode_hidden(hidden)[start * spf:end * spf]
+        self.processed_length = end
+        if combined > self.left_overlap:
+            self._cache = hidden[combined - self.left_overlap:]
+            self.processed_length = end - (combined - self.left_overlap)
+        return wave
