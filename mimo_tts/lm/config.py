@@ -1,0 +1,151 @@
+"""LM architecture, read only from the checkpoint's config.json (spec §2.2).
+
+The official class defaults differ from the published checkpoints in places, so every field
+is required here: a missing or malformed one is a CheckpointError that names it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mimo_tts.errors import CheckpointError
+
+# Positions the LM may ever hold, prompt included (spec §4.7: GenerationConfig.max_length).
+MAX_GROUPS = 8192
+
+
+def _field(cfg: dict, name: str, kind=int):
+    if name not in cfg or cfg[name] is None:
+        raise CheckpointError(f"LM config.json: missing field {name!r}")
+    value = cfg[name]
+    try:
+        if kind is int and (isinstance(value, bool) or float(value) != int(value)):
+            raise ValueError(value)
+        return kind(value)
+    except (TypeError, ValueError):
+        raise CheckpointError(
+            f"LM config.json: field {name!r} = {value!r} is not {kind.__name__}"
+        ) from None
+
+
+def _per_channel(cfg: dict, name: str, channels: int) -> tuple[int, ...]:
+    """Split "1025-1025-129-..." into ints; a single int broadcasts to every channel."""
+    if name not in cfg or cfg[name] is None:
+        raise CheckpointError(f"LM config.json: missing field {name!r}")
+    raw = cfg[name]
+    try:
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            values = (raw,) * channels
+        elif isinstance(raw, str):
+            values = tuple(int(part) for part in raw.split("-"))
+        else:
+            values = tuple(int(v) for v in raw)
+    except (TypeError, ValueError):
+        raise CheckpointError(f"LM config.json: field {name!r} = {raw!r} is malformed") from None
+    if len(values) == 1:
+        values = values * channels
+    if len(values) != channels:
+        raise CheckpointError(
+            f"LM config.json: field {name!r} has {len(values)} values, expected {channels}"
+        )
+    return values
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """One Qwen2-style stack: the backbone, the patch encoder or the patch decoder."""
+
+    dim: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    rope_theta: float
+    eps: float
+    causal: bool
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    """MiMo-Audio LM architecture (spec §2.2, §4.9)."""
+
+    vocab_size: int
+    backbone: TransformerConfig
+    patch_encoder: TransformerConfig  # input_local_transformer
+    patch_decoder: TransformerConfig  # local_transformer
+    speech_vocab_sizes: tuple[int, ...]
+    speech_empty_ids: tuple[int, ...]
+    delay_pattern: tuple[int, ...]
+    group_size: int
+    audio_channels: int
+
+    @property
+    def hidden(self) -> int:
+        return self.backbone.dim
+
+    @property
+    def local_dim(self) -> int:
+        return self.patch_decoder.dim
+
+    @property
+    def input_local_dim(self) -> int:
+        return self.patch_encoder.dim
+
+    @property
+    def local_steps(self) -> int:
+        """Patch-decoder steps per group: group_size + max delay (spec §4.4)."""
+        return self.group_size + max(self.delay_pattern)
+
+    @classmethod
+    def from_json(cls, cfg: dict) -> LMConfig:
+        """Build from a parsed config.json; nothing comes from class defaults."""
+        theta = _field(cfg, "rope_theta", float)
+        eps = _field(cfg, "rms_norm_eps", float)
+        hidden = _field(cfg, "hidden_size")
+        heads = _field(cfg, "num_attention_heads")
+        head_dim = _field(cfg, "head_dim") if cfg.get("head_dim") is not None else hidden // heads
+        backbone = TransformerConfig(
+            dim=hidden, layers=_field(cfg, "num_hidden_layers"), heads=heads,
+            kv_heads=_field(cfg, "num_key_value_heads"), head_dim=head_dim,
+            ffn_dim=_field(cfg, "intermediate_size"), rope_theta=theta, eps=eps, causal=True,
+        )
+        local_dim = _field(cfg, "local_dim")
+        local_heads = _field(cfg, "local_attn_heads")
+        if local_dim % local_heads:
+            raise CheckpointError(
+                f"LM config.json: local_dim {local_dim} is not a multiple of "
+                f"local_attn_heads {local_heads}"
+            )
+        decoder = _local(local_dim, _field(cfg, "local_layers"), local_heads,
+                         _field(cfg, "local_ffn_dim"), theta, eps, causal=True)
+        in_dim = cfg.get("input_local_dim")
+        in_dim = local_dim if in_dim is None else _field(cfg, "input_local_dim")
+        if in_dim % local_heads:
+            raise CheckpointError(
+                f"LM config.json: input_local_dim {in_dim} is not a multiple of "
+                f"local_attn_heads {local_heads}"
+            )
+        # input_full_attention None means causal (spec §2.2); official checkpoints say true.
+        full = bool(cfg.get("input_full_attention") or False)
+        encoder = _local(in_dim, _field(cfg, "input_local_layers"), local_heads, 4 * in_dim,
+                         theta, eps, causal=not full)
+        channels = _field(cfg, "audio_channels")
+        delays = _per_channel(cfg, "delay_pattern", channels)
+        if min(delays) < 0:
+            raise CheckpointError(f"LM config.json: negative delay in {delays}")
+        return cls(
+            vocab_size=_field(cfg, "vocab_size"), backbone=backbone, patch_encoder=encoder,
+            patch_decoder=decoder,
+            speech_vocab_sizes=_per_channel(cfg, "speech_vocab_size", channels),
+            speech_empty_ids=_per_channel(cfg, "speech_zeroemb_idx", channels),
+            delay_pattern=delays, group_size=_field(cfg, "group_size"), audio_channels=channels,
+        )
+
+
+def _local(dim, layers, heads, ffn, theta, eps, causal) -> TransformerConfig:
+    # The local stacks inherit theta/eps/bias from the full config; their weights fix
+    # head_dim = dim / heads and as many KV heads as query heads (spec §2.2).
+    return TransformerConfig(dim=dim, layers=layers, heads=heads, kv_heads=heads,
+                             head_dim=dim // heads, ffn_dim=ffn, rope_theta=theta, eps=eps,
+                             causal=causal)

@@ -1,0 +1,41 @@
+"""Load the MiMo-Audio LM checkpoint: meta build, strict safetensors load, move, eval."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mimo_tts.errors import CheckpointError, DeviceError
+from mimo_tts.lm.config import LMConfig
+from mimo_tts.lm.model import MiMoAudioLM
+from mimo_tts.weights import load_module_weights, read_config
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Known checkpoint tensors that inference does not use (spec §4.9).
+IGNORED = (r"mel_transform\..*",)
+
+
+def load_config(path: str | Path) -> LMConfig:
+    """LMConfig from `<path>/config.json`."""
+    return LMConfig.from_json(read_config(path))
+
+
+def load_lm(path: str | Path, device: str | torch.device = "cpu",
+            dtype: torch.dtype | str = torch.float32) -> MiMoAudioLM:
+    """Build the LM on the meta device, load it strictly, move it to `device` in `dtype`."""
+    dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if dtype not in DTYPES.values():
+        raise CheckpointError(f"unsupported LM dtype {dtype}: use float32, bfloat16 or float16")
+    cfg = load_config(path)
+    with torch.device("meta"):
+        model = MiMoAudioLM(cfg)
+    model = model.to(dtype)  # the meta parameters carry the target dtype for the load below
+    load_module_weights(model, path, f"LM checkpoint {path}", ignore=IGNORED)
+    try:
+        # Derived buffers are still meta here: rebuild them first, then move the weights.
+        model.build_buffers(torch.device(device))
+        model = model.to(device=device)
+    except (RuntimeError, AssertionError) as exc:  # bad index, OOM, CUDA unavailable
+        raise DeviceError(f"cannot place the LM on {device}: {exc}") from None
+    return model.eval().requires_grad_(False)

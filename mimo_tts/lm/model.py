@@ -1,0 +1,281 @@
+"""MiMo-Audio LM: Qwen2 backbone, patch encoder and patch decoder (spec §4.1-4.4, §4.9).
+
+Module attribute names equal the checkpoint tensor names, so loading is a strict
+load_state_dict. Shapes: B batch, G groups, L new positions, S cached positions, K codebooks
+(audio channels), F = group_size frames per group, H hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mimo_tts.lm.config import MAX_GROUPS, LMConfig, TransformerConfig
+
+
+class RMSNorm(nn.Module):
+    """Qwen2 RMSNorm, computed in float32 and cast back."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_tables(head_dim: int, theta: float, length: int) -> tuple[Tensor, Tensor]:
+    """NeoX RoPE cos/sin [length, head_dim] in float32 on CPU (cat(freqs, freqs))."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    freqs = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE: x [B, heads, L, D], cos/sin broadcastable [*, 1, L, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# Up to this many rows, CPU matmuls go through matrix-vector style kernels (see Linear).
+SMALL_ROWS = 8
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters) whose few-row CPU case reads the weight once, fast.
+
+    A decode step multiplies 1-4 rows by each weight. On CPU, F.linear sends that to a GEMM
+    that streams bf16 weights at about half the memory bandwidth; `addmv`/`addmm` with the
+    weight as the left operand use the GEMV kernels instead (scripts/bench_lm.py).
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.numel() // self.in_features
+        if x.device.type != "cpu" or rows > SMALL_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(rows, self.in_features)
+        if rows == 1:
+            out = (torch.mv(self.weight, flat[0]) if self.bias is None
+                   else torch.addmv(self.bias, self.weight, flat[0]))
+        else:
+            out = torch.mm(self.weight, flat.T).T  # [rows, out]
+            out = out if self.bias is None else out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class KVCache:
+    """Preallocated keys/values of one stack: [layers, B, H_kv, S, D].
+
+    Shapes never change after allocation, so a decode step can be captured later; a call
+    on fewer rows than allocated uses the first rows (the patch decoder's audio subset).
+    """
+
+    def __init__(self, cfg: TransformerConfig, batch: int, length: int, *, dtype, device):
+        shape = (cfg.layers, batch, cfg.kv_heads, length, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[3]
+
+    def update(self, layer: int, slot: int, span: int, k: Tensor, v: Tensor):
+        """Write k/v [n, H_kv, L, D] at slot..slot+L; return the first `span` cached positions."""
+        n, length = k.shape[0], k.shape[2]
+        self.k[layer, :n, :, slot : slot + length] = k
+        self.v[layer, :n, :, slot : slot + length] = v
+        return self.k[layer, :n, :, :span], self.v[layer, :n, :, :span]
+
+
+class Attention(nn.Module):
+    """GQA self-attention with q/k/v bias and no o_proj bias (Qwen2)."""
+
+    def __init__(self, cfg: TransformerConfig, layer: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
+        self.causal, self.layer = cfg.causal, layer
+        self.q_proj = Linear(cfg.dim, cfg.heads * cfg.head_dim, bias=True)
+        self.k_proj = Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=True)
+        self.v_proj = Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=True)
+        self.o_proj = Linear(cfg.heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None,
+                slot: int, span: int, mask: Tensor | None) -> Tensor:
+        b, length, _ = x.shape
+        q = self.q_proj(x).view(b, length, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer, slot, span, k, v)
+        # is_causal aligns top-left: only valid when the queries start at key 0 (prefill).
+        causal = self.causal and mask is None and length > 1
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.heads != self.kv_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, dim: int, ffn_dim: int):
+        super().__init__()
+        self.gate_proj = Linear(dim, ffn_dim, bias=False)
+        self.up_proj = Linear(dim, ffn_dim, bias=False)
+        self.down_proj = Linear(ffn_dim, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TransformerConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.eps)
+        self.mlp = MLP(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x, cos, sin, cache, slot, span, mask) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slot, span, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """A Qwen2 stack ending in its `norm`; `embed_tokens` only for the backbone."""
+
+    def __init__(self, cfg: TransformerConfig, rope_length: int, vocab_size: int | None = None):
+        super().__init__()
+        self.cfg, self.rope_length = cfg, rope_length
+        if vocab_size is not None:
+            self.embed_tokens = nn.Embedding(vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.layers))
+        self.norm = RMSNorm(cfg.dim, cfg.eps)
+        # Derived tables: not in the checkpoint; rebuilt on a real device by build_rope().
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+
+    def build_rope(self, device, dtype) -> None:
+        """Compute the RoPE tables on CPU in float32, then move and cast them (HF casts too)."""
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.rope_theta, self.rope_length)
+        self.rope_cos = cos.to(device=device, dtype=dtype)
+        self.rope_sin = sin.to(device=device, dtype=dtype)
+
+    def forward(self, x: Tensor, positions: Tensor, cache: KVCache | None = None,
+                slot: int = 0, span: int | None = None, mask: Tensor | None = None) -> Tensor:
+        """x [B, L, dim], positions [B or 1, L] -> normed hidden [B, L, dim]."""
+        cos = self.rope_cos[positions].unsqueeze(1)  # [B, 1, L, D]
+        sin = self.rope_sin[positions].unsqueeze(1)
+        span = slot + x.shape[1] if span is None else span
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, slot, span, mask)
+        return self.norm(x)
+
+
+class MiMoAudioLM(nn.Module):
+    """The whole Stage-0 model; sampling and the generation loop live in generate.py."""
+
+    def __init__(self, cfg: LMConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Transformer(cfg.backbone, MAX_GROUPS, cfg.vocab_size)
+        self.lm_head = Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        self.speech_embeddings = nn.ModuleList(
+            nn.Embedding(n, cfg.input_local_dim) for n in cfg.speech_vocab_sizes
+        )
+        self.input_local_transformer = Transformer(cfg.patch_encoder, cfg.group_size)
+        self.local_transformer = Transformer(cfg.patch_decoder, cfg.local_steps)
+        self.local_transformer_lm_heads = nn.ModuleList(
+            Linear(cfg.local_dim, n, bias=False) for n in cfg.speech_vocab_sizes
+        )
+        self.speech_group_downcast = Linear(
+            cfg.group_size * cfg.input_local_dim, cfg.hidden, bias=False
+        )
+        self.hidden_states_downcast = Linear(cfg.hidden, cfg.local_dim, bias=False)
+        if cfg.input_local_dim != cfg.local_dim:
+            self.speech_embeddings_to_local = Linear(
+                cfg.input_local_dim, cfg.local_dim, bias=False
+            )
+        else:
+            self.speech_embeddings_to_local = None
+        self.register_buffer("empty_ids", torch.empty(0, dtype=torch.long), persistent=False)
+        self.local_positions: list[Tensor] = []
+
+    def build_buffers(self, device) -> None:
+        """(Re)build derived, non-checkpoint tensors on a real device after loading."""
+        dtype = self.lm_head.weight.dtype
+        for stack in (self.model, self.input_local_transformer, self.local_transformer):
+            stack.build_rope(device, dtype)
+        self.empty_ids = torch.tensor(self.cfg.speech_empty_ids, dtype=torch.long, device=device)
+        # Per-step position index [1, 1] of the patch decoder, made once, reused every group.
+        self.local_positions = [
+            torch.tensor([[t]], device=device) for t in range(self.cfg.local_steps)
+        ]
+
+    # -- patch encoder (§4.3) -------------------------------------------------------------
+    def encode_patches(self, codes: Tensor) -> Tensor:
+        """Audio groups' codes [N, F, K] -> backbone input [N, H]."""
+        n, frames, _ = codes.shape
+        speech = None
+        for c, table in enumerate(self.speech_embeddings):
+            ids = codes[..., c]
+            # Frames holding a channel's empty id contribute nothing for that channel.
+            keep = (ids != self.empty_ids[c]).unsqueeze(-1).to(table.weight.dtype)
+            speech = table(ids) * keep if speech is None else speech + table(ids) * keep
+        positions = torch.arange(frames, device=codes.device).unsqueeze(0)  # [1, F]
+        speech = self.input_local_transformer(speech, positions)  # [N, F, E]
+        return self.speech_group_downcast(speech.reshape(n, frames * speech.shape[-1]))
+
+    def embed_groups(self, text_ids: Tensor, codes: Tensor, empty_token: int) -> Tensor:
+        """Input embedding: text_ids [B, G], codes [B, G, F, K] -> [B, G, H].
+
+        Text groups get their token embedding; `<|empty|>` groups get only the patch-encoded
+        speech (the speech part is zero elsewhere, so it is computed for audio groups only).
+        """
+        is_speech = text_ids == empty_token
+        embeds = self.model.embed_tokens(text_ids) * (~is_speech).unsqueeze(-1).to(
+            self.lm_head.weight.dtype
+        )
+        if bool(is_speech.any()):
+            embeds = embeds.clone()
+            embeds[is_speech] = self.encode_patches(codes[is_speech])
+        return embeds
+
+    # -- backbone and heads ---------------------------------------------------------------
+    def backbone(self, embeds: Tensor, positions: Tensor, cache: KVCache, slot: int,
+                 span: int | None = None, mask: Tensor | None = None) -> Tensor:
+        """embeds [B, L, H] at per-row positions [B, L] -> normed hidden [B, L, H]."""
+        return self.model(embeds, positions, cache, slot, span, mask)
+
+    def text_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [B, H] -> text logits [B, V] in float32."""
+        return self.lm_head(hidden).float()
+
+    # -- patch decoder (§4.4) -------------------------------------------------------------
+    def local_step(self, x: Tensor, step: int, cache: KVCache) -> Tensor:
+        """One patch-decoder position: x [n, 1, local_dim] -> normed hidden [n, local_dim]."""
+        positions = self.local_positions[step]
+        return self.local_transformer(x, positions, cache, slot=step)[:, 0]
+
+    def channel_logits(self, channel: int, hidden: Tensor) -> Tensor:
+        """hidden [n, local_dim] -> raw logits [n, V_c] of one audio channel, float32."""
+        return self.local_transformer_lm_heads[channel](hidden).float()
+
+    def embed_codes(self, channels: list[int], codes: list[Tensor]) -> Tensor:
+        """Next patch-decoder input: sum of the new codes' embeddings -> [n, 1, local_dim]."""
+        total = None
+        for c, ids in zip(channels, codes, strict=True):
+            emb = self.speech_embeddings[c](ids)
+            if self.speech_embeddings_to_local is not None:
+                emb = self.speech_embeddings_to_local(emb)
+            total = emb if total is None else total + emb
+        return total.unsqueeze(1)

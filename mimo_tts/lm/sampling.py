@@ -1,0 +1,74 @@
+"""MiMoSampler (spec §4.6): temperature, top-k, HF-style top-p, then sample or argmax."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from mimo_tts.errors import UsageError
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """One sampler; temperature 0 means greedy (argmax), top_k None/0 and top_p 1.0 mean off."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise UsageError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 0:
+            raise UsageError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise UsageError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+GREEDY = SamplerConfig()
+
+# Per-task (text, audio) samplers, spec §4.6. Only the default row sets top_k.
+TASK_SAMPLERS: dict[str, tuple[SamplerConfig, SamplerConfig]] = {
+    "default": (SamplerConfig(0.6, 50, 0.95), SamplerConfig(0.9, 50, 0.95)),
+    "asr": (GREEDY, SamplerConfig(0.9, None, 0.95)),
+    "tts": (SamplerConfig(0.6, None, 1.0), SamplerConfig(0.9, None, 0.95)),
+    "spoken_dialogue": (SamplerConfig(0.6, None, 0.95), SamplerConfig(0.9, None, 0.95)),
+    "audio_understanding": (SamplerConfig(0.3, None, 0.95), SamplerConfig(0.9, None, 0.95)),
+    "text_chat": (SamplerConfig(0.4, None, 0.95), SamplerConfig(0.9, None, 0.95)),
+    "in_context_learning_s2s": (GREEDY, SamplerConfig(0.9, None, 0.95)),
+}
+
+
+def task_samplers(task: str) -> tuple[SamplerConfig, SamplerConfig]:
+    """The (text, audio) samplers of a task name; unknown names get the default row."""
+    return TASK_SAMPLERS.get(task, TASK_SAMPLERS["default"])
+
+
+def filter_logits(logits: Tensor, cfg: SamplerConfig) -> Tensor:
+    """Temperature, top-k (clipped to the vocab, ties kept) and top-p; dropped -> -inf."""
+    logits = logits / cfg.temperature
+    if cfg.top_k:
+        k = min(cfg.top_k, logits.shape[-1])
+        kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= (1 - cfg.top_p)
+        drop[..., -1:] = False  # always keep the best token
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def sample(logits: Tensor, cfg: SamplerConfig, generator: torch.Generator | None) -> Tensor:
+    """logits [B, V] -> token ids [B] (int64)."""
+    if cfg.greedy:
+        return logits.argmax(dim=-1)
+    probs = filter_logits(logits.float(), cfg).softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

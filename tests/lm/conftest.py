@@ -1,0 +1,83 @@
+"""LM test fixtures: the tiny-a LM and text tokenizer, loaded once per session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mimo_tts.lm.generate import GenerationOptions
+from mimo_tts.lm.load import load_lm
+from mimo_tts.lm.sampling import GREEDY
+from mimo_tts.lm.text import TextTokenizer
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The tiny models' ops are far too small to split; on a shared 2-core machine the
+    OpenMP threads of two processes spin against each other (30x slower). Restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def lm_dir(tiny_a):
+    return tiny_a / "lm"
+
+
+@pytest.fixture(scope="session")
+def lm(lm_dir):
+    return load_lm(lm_dir, device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def text_tokenizer(lm_dir):
+    return TextTokenizer.from_dir(lm_dir)
+
+
+@pytest.fixture(scope="session")
+def special(text_tokenizer):
+    return text_tokenizer.special
+
+
+def _forcing(scripts: list[list[int]]):
+    """A text-logits hook that makes row b's step-k token scripts[b][k] the only choice."""
+
+    def hook(step: int, logits: torch.Tensor) -> torch.Tensor:
+        forced = torch.full_like(logits, float("-inf"))
+        for row, script in enumerate(scripts):
+            forced[row, script[min(step, len(script) - 1)]] = 0.0
+        return forced
+
+    return hook
+
+
+@pytest.fixture(scope="session")
+def forcing():
+    """forcing(scripts) -> a text-logits hook forcing a token script per batch row."""
+    return _forcing
+
+
+@pytest.fixture(scope="session")
+def greedy_options():
+    """greedy_options(**kw) -> GenerationOptions with greedy text and audio samplers."""
+    return lambda **kw: GenerationOptions(text_sampler=GREEDY, audio_sampler=GREEDY, **kw)
+
+
+@pytest.fixture(scope="session")
+def gen_cases(cases, case_tensors):
+    """Every generation case (lm_generate + voice_prompt): [(case, tensors), ...]."""
+    out = []
+    for group in ("lm_generate", "voice_prompt"):
+        for case in cases["groups"][group]["cases"]:
+            if case["task"] == "lm_generate":
+                out.append((case, case_tensors(group)))
+    return out
+
+
+@pytest.fixture(scope="session")
+def audio_tokenizer(tiny_a):
+    """The tiny-a codec (Stage-1), skipped until `mimo_tts.codec` is importable."""
+    codec = pytest.importorskip("mimo_tts.codec")
+    return codec.load_audio_tokenizer(tiny_a / "tokenizer", device="cpu", dtype=torch.float32)

@@ -1,0 +1,80 @@
+"""MiMoSampler order and per-task defaults (spec §4.6)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mimo_tts.errors import UsageError
+from mimo_tts.lm.sampling import (
+    GREEDY,
+    TASK_SAMPLERS,
+    SamplerConfig,
+    filter_logits,
+    sample,
+    task_samplers,
+)
+
+PROBS = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
+LOGITS = PROBS.log()
+
+
+def _kept(logits):
+    return torch.isfinite(logits[0]).nonzero().flatten().tolist()
+
+
+def test_greedy_is_argmax_without_a_generator():
+    logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 2.9]])
+    assert sample(logits, GREEDY, None).tolist() == [1, 0]
+
+
+def test_top_k_keeps_the_k_best_and_ties_and_clips_to_vocab():
+    assert _kept(filter_logits(LOGITS, SamplerConfig(1.0, 2))) == [1, 3]
+    assert _kept(filter_logits(LOGITS, SamplerConfig(1.0, 50))) == [0, 1, 2, 3]
+    ties = torch.tensor([[1.0, 2.0, 2.0, 0.0]])
+    assert _kept(filter_logits(ties, SamplerConfig(1.0, 1))) == [1, 2]
+
+
+def test_top_p_is_the_hf_nucleus():
+    # Ascending cumulative: 0.05, 0.20, 0.50, 1.0; drop cumulative <= 1 - p.
+    assert _kept(filter_logits(LOGITS, SamplerConfig(1.0, None, 0.7))) == [1, 3]
+    assert _kept(filter_logits(LOGITS, SamplerConfig(1.0, None, 0.81))) == [1, 2, 3]
+    assert _kept(filter_logits(LOGITS, SamplerConfig(1.0, None, 0.01))) == [1]  # best kept
+
+
+def test_temperature_scales_before_top_p():
+    # At T = 0.5 the best token alone holds > 0.7 of the mass: 0.5^2 / sum(p^2) = 0.66.
+    hot = filter_logits(LOGITS, SamplerConfig(0.5, None, 0.6))
+    assert _kept(hot) == [1]
+    torch.testing.assert_close(hot[0, 1], LOGITS[0, 1] / 0.5)
+
+
+def test_sampling_follows_the_filtered_distribution_and_the_seed():
+    cfg = SamplerConfig(1.0, None, 0.7)
+    logits = LOGITS.expand(4000, -1)
+    draws = sample(logits, cfg, torch.Generator().manual_seed(0))
+    again = sample(logits, cfg, torch.Generator().manual_seed(0))
+    assert torch.equal(draws, again)
+    counts = torch.bincount(draws, minlength=4).tolist()
+    assert counts[0] == counts[2] == 0
+    share = counts[1] / len(draws)
+    assert math.isclose(share, 0.5 / 0.8, abs_tol=0.03)
+
+
+def test_task_defaults_table():
+    assert task_samplers("tts") == (SamplerConfig(0.6, None, 1.0), SamplerConfig(0.9, None, 0.95))
+    assert task_samplers("default") == (SamplerConfig(0.6, 50, 0.95),
+                                        SamplerConfig(0.9, 50, 0.95))
+    assert task_samplers("asr")[0].greedy and task_samplers("in_context_learning_s2s")[0].greedy
+    assert task_samplers("audio_understanding")[0].temperature == 0.3
+    assert task_samplers("text_chat")[0].temperature == 0.4
+    assert task_samplers("unknown") == TASK_SAMPLERS["default"]
+
+
+@pytest.mark.parametrize("kw", [{"temperature": -1}, {"top_k": -2}, {"top_p": 0.0},
+                                {"top_p": 1.5}])
+def test_invalid_sampler_values(kw):
+    with pytest.raises(UsageError):
+        SamplerConfig(**kw)
