@@ -70,10 +70,13 @@ def normalize_device(value: str, source: str = "argument", probe: Probe | None =
         return "cpu"
     probe = probe or Probe.detect()
     if kind == "mps":
+        if index not in (None, "0"):
+            raise DeviceError(f"invalid device {_describe(value, source)}: mps takes no index")
         if not probe.mps:
             raise DeviceError(f"device {_describe(value, source)} is not available on this machine")
         return "mps"
-    if index is not None and not index.isdigit():
+    # isascii(): str.isdigit() accepts characters such as "²" that int() rejects.
+    if index is not None and not (index.isascii() and index.isdigit()):
         raise DeviceError(
             f"invalid device {_describe(value, source)}: the CUDA index must be a number >= 0"
         )

@@ -1,0 +1,113 @@
+"""Preflight (`devices`, `synth --dry-run`), device sources, config profiles and `selftest`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mimo_tts.errors import EXIT_CHECKPOINT, EXIT_DEVICE
+
+ENV_DEVICE = "MIMO_AUDIO_TOKENIZER_DEVICE"
+
+
+def test_devices_preflight_reads_only_headers(mimo, tmp_path, tiny_cache):
+    """The LM weights are cut after the safetensors header: loading would fail, preflight not."""
+    source = next(tiny_cache.glob("presets/*/lm"))
+    headers_only = tmp_path / "lm"
+    headers_only.mkdir()
+    for f in source.iterdir():
+        (headers_only / f.name).write_bytes(f.read_bytes())
+    data = (source / "model.safetensors").read_bytes()
+    header_len = 8 + int.from_bytes(data[:8], "little")
+    (headers_only / "model.safetensors").write_bytes(data[:header_len])
+    proc = mimo("devices", "--model", headers_only, "--tokenizer", "tiny", "--tokenizer-device",
+                "cpu", "--lm-device", "cpu", "--json")
+    assert proc.returncode == 0, proc.stderr.decode()
+    report = json.loads(proc.stdout)
+    placement = report["placement"]
+    assert placement["tokenizer_device"] == {"value": "cpu", "source": "flag"}
+    assert placement["lm_device"] == {"value": "cpu", "source": "flag"}
+    assert placement["cuda_graph"]["value"] is False and "not a CUDA device" in \
+        placement["cuda_graph"]["source"]
+    assert report["cuda"]["available"] == torch.cuda.is_available()
+    lm = report["checkpoints"]["model"]
+    assert lm["status"].startswith("present") and lm["memory"]["parameters"] > 0
+    assert lm["memory"]["kv_cache_bytes"] > 0 and lm["memory"]["total_gib"] > 0
+    assert report["checkpoints"]["tokenizer"]["memory"]["kv_cache_bytes"] == 0
+
+
+def test_tokenizer_device_env_var_wins_over_profile(invoke, tmp_path):
+    profile = tmp_path / "p.toml"
+    profile.write_text('model = "tiny"\ntokenizer_device = "cpu"\nlm_device = "cpu"\n')
+    from_profile = json.loads(invoke("devices", "--config", profile, "--json").stdout)
+    assert from_profile["placement"]["tokenizer_device"] == {"value": "cpu", "source": "config"}
+    from_env = json.loads(invoke("devices", "--config", profile, "--json",
+                                 env={ENV_DEVICE: "cpu"}).stdout)
+    assert from_env["placement"]["tokenizer_device"]["source"] == f"env {ENV_DEVICE}"
+    from_flag = json.loads(invoke("devices", "--config", profile, "--json",
+                                  "--tokenizer-device", "cpu", env={ENV_DEVICE: "cpu"}).stdout)
+    assert from_flag["placement"]["tokenizer_device"]["source"] == "flag"
+
+
+def test_synth_records_the_env_device_in_the_sidecar(invoke, tmp_path):
+    result = invoke("synth", "--model", "tiny", "--text", "Env device.", "--max-new-groups",
+                    "1", "--json", env={ENV_DEVICE: "cpu"})
+    assert result.exit_code == 0, result.stderr
+    record = json.loads(result.stdout)
+    sidecar = json.loads((tmp_path / record["path"]).with_suffix(".json").read_text())
+    assert sidecar["placement"]["tokenizer_device"] == {"value": "cpu",
+                                                       "source": f"env {ENV_DEVICE}"}
+    flagged = invoke("synth", "--model", "tiny", "--text", "Flag device.", "--max-new-groups",
+                     "1", "--json", "--tokenizer-device", "cpu", env={ENV_DEVICE: "cpu"})
+    record = json.loads(flagged.stdout)
+    sidecar = json.loads((tmp_path / record["path"]).with_suffix(".json").read_text())
+    assert sidecar["placement"]["tokenizer_device"]["source"] == "flag"
+
+
+def test_dry_run_reports_a_missing_model_without_loading(mimo):
+    proc = mimo("synth", "--text", "hi", "--dry-run", "--json")
+    assert proc.returncode == EXIT_CHECKPOINT
+    report = json.loads(proc.stdout)
+    assert report["checkpoints"]["model"]["status"].startswith("missing")
+    assert "mimo-tts download" in proc.stderr.decode()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the profile is valid on a CUDA machine")
+def test_cpu_tokenizer_profile_needs_cuda(invoke):
+    result = invoke("devices", "--config", "cpu-tokenizer")
+    assert result.exit_code == EXIT_DEVICE and "'cuda:0' (from config)" in result.stderr
+
+
+def test_ci_smoke_profile_runs_the_tiny_model(invoke, tmp_path):
+    result = invoke("synth", "--config", "ci-smoke", "--text", "Smoke test.",
+                    "--max-new-groups", "2", "--json")
+    assert result.exit_code == 0, result.stderr
+    record = json.loads(result.stdout)
+    sidecar = json.loads((tmp_path / record["path"]).with_suffix(".json").read_text())
+    assert sidecar["model"]["kind"] == "preset"
+    assert sidecar["model"]["source"] == "config"
+    assert sidecar["placement"]["lm_device"] == {"value": "cpu", "source": "config"}
+
+
+def test_flag_beats_profile_even_when_zero(invoke, tmp_path):
+    profile = tmp_path / "p.toml"
+    profile.write_text('model = "tiny"\nseed = 5\ntemperature = 0.9\n')
+    result = invoke("synth", "--config", profile, "--text", "Zero wins.", "--seed", "0",
+                    "--temperature", "0", "--max-new-groups", "1", "--json")
+    assert result.exit_code == 0, result.stderr
+    record = json.loads(result.stdout)
+    sidecar = json.loads((tmp_path / record["path"]).with_suffix(".json").read_text())
+    assert record["seed"] == 0 and sidecar["effective_sampler"]["text"]["temperature"] == 0
+    from_profile = invoke("synth", "--config", profile, "--text", "Profile seed.",
+                          "--max-new-groups", "1", "--json")
+    assert json.loads(from_profile.stdout)["seed"] == 5
+
+
+def test_selftest(mimo):
+    proc = mimo("selftest", "--json")
+    assert proc.returncode == 0, proc.stderr.decode()
+    report = json.loads(proc.stdout)
+    assert report["status"] == "ok" and report["seconds"] == report["frames"] * 960 / 24000
+    assert 0.5 <= report["seconds"] <= 60 and report["peak"] > 1e-3

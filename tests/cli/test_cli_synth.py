@@ -1,0 +1,274 @@
+"""`mimo-tts synth` end to end on the tiny preset: outputs, manifest, resume, stdin, stdout."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+SPF = 960  # samples per code frame at 24 kHz (spec §1)
+HELLO = "Hello from MiMo"
+
+
+@pytest.fixture(scope="module")
+def default_run(base_env, tmp_path_factory, entry_point):
+    """The README's first command (plus --save-codes), run once through the entry point."""
+    cwd = tmp_path_factory.mktemp("default-run")
+    args = [str(entry_point), "synth", "--model", "tiny", "--text", HELLO, "--save-codes"]
+    proc = subprocess.run(args, capture_output=True, cwd=cwd, env=base_env, timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode()
+    return cwd, proc
+
+
+def _only(directory, pattern):
+    found = sorted(directory.glob(pattern))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_default_run_writes_a_playable_few_seconds_wav(default_run):
+    cwd, proc = default_run
+    task_dir = cwd / "output_audio" / "tts_sft"
+    wav = _only(task_dir, "*.wav")
+    assert wav.name.startswith("Hello_from_MiMo-")
+    info = sf.info(str(wav))
+    assert (info.format, info.subtype, info.samplerate, info.channels) == ("WAV", "PCM_16",
+                                                                           24000, 1)
+    assert 1.0 <= info.duration <= 10.0
+    audio, _ = sf.read(str(wav), dtype="float32")
+    assert np.isfinite(audio).all() and 0.01 < np.abs(audio).max() <= 1.0
+    # data on stdout (the written path), logs on stderr
+    assert proc.stdout.decode().strip() == str(wav.relative_to(cwd))
+    assert "1 written" in proc.stderr.decode() and "RTF" in proc.stderr.decode()
+
+
+def test_layout_header_and_960_samples_per_frame(default_run):
+    cwd, _ = default_run
+    task_dir = cwd / "output_audio" / "tts_sft"
+    wav = _only(task_dir, "*.wav")
+    stem = wav.stem
+    names = {p.name for p in task_dir.iterdir()}
+    assert names == {f"{stem}.wav", f"{stem}.json", f"{stem}.codes.safetensors",
+                     "results.jsonl", ".mimo-tts.lock"}
+    from mimo_tts.io import load_codes
+
+    pieces, meta = load_codes(task_dir / f"{stem}.codes.safetensors")
+    assert len(pieces) == 1 and pieces[0].shape[0] == 8 and meta["id"] == stem
+    assert sf.info(str(wav)).frames == SPF * pieces[0].shape[1]
+
+
+def test_manifest_and_sidecar(default_run, manifest):
+    cwd, _ = default_run
+    task_dir = cwd / "output_audio" / "tts_sft"
+    (line,) = manifest(task_dir)
+    wav = _only(task_dir, "*.wav")
+    assert line["id"] == wav.stem and line["text"] == HELLO and line["task"] == "tts_sft"
+    assert line["path"] == str(wav.relative_to(cwd)) and line["status"] == "ok"
+    assert line["error"] is None and line["seed"] == 0 and line["rtf"] > 0
+    assert line["seconds"] == pytest.approx(sf.info(str(wav)).duration, abs=1e-3)
+    sidecar = json.loads((task_dir / f"{wav.stem}.json").read_text())
+    assert sidecar["runner"]["name"] == "mimo-tts" and sidecar["task"] == "tts_sft"
+    assert sidecar["model"]["kind"] == "preset" and sidecar["seed"] == 0
+    piece = sidecar["pieces"][0]
+    assert piece["rendered_prompt"].startswith("<|im_start|>user\n")
+    assert piece["rendered_prompt"].endswith("<|im_start|>assistant\n<|sostm|>")
+    assert HELLO in piece["rendered_prompt"] and piece["template_index"] in range(10)
+    assert sidecar["placement"]["tokenizer_device"] == {"value": "cpu", "source": "default"}
+    assert sidecar["effective_sampler"]["text"]["temperature"] == 0.6
+    assert {"load_s", "generate_s", "decode_s"} <= set(sidecar["timings"])
+    assert sidecar["result"]["key"] == line["key"]
+
+
+def test_saved_codes_decode_to_the_same_audio(default_run, mimo):
+    cwd, _ = default_run
+    task_dir = cwd / "output_audio" / "tts_sft"
+    wav = _only(task_dir, "*.wav")
+    codes = task_dir / f"{wav.stem}.codes.safetensors"
+    out = cwd / "decoded.wav"
+    proc = mimo("decode", codes, "-o", out, "--tokenizer", "tiny", "--tokenizer-device", "cpu")
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stdout.decode().strip() == str(out)
+    assert out.read_bytes() == wav.read_bytes()
+
+
+def test_rerun_skips_and_loads_nothing(default_run, mimo, manifest):
+    cwd, _ = default_run
+    task_dir = cwd / "output_audio" / "tts_sft"
+    wav = _only(task_dir, "*.wav")
+    before = (wav.stat().st_mtime_ns, wav.read_bytes())
+    proc = mimo("synth", "--model", "tiny", "--text", HELLO, "--save-codes", "--json", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr.decode()
+    (record,) = [json.loads(x) for x in proc.stdout.decode().splitlines()]
+    assert record["status"] == "skipped" and "1 skipped" in proc.stderr.decode()
+    assert (wav.stat().st_mtime_ns, wav.read_bytes()) == before
+    assert "load" not in proc.stderr.decode()  # nothing was loaded
+    assert len(manifest(task_dir)) == 1
+
+
+def test_text_file_batch_resume_and_overwrite(invoke, tmp_path, manifest):
+    lines = tmp_path / "lines.txt"
+    lines.write_text("First line.\n\nSecond line.\n", encoding="utf-8")
+    args = ["synth", "--model", "tiny", "--input", lines, "--max-new-groups", "3", "--json"]
+    first = invoke(*args)
+    assert first.exit_code == 0, first.stderr
+    task_dir = tmp_path / "output_audio" / "tts_sft"
+    records = manifest(task_dir)
+    assert [json.loads(x) for x in first.stdout.splitlines()] == records
+    assert [r["text"] for r in records] == ["First line.", "Second line."]
+    assert [r["source"] for r in records] == ["lines.txt:1", "lines.txt:3"]
+    for record in records:
+        assert sf.info(str(tmp_path / record["path"])).frames == SPF * 4 * 3  # 3 groups
+    mtimes = {p: p.stat().st_mtime_ns for p in task_dir.glob("*.wav")}
+    again = invoke(*args)
+    assert again.exit_code == 0
+    assert [json.loads(x)["status"] for x in again.stdout.splitlines()] == ["skipped"] * 2
+    assert {p: p.stat().st_mtime_ns for p in task_dir.glob("*.wav")} == mtimes
+    redo = invoke(*args, "--overwrite")
+    assert [json.loads(x)["status"] for x in redo.stdout.splitlines()] == ["ok"] * 2
+    assert len(manifest(task_dir)) == 2  # one line per item, still
+    changed = invoke(*args, "--seed", "3")  # other inputs: new keys, same derived ids
+    assert changed.exit_code == 5  # both items failed with the same I/O error
+    assert all("use --overwrite" in json.loads(x)["error"] for x in changed.stdout.splitlines())
+
+
+def test_jsonl_batch_with_bad_lines_is_a_partial_failure(invoke, tmp_path, manifest):
+    batch = tmp_path / "batch.jsonl"
+    rows = [{"id": "../../escape", "text": "Good one.", "seed": 7},
+            {"id": "empty", "text": "   "},
+            {"id": "ok2", "text": "Another good one."}]
+    batch.write_text("\n".join(json.dumps(r) for r in rows) + "\n{broken\n", encoding="utf-8")
+    result = invoke("synth", "--model", "tiny", "--input", batch, "--max-new-groups", "2",
+                    "--output-dir", "out")
+    assert result.exit_code == 8, result.stderr
+    task_dir = tmp_path / "out" / "tts_sft"
+    assert sorted(p.name for p in task_dir.glob("*.wav")) == ["escape.wav", "ok2.wav"]
+    assert not (tmp_path.parent / "escape.wav").exists()
+    by_id = {r["id"]: r for r in manifest(task_dir)}
+    assert by_id["escape"]["seed"] == 7 and by_id["escape"]["source_id"] == "../../escape"
+    assert by_id["empty"]["status"] == "error" and by_id["empty"]["exit_code"] == 9
+    assert "batch.jsonl:2: empty text" in by_id["empty"]["error"]
+    assert by_id["line-00004"]["exit_code"] == 9
+    assert "malformed JSON" in by_id["line-00004"]["error"]
+    assert "failed empty" in result.stderr and "2 written" in result.stderr
+    assert "2 failed" in result.stderr
+    assert result.stdout.splitlines() == [str(task_dir.relative_to(tmp_path) / "escape.wav"),
+                                          str(task_dir.relative_to(tmp_path) / "ok2.wav")]
+
+
+def test_stdin_items(mimo, tmp_path, manifest):
+    proc = mimo("synth", "--model", "tiny", "--input", "-", "--max-new-groups", "2", "--json",
+                input="From a pipe.\nSecond piped line.\n")
+    assert proc.returncode == 0, proc.stderr.decode()
+    records = [json.loads(x) for x in proc.stdout.decode().splitlines()]
+    assert [r["source"] for r in records] == ["stdin:1", "stdin:2"]
+    assert [r["status"] for r in records] == ["ok", "ok"]
+    assert manifest(tmp_path / "output_audio" / "tts_sft") == records
+
+
+def test_wav_to_stdout_with_logs_on_stderr(mimo, tmp_path):
+    proc = mimo("synth", "--model", "tiny", "--text", "To stdout.", "-o", "-",
+                "--max-new-groups", "2", "-v")
+    assert proc.returncode == 0, proc.stderr.decode()
+    audio, rate = sf.read(io.BytesIO(proc.stdout), dtype="float32")
+    assert rate == 24000 and audio.shape == (SPF * 8,)
+    assert "loaded models" in proc.stderr.decode()
+    assert not (tmp_path / "output_audio").exists()
+
+
+def test_stream_raw_pcm_to_stdout(mimo, invoke, tmp_path):
+    args = ["synth", "--model", "tiny", "--text", "Streamed.", "--max-new-groups", "12"]
+    streamed = mimo(*args, "--stream", "--raw")
+    assert streamed.returncode == 0, streamed.stderr.decode()
+    pcm = np.frombuffer(streamed.stdout, "<i2")
+    assert pcm.size == SPF * 4 * 12
+    one_shot = invoke(*args, "-o", "-")
+    reference, _ = sf.read(io.BytesIO(one_shot.stdout_bytes), dtype="float32")
+    # streaming decode differs slightly from one-shot decode (chunk-wide GroupNorm, lookahead)
+    assert np.abs(pcm / 32767.0 - reference).max() < 5e-3
+    assert np.abs(reference).max() > 0.01
+
+
+def test_stream_to_file_matches_codes(invoke, tmp_path):
+    result = invoke("synth", "--model", "tiny", "--text", "Stream to a file.", "--stream",
+                    "--max-new-groups", "7", "--save-codes", "--json")
+    assert result.exit_code == 0, result.stderr
+    record = json.loads(result.stdout)
+    from mimo_tts.io import load_codes
+
+    pieces, _ = load_codes(tmp_path / record["codes_path"])
+    assert sf.info(str(tmp_path / record["path"])).frames == SPF * pieces[0].shape[1] == SPF * 28
+
+
+def test_split_long_text_joins_pieces_with_a_pause(invoke, tmp_path):
+    text = "First sentence here. Second sentence here."
+    result = invoke("synth", "--model", "tiny", "--text", text, "--max-chars", "25",
+                    "--max-new-groups", "2", "--save-codes", "--json")
+    assert result.exit_code == 0, result.stderr
+    record = json.loads(result.stdout)
+    from mimo_tts.io import load_codes
+    from mimo_tts.pipeline import PAUSE_FRAMES
+
+    pieces, meta = load_codes(tmp_path / record["codes_path"])
+    assert len(pieces) == 2 and meta["pause_frames"] == PAUSE_FRAMES
+    assert len(record["generated_text_ids"]) == 2
+    assert sf.info(str(tmp_path / record["path"])).frames == SPF * (8 + PAUSE_FRAMES + 8)
+
+
+def test_format_and_sample_rate(invoke, tmp_path):
+    result = invoke("synth", "--model", "tiny", "--text", "Flac output.", "--format", "flac",
+                    "--sample-rate", "16000", "--max-new-groups", "2", "-q")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == "" and result.stderr == ""  # --quiet
+    (flac,) = (tmp_path / "output_audio" / "tts_sft").glob("*.flac")
+    info = sf.info(str(flac))
+    assert (info.format, info.samplerate, info.frames) == ("FLAC", 16000, 8 * 640)
+
+
+def test_version_and_help():
+    from typer.testing import CliRunner
+
+    from mimo_tts import __version__
+    from mimo_tts.cli import app
+
+    runner = CliRunner()
+    assert runner.invoke(app, ["--version"]).stdout.strip() == f"mimo-tts {__version__}"
+    help_text = runner.invoke(app, ["synth", "--help"], env={"COLUMNS": "200"}).stdout
+    for panel in ("Inputs", "Models", "Devices", "Generation", "Outputs", "Run", "Examples"):
+        assert panel in help_text
+    bare = runner.invoke(app, [])
+    assert "synth" in bare.stdout and "selftest" in bare.stdout
+
+
+def test_stream_piece_matches_one_shot_codes(tiny_cache):
+    """Streaming Stage-1 in a worker thread: same codes, audio close to one-shot decode."""
+    import torch
+
+    from mimo_tts import models, pipeline
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        lm_dir, tok_dir = models.ensure_tiny_preset({models.CACHE_ENV: str(tiny_cache)})
+        options = pipeline.SynthOptions(model=str(lm_dir), tokenizer=str(tok_dir),
+                                        lm_device="cpu", tokenizer_device="cpu",
+                                        max_new_groups=12).validate()
+        synth = pipeline.Synthesizer(options, env={})
+        synth.load()
+        engine = synth.engine
+        prompt = engine.prompt("tts_sft", "Streaming check.", None, None, None, 0)
+        gen = engine.generation_options(options, 0)
+        chunks = []
+        piece = pipeline.stream_piece(engine, prompt, gen, 0, chunks.append, 2, lambda m: None)
+        (reference,) = engine.generate_pieces([prompt], gen, 0, 1)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(piece.codes, reference.codes) and piece.note is None
+    one_shot = engine.decode([reference.codes])[0].cpu()
+    streamed = torch.cat(chunks)
+    assert streamed.shape == one_shot.shape == (SPF * reference.codes.shape[1],)
+    assert torch.equal(streamed, piece.audio)
+    assert (streamed - one_shot).abs().max() < 5e-3

@@ -1,0 +1,194 @@
+"""Device policy (issue 2): precedence with visible sources, normalisation, errors, CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+
+from mimo_tts import devices
+from mimo_tts.devices import (
+    CUDA_GRAPH_ENV,
+    LM_DEVICE_ENV,
+    TOKENIZER_DEVICE_ENV,
+    Probe,
+    normalize_device,
+    resolve_cuda_graph,
+    resolve_dtype,
+    resolve_lm_device,
+    resolve_placement,
+    resolve_tokenizer_device,
+)
+from mimo_tts.errors import EXIT_DEVICE, EXIT_USAGE, DeviceError, UsageError
+
+NO_GPU = Probe(cuda_count=0, cuda_current=0, mps=False)
+TWO_GPUS = Probe(cuda_count=2, cuda_current=1, mps=False)
+MAC = Probe(cuda_count=0, cuda_current=0, mps=True)
+
+
+# --- precedence: flag > env > config > default, with the source visible ---------------------
+
+
+def test_flag_beats_env_and_config():
+    env = {TOKENIZER_DEVICE_ENV: "cuda:1"}
+    choice = resolve_tokenizer_device("cpu", config="cuda:0", env=env, probe=TWO_GPUS)
+    assert (choice.value, choice.source) == ("cpu", "flag")
+
+
+def test_env_beats_config():
+    env = {TOKENIZER_DEVICE_ENV: "cpu"}
+    choice = resolve_tokenizer_device(None, config="cuda:0", env=env, probe=TWO_GPUS)
+    assert (choice.value, choice.source) == ("cpu", f"env {TOKENIZER_DEVICE_ENV}")
+
+
+def test_config_beats_default():
+    choice = resolve_tokenizer_device(None, config="cuda:0", env={}, probe=TWO_GPUS)
+    assert (choice.value, choice.source) == ("cuda:0", "config")
+
+
+def test_empty_env_value_is_ignored():
+    choice = resolve_tokenizer_device(None, config="cpu", env={TOKENIZER_DEVICE_ENV: ""},
+                                      probe=TWO_GPUS)
+    assert (choice.value, choice.source) == ("cpu", "config")
+
+
+def test_default_is_current_cuda_index_or_cpu():
+    assert resolve_tokenizer_device(env={}, probe=TWO_GPUS).value == "cuda:1"
+    assert resolve_tokenizer_device(env={}, probe=TWO_GPUS).source == "default"
+    assert resolve_tokenizer_device(env={}, probe=NO_GPU).value == "cpu"
+
+
+def test_lm_device_has_its_own_env_var():
+    env = {LM_DEVICE_ENV: "cuda:0", TOKENIZER_DEVICE_ENV: "cpu"}
+    assert resolve_lm_device(env=env, probe=TWO_GPUS).value == "cuda:0"
+    assert resolve_tokenizer_device(env=env, probe=TWO_GPUS).value == "cpu"
+
+
+def test_placement_records_every_source():
+    placement = resolve_placement(
+        lm_device="cuda:0", profile={"tokenizer_device": "cpu", "cuda_graph": True},
+        env={}, probe=TWO_GPUS,
+    )
+    described = placement.describe()
+    assert described["lm_device"] == {"value": "cuda:0", "source": "flag"}
+    assert described["tokenizer_device"] == {"value": "cpu", "source": "config"}
+    assert described["tokenizer_dtype"] == {"value": "float32", "source": "default"}
+    assert described["lm_dtype"] == {"value": "bfloat16", "source": "default"}
+    assert described["cuda_graph"]["value"] is False
+
+
+# --- normalisation ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["cpu", "CPU", " cpu ", "cpu:0"])
+def test_cpu_stays_cpu(text):
+    assert normalize_device(text, probe=NO_GPU) == "cpu"
+
+
+def test_cuda_index_is_kept_never_collapsed():
+    assert normalize_device("cuda:0", probe=TWO_GPUS) == "cuda:0"
+    assert normalize_device("cuda:1", probe=TWO_GPUS) == "cuda:1"
+
+
+def test_bare_cuda_resolves_to_current_index():
+    assert normalize_device("cuda", probe=TWO_GPUS) == "cuda:1"
+    one = Probe(cuda_count=1, cuda_current=0, mps=False)
+    assert normalize_device("cuda", probe=one) == normalize_device("cuda:0", probe=one)
+
+
+def test_mps_where_available():
+    assert normalize_device("mps", probe=MAC) == "mps"
+    with pytest.raises(DeviceError, match="not available"):
+        normalize_device("mps", probe=NO_GPU)
+
+
+# --- errors name the value and where it came from -----------------------------------------------
+
+
+BAD_DEVICES = ["gpu", "cuda:x", "cuda:-1", "cuda:", "cuda:1.5", "cuda:²", "cpu:1"]
+
+
+@pytest.mark.parametrize("bad", BAD_DEVICES)
+def test_invalid_strings(bad):
+    with pytest.raises(DeviceError) as info:
+        normalize_device(bad, "flag", probe=TWO_GPUS)
+    message = str(info.value)
+    assert repr(bad) in message and "flag" in message
+    assert info.value.exit_code == EXIT_DEVICE
+
+
+def test_index_past_count():
+    with pytest.raises(DeviceError, match=r"'cuda:2'.*2 CUDA device"):
+        normalize_device("cuda:2", "flag", probe=TWO_GPUS)
+
+
+def test_cuda_absent_names_the_source():
+    env = {TOKENIZER_DEVICE_ENV: "cuda"}
+    with pytest.raises(DeviceError, match=f"env {TOKENIZER_DEVICE_ENV}.*not available"):
+        resolve_tokenizer_device(env=env, probe=NO_GPU)
+
+
+def test_invalid_config_value_names_config():
+    with pytest.raises(DeviceError, match=r"'gpu' \(from config\)"):
+        resolve_tokenizer_device(config="gpu", env={}, probe=NO_GPU)
+
+
+# --- CUDA-graph policy --------------------------------------------------------------------------
+
+
+def test_graphs_never_on_cpu():
+    assert resolve_cuda_graph("cpu", True, env={}).value is False
+    assert resolve_cuda_graph("cpu", env={CUDA_GRAPH_ENV: "1"}).value is False
+    assert resolve_cuda_graph("mps", env={}).value is False
+
+
+def test_graphs_default_on_cuda():
+    choice = resolve_cuda_graph("cuda:0", env={})
+    assert (choice.value, choice.source) == (True, "default")
+
+
+@pytest.mark.parametrize("off", ["0", "false", "no", "off", "OFF", " False "])
+def test_graph_env_disables(off):
+    choice = resolve_cuda_graph("cuda:0", env={CUDA_GRAPH_ENV: off})
+    assert (choice.value, choice.source) == (False, f"env {CUDA_GRAPH_ENV}")
+
+
+def test_graph_flag_beats_env_and_explicit_false_wins():
+    env_on = {CUDA_GRAPH_ENV: "1"}
+    assert resolve_cuda_graph("cuda:0", False, config=True, env=env_on).value is False
+    assert resolve_cuda_graph("cuda:0", True, env={CUDA_GRAPH_ENV: "0"}).value is True
+    assert resolve_cuda_graph("cuda:0", None, config=False, env={}).value is False
+
+
+@pytest.mark.parametrize("bad", ["maybe", "2", "enable"])
+def test_unrecognised_graph_value_is_an_error(bad):
+    with pytest.raises(UsageError, match=repr(bad)) as info:
+        resolve_cuda_graph("cuda:0", env={CUDA_GRAPH_ENV: bad})
+    assert info.value.exit_code == EXIT_USAGE
+    # A typo is reported even where the device makes graphs moot.
+    with pytest.raises(UsageError):
+        resolve_cuda_graph("cpu", env={CUDA_GRAPH_ENV: bad})
+
+
+# --- dtypes -------------------------------------------------------------------------------------
+
+
+def test_dtype_defaults_and_aliases():
+    assert resolve_dtype(None, None, "cpu", "LM").value == "float32"
+    assert resolve_dtype(None, None, "cuda:0", "LM").value == "bfloat16"
+    assert resolve_dtype("bf16", "float32", "cpu", "LM").value == "bfloat16"
+    assert resolve_dtype(None, "fp16", "cpu", "LM").source == "config"
+    with pytest.raises(UsageError, match="int8"):
+        resolve_dtype("int8", None, "cpu", "LM")
+
+
+def test_detect_probe_matches_torch():
+    import torch
+
+    probe = Probe.detect()
+    assert probe.cuda_count == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    assert devices.default_device(probe) == ("cpu" if probe.cuda_count == 0 else
+                                             f"cuda:{probe.cuda_current}")
+
+
+def test_mps_takes_no_index():
+    with pytest.raises(DeviceError, match="'mps:3'"):
+        normalize_device("mps:3", probe=MAC)
