@@ -1,0 +1,183 @@
+"""GPU check of the vLLM engine (issue 7); prints JSON (and writes it to --out).
+
+Meant for a CUDA machine with `pip install -e '.[vllm]'` (or the CPU venv's layout with a CUDA
+vLLM). Every section runs on its own; a failing one records its error and the rest go on.
+
+1. `equal_fp32`: tiny preset, float32 on CUDA: greedy codes and text of a mixed batch (plain
+   EN / ZH, instruct, voice prompt, several lengths) from vLLM vs the native engine.
+2. `seeded`: the tts samplers with a seed, twice: identical.
+3. `preempt`: a KV cache too small for the batch (preemption + chunked prefill): still equal.
+4. `equal_bf16`: the same batch in bfloat16: agreement rate only (kernels differ, no exactness).
+5. `throughput`: native vs vLLM groups/s at batch 1, 8, 32 (tiny, mid, and with --wide the
+   full-width backbone with --wide-layers layers), text forced to `<|empty|>`.
+6. `tensor_parallel`: with 2+ GPUs, TP=2 greedy equality.
+
+    python scripts/check_vllm_gpu.py --out /tmp/vllm_gpu.json [--wide] [--skip throughput]
+
+`--device cpu` dry-runs the same sections in the CPU vLLM venv (to check the script itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_vllm  # noqa: E402  (scripts/bench_vllm.py: shared checkpoint and prompt helpers)
+
+from mimo_tts.lm.generate import GenerationOptions, generate  # noqa: E402
+from mimo_tts.lm.load import load_config, load_lm  # noqa: E402
+from mimo_tts.lm.sampling import GREEDY, TASK_SAMPLERS  # noqa: E402
+from mimo_tts.lm.text import TextTokenizer  # noqa: E402
+from mimo_tts.presets import write_tiny_preset  # noqa: E402
+from mimo_tts.tasks import build_prompt  # noqa: E402
+
+GREEDY_OPTIONS = GenerationOptions(text_sampler=GREEDY, audio_sampler=GREEDY, max_new_groups=64)
+KV_BYTES = 512 << 20
+DEVICE = ["cuda"]  # the native engine's device; --device cpu for a dry run
+
+
+def mixed_batch(lm_dir: Path) -> list[torch.Tensor]:
+    tok = TextTokenizer.from_dir(lm_dir)
+    empty = load_config(lm_dir).speech_empty_ids
+    gen = torch.Generator().manual_seed(0)
+    voice = torch.stack([torch.randint(0, e, (33,), generator=gen) for e in empty])  # [8, 33]
+    specs = [("tts_sft", "hello world", {}),
+             ("tts_sft", "The quick brown fox jumps over the lazy dog near the river bank.", {}),
+             ("tts_sft", "今天天气真好，我们一起去公园散步吧。", {}),
+             ("tts_sft_with_instruct", "Welcome to the demo.", {"instruct": "speak slowly"}),
+             ("tts_sft_with_audio", "我很高兴认识你。",
+              {"instruct": "开心", "prompt_codes": voice})]
+    return [build_prompt(t, x, tok, empty, template=0, **kw).input_ids for t, x, kw in specs]
+
+
+def engine(lm_dir, **kw):
+    from mimo_tts.lm.vllm.engine import VLLMEngine, VLLMOptions
+
+    return VLLMEngine(lm_dir, VLLMOptions(**kw))
+
+
+def compare(native_out, vllm_out) -> dict:
+    same = [torch.equal(a.new_ids, b.new_ids) and a.text_tokens == b.text_tokens
+            for a, b in zip(native_out, vllm_out, strict=True)]
+    groups = [len(b.text_tokens) for b in vllm_out]
+    return {"equal": all(same), "rows_equal": same, "groups": groups}
+
+
+def check_equal(lm_dir, dtype=torch.float32, copies: int = 1, **engine_kw) -> dict:
+    batch = mixed_batch(lm_dir) * copies
+    native = load_lm(lm_dir, DEVICE[0], dtype)
+    special = TextTokenizer.from_dir(lm_dir).special
+    want = generate(native, batch, GREEDY_OPTIONS, special)
+    with engine(lm_dir, dtype=str(dtype).removeprefix("torch."), **engine_kw) as eng:
+        out = compare(want, eng.generate(batch, GREEDY_OPTIONS))
+        out["joins"] = eng.last_joins
+        out["preempted"] = max(eng.last_joins.values(), default=0) > 1
+    return out
+
+
+def check_seeded(lm_dir) -> dict:
+    text, audio = TASK_SAMPLERS["tts"]
+    opts = GenerationOptions(text_sampler=text, audio_sampler=audio, seed=11, max_new_groups=32)
+    batch = mixed_batch(lm_dir)
+    with engine(lm_dir, dtype="float32", kv_cache_memory_bytes=KV_BYTES) as eng:
+        first, again = eng.generate(batch, opts), eng.generate(batch, opts)
+    return {"repeat_equal": all(torch.equal(a.new_ids, b.new_ids)
+                                for a, b in zip(first, again, strict=True))}
+
+
+def check_throughput(tiny: Path, tmp: Path, wide: bool, wide_layers: int) -> dict:
+    configs = {"tiny": (tiny, "float32"), "mid": (bench_vllm.write_mid(tiny, tmp / "mid"),
+                                                  "bfloat16")}
+    if wide:
+        configs["wide"] = (write_wide(tiny, tmp / "wide", wide_layers), "bfloat16")
+    out = {}
+    for name, (lm_dir, dtype) in configs.items():
+        out[name] = {
+            "dtype": dtype,
+            "native": bench_vllm.bench_native(lm_dir, [1, 8, 32], 16, 2, DEVICE[0],
+                                              getattr(torch, dtype)),
+            "vllm": bench_vllm.bench_vllm(lm_dir, [1, 8, 32], 16, 2, dtype, KV_BYTES),
+        }
+    return out
+
+
+def write_wide(tiny: Path, out: Path, layers: int) -> Path:
+    """The published backbone width (fixtures' full-size config) with `layers` layers."""
+    full = Path(bench_vllm.__file__).resolve().parents[2] / "shared/fixtures/full-size"
+    cfg = json.loads((full / "lm-config.json").read_text())
+    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+            "local_dim", "local_layers", "local_attn_heads", "local_ffn_dim",
+            "input_local_layers")
+    wide = {k: cfg[k] for k in keys if k in cfg} | {"num_hidden_layers": layers,
+                                                   "head_dim": cfg["hidden_size"]
+                                                   // cfg["num_attention_heads"],
+                                                   "input_local_dim": cfg.get("local_dim")}
+    saved, bench_vllm.MID = bench_vllm.MID, wide
+    try:
+        return bench_vllm.write_mid(tiny, out)
+    finally:
+        bench_vllm.MID = saved
+
+
+def run(name: str, report: dict, fn, *args, **kw) -> None:
+    start = time.perf_counter()
+    try:
+        report[name] = fn(*args, **kw)
+    except Exception as exc:  # keep going: one broken section must not hide the others
+        report[name] = {"error": f"{type(exc).__name__}: {exc}",
+                        "traceback": traceback.format_exc()[-4000:]}
+    report[name] = {**report[name], "seconds": round(time.perf_counter() - start, 1)}
+    print(f"{name}: done in {report[name]['seconds']} s", file=sys.stderr)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--wide", action="store_true")
+    ap.add_argument("--wide-layers", type=int, default=4)
+    ap.add_argument("--skip", default="", help="comma-separated section names")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = ap.parse_args()
+    DEVICE[0] = args.device
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("check_vllm_gpu: no CUDA device")
+    skip = set(filter(None, args.skip.split(",")))
+    cuda = args.device == "cuda"
+    report = {"gpu": torch.cuda.get_device_name(0) if cuda else None,
+              "gpus": torch.cuda.device_count() if cuda else 0, "torch": torch.__version__}
+    with tempfile.TemporaryDirectory(prefix="vllm-gpu-") as tmp:
+        tiny, _ = write_tiny_preset(Path(tmp) / "tiny", seed=0)
+        sections = {
+            "equal_fp32": (check_equal, (tiny,), {"kv_cache_memory_bytes": KV_BYTES}),
+            "seeded": (check_seeded, (tiny,), {}),
+            "preempt": (check_equal, (tiny,), {"kv_cache_memory_bytes": 7 * 32 * 512,
+                                               "max_model_len": 192, "block_size": 32,
+                                               "copies": 2,
+                                               "max_num_batched_tokens": 16,
+                                               "max_num_seqs": 8}),
+            "equal_bf16": (check_equal, (tiny, torch.bfloat16),
+                           {"kv_cache_memory_bytes": KV_BYTES}),
+            "throughput": (check_throughput, (tiny, Path(tmp), args.wide, args.wide_layers), {}),
+        }
+        if report["gpus"] > 1:
+            sections["tensor_parallel"] = (check_equal, (tiny,), {
+                "tensor_parallel_size": 2, "kv_cache_memory_bytes": KV_BYTES})
+        for name, (fn, fargs, fkw) in sections.items():
+            if name not in skip:
+                run(name, report, fn, *fargs, **fkw)
+    text = json.dumps(report, indent=2, default=str)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
