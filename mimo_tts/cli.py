@@ -1,9 +1,11 @@
 """`mimo-tts`: the command line (Typer + rich). Thin: parse -> options -> pipeline -> report.
 
 Data goes to stdout (written paths, `--json` lines, audio with `-o -`/`--raw`); logs, progress
-and errors go to stderr. torch is never imported here: the pipeline is imported inside the
-commands. Errors are one `Error:` line with a documented exit code (README "Exit codes");
-`--debug` adds the traceback.
+and errors go to stderr. torch is never imported here: the command bodies (`commands.py`) are
+imported inside the commands, and `--help`, `devices` and `synth --dry-run` never import it.
+Errors are one `Error:` line with a documented exit code (README "Exit codes", and
+docs/reliability.md); `--debug` adds the traceback. SIGINT, SIGTERM and SIGHUP stop a run
+after cleaning up (exit 130): finished items are kept and a re-run resumes.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from rich.console import Console
 
 from mimo_tts import __version__
 from mimo_tts.errors import EXIT_BUG, EXIT_CHECKPOINT, EXIT_INTERRUPTED, EXIT_OK, MimoTTSError
+from mimo_tts.io import write_stdout_line
 
 EXAMPLES = """\
 [b]Examples[/b]
@@ -57,6 +60,11 @@ Dtype = Annotated[str | None, typer.Option(
     rich_help_panel=DEV, help="LM dtype: float32 / bfloat16 / float16 (float32 on CPU).")]
 TokDtype = Annotated[str | None, typer.Option(
     rich_help_panel=DEV, help="Tokenizer dtype (float32 on CPU, bfloat16 on GPU).")]
+LmThreads = Annotated[int | None, typer.Option(
+    rich_help_panel=DEV, help="CPU threads for Stage-0 (default: torch's; --stream on one CPU "
+    "splits the cores between the stages).")]
+TokThreads = Annotated[int | None, typer.Option(
+    rich_help_panel=DEV, help="CPU threads for Stage-1 decode and prompt encode.")]
 Graph = Annotated[bool | None, typer.Option(
     "--cuda-graph/--no-cuda-graph", rich_help_panel=DEV, show_default=False,
     help="CUDA-graph decode on CUDA (env MIMO_AUDIO_TOKENIZER_CUDA_GRAPH; never on CPU).")]
@@ -101,8 +109,7 @@ class Reporter:
     def data(self, obj) -> None:
         """A JSON object (with --json) or a plain line on stdout."""
         text = json.dumps(obj, ensure_ascii=False) if isinstance(obj, dict) else str(obj)
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
+        write_stdout_line(text)
 
     @contextmanager
     def bar(self, total: int):
@@ -132,7 +139,8 @@ class Reporter:
 
 def run_command(reporter: Reporter, body) -> None:
     """Run a command body, mapping typed errors and interrupts to one line and an exit code."""
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _raise_interrupt)
     try:
         code = body()
     except MimoTTSError as exc:
@@ -198,6 +206,8 @@ def synth(
     dtype: Dtype = None,
     tokenizer_dtype: TokDtype = None,
     cuda_graph: Graph = None,
+    lm_threads: LmThreads = None,
+    tokenizer_threads: TokThreads = None,
     seed: Annotated[int | None, typer.Option(rich_help_panel=GEN,
                                              help="Sampling seed (default 0).")] = None,
     temperature: Annotated[float | None, typer.Option(rich_help_panel=GEN,
@@ -228,6 +238,9 @@ def synth(
         help="Decode audio while the LM generates (streaming Stage-1).")] = None,
     raw: Annotated[bool | None, typer.Option("--raw", rich_help_panel=OUT,
         help="Stream 16-bit 24 kHz mono PCM to stdout as it is decoded.")] = None,
+    stream_mode: Annotated[str | None, typer.Option(rich_help_panel=OUT,
+        help="Streaming decoder: official (re-decodes overlapping windows, spec §7.2) or "
+             "incremental (each frame decoded once; opt-in).")] = None,
     config: Config = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", rich_help_panel=RUN,
         help="Preflight only (devices, checkpoints, memory); load nothing.")] = False,
@@ -241,28 +254,29 @@ def synth(
     reporter = Reporter(quiet, verbose, as_json, debug, stdout_data=not (raw or output == "-"))
 
     def body() -> int:
-        from mimo_tts import pipeline
-
         if dry_run:
             return _preflight(reporter, flags, config)
-        items, options, synth_ = pipeline.prepare_synth(flags, config, sys.stdin, reporter.log)
+        from mimo_tts import commands
+        from mimo_tts.results import exit_code_for
+
+        items, options, synth_ = commands.prepare_synth(flags, config, sys.stdin, reporter.log)
         start = time.perf_counter()
         with reporter.bar(len(items)) as advance:
             results = []
-            for result in pipeline.run_synth(synth_, items):
+            for result in commands.run_synth(synth_, items):
                 results.append(result)
                 reporter.item(result, options.task)
                 advance()
-        reporter.info(pipeline.summary(results, synth_, time.perf_counter() - start))
-        return pipeline.exit_code_for(results)
+        reporter.info(commands.summary(results, synth_, time.perf_counter() - start))
+        return exit_code_for(results)
 
     run_command(reporter, body)
 
 
 def _preflight(reporter: Reporter, flags: dict, config: str | None) -> int:
-    from mimo_tts import pipeline
+    from mimo_tts import commands
 
-    report = pipeline.preflight(flags, config)
+    report = commands.preflight(flags, config)
     if reporter.as_json:
         reporter.data(report)
     else:  # the report is the command's data: pretty JSON on stdout
@@ -299,17 +313,25 @@ def decode(
     ] = None,
     format: Fmt = None, sample_rate: Rate = None, quiet: Quiet = False, debug: Debug = False,
 ) -> None:
-    """Stage-1 alone: decode saved codes to audio on the tokenizer device."""
+    """Stage-1 alone: decode saved codes to audio on the tokenizer device.
+
+    A bad file (unreadable, codes out of range, audio failing its check) fails alone.
+    """
     flags = dict(locals())
     reporter = Reporter(quiet=quiet, debug=debug, stdout_data=output != "-")
 
     def body() -> int:
-        from mimo_tts import pipeline
+        from mimo_tts import commands
+        from mimo_tts.results import exit_code_for
 
-        for path in pipeline.decode_files(flags, reporter.log):
-            if reporter.stdout_data and not quiet:
-                reporter.data(str(path))
-        return EXIT_OK
+        results = []
+        for result in commands.decode_files(flags, reporter.log):
+            results.append(result)
+            if result.error is not None:
+                reporter.err.print(f"failed {result.source}: {result.error}", markup=False)
+            elif result.path is not None and reporter.stdout_data and not quiet:
+                reporter.data(str(result.path))
+        return exit_code_for(results)
 
     run_command(reporter, body)
 
@@ -343,9 +365,9 @@ def selftest(
     reporter = Reporter(as_json=as_json, debug=debug)
 
     def body() -> int:
-        from mimo_tts import pipeline
+        from mimo_tts import commands
 
-        report = pipeline.selftest(lm_device, tokenizer_device, reporter.log)
+        report = commands.selftest(lm_device, tokenizer_device, reporter.log)
         reporter.data(report) if as_json else reporter.info(
             f"selftest ok: {report['seconds']:.2f} s of audio, peak {report['peak']:.3f}, "
             f"RTF {report['rtf']:.3f} ({report['path']})")

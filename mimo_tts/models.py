@@ -1,10 +1,9 @@
 """Which checkpoints, and the loaded models: directory / HF id in the local cache / `tiny`.
 
 Resolution never downloads unless the caller allows it; a missing model is a CheckpointError
-that spells out the command that would fetch it. Nothing here loads weights: `checkpoint_report`
-and `estimate_memory` read only `config.json` and safetensors headers (JSON), for preflights.
-`Engine` holds the loaded LM, text tokenizer and audio tokenizer and the glue between them
-(prompt building, sampler settings, batched generation + extraction, Stage-1 decode).
+that spells out the command that would fetch it. Nothing here loads weights: `locate` and
+`estimate_memory` read only `config.json` and safetensors headers (JSON), for preflights, so
+`mimo-tts devices` never imports torch. The loaded models live in `mimo_tts.engine`.
 """
 
 from __future__ import annotations
@@ -14,12 +13,10 @@ import os
 import re
 import struct
 from collections.abc import Mapping
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-from mimo_tts import io as mio
-from mimo_tts.errors import CheckpointError, DeviceError, UsageError
+from mimo_tts.errors import CheckpointError
 
 DEFAULT_MODEL = "XiaomiMiMo/MiMo-Audio-7B-Instruct"
 DEFAULT_TOKENIZER = "XiaomiMiMo/MiMo-Audio-Tokenizer"
@@ -189,11 +186,18 @@ def locate(name: str, source: str, role: str, env=None) -> tuple[Path | None, st
 
 
 def _safetensors_header(path: Path) -> dict:
-    with open(path, "rb") as handle:
-        (size,) = struct.unpack("<Q", handle.read(8))
-        if size > 100_000_000:
-            raise CheckpointError(f"corrupt safetensors header in {path}")
-        return json.loads(handle.read(size))
+    """The JSON header of a safetensors file: an 8-byte little-endian length, then JSON."""
+    try:
+        with open(path, "rb") as handle:
+            (size,) = struct.unpack("<Q", handle.read(8))
+            if size > min(100_000_000, path.stat().st_size - 8):
+                raise ValueError(f"header length {size} does not fit the file")
+            header = json.loads(handle.read(size))
+    except (struct.error, ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"corrupt safetensors header in {path}: {exc}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"corrupt safetensors header in {path}: not a JSON object")
+    return header
 
 
 def estimate_memory(path: Path, dtype_bytes: int, kv_groups: int = 8192) -> dict:
@@ -216,129 +220,3 @@ def estimate_memory(path: Path, dtype_bytes: int, kv_groups: int = 8192) -> dict
         kv *= kv_groups * dtype_bytes
     return {"parameters": numel, "weights_bytes": numel * dtype_bytes, "kv_cache_bytes": kv,
             "total_gib": round((numel * dtype_bytes + kv) / 2**30, 3)}
-
-
-@dataclass
-class Piece:
-    """One generated text piece: its prompt record, generated ids, codes and audio."""
-
-    prompt: object  # mimo_tts.tasks.Prompt
-    seed: int
-    new_text_ids: list[int]
-    text: str
-    codes: object | None  # [8, T] int64, None when no audio was generated
-    audio: object | None = None  # [960 T] float32 once decoded
-    note: str | None = None
-
-
-@contextmanager
-def oom_advice(stage: str, device: str):
-    """Turn an out-of-memory error into a DeviceError (exit 4) with what to try instead."""
-    try:
-        yield
-    except RuntimeError as exc:  # torch.OutOfMemoryError is a RuntimeError
-        if "out of memory" not in str(exc).lower():
-            raise
-        raise DeviceError(f"out of memory on {device} during {stage}; try --tokenizer-device "
-                          "cpu, a smaller --batch-size or a smaller --max-chars") from None
-
-
-# --- loaded models: the glue between Stage-0 and Stage-1 ------------------------------------
-
-
-class Engine:
-    """The loaded LM, text tokenizer and audio tokenizer, with the glue between them."""
-
-    def __init__(self, lm, text, codec):
-        self.lm, self.text, self.codec = lm, text, codec
-        self.empty_ids = list(lm.cfg.speech_empty_ids)
-        self.group_size = lm.cfg.group_size
-        self.samples_per_frame = codec.samples_per_frame
-        self.lm_device = str(lm.lm_head.weight.device)
-        self._prompt_codes: dict[str, object] = {}
-
-    @classmethod
-    def load(cls, lm_path: Path, tok_path: Path, placement, log) -> Engine:
-        from mimo_tts.codec import load_audio_tokenizer
-        from mimo_tts.lm.load import load_lm
-        from mimo_tts.lm.text import TextTokenizer
-
-        text = TextTokenizer.from_dir(lm_path)
-        lm = load_lm(lm_path, placement.lm_device.value, placement.lm_dtype.value)
-        log(f"LM loaded from {lm_path}")
-        codec = load_audio_tokenizer(tok_path, placement.tokenizer_device.value,
-                                     placement.tokenizer_dtype.value,
-                                     cuda_graph=bool(placement.cuda_graph.value))
-        log(f"audio tokenizer loaded from {tok_path}")
-        return cls(lm, text, codec)
-
-    def prompt(self, task, text, instruct, prompt_audio, template, seed):
-        """The task prompt (mimo_tts.tasks.Prompt); a voice prompt is encoded on first use."""
-        from mimo_tts.tasks import TASKS, build_prompt
-
-        if task not in TASKS:
-            raise UsageError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
-        codes = self.prompt_codes(prompt_audio) if prompt_audio else None
-        return build_prompt(task, text, self.text, self.empty_ids, instruct=instruct,
-                            prompt_codes=codes, template=template, seed=seed)
-
-    def prompt_codes(self, path: str):
-        """Voice-prompt codes [8, T'] (encoded on the tokenizer device once per file)."""
-        if path not in self._prompt_codes:
-            audio, rate = mio.read_audio(path)
-            with oom_advice("prompt-audio encode", str(self.codec.device)):
-                self._prompt_codes[path] = self.codec.encode_prompt(audio, rate).cpu()
-        return self._prompt_codes[path]
-
-    def samplers(self, o):
-        """(text, audio) SamplerConfig: the task's official defaults with option overrides."""
-        from mimo_tts.lm.sampling import SamplerConfig, task_samplers
-        from mimo_tts.tasks import TASKS
-
-        text, audio = task_samplers(TASKS[o.task].sampler if o.task in TASKS else "tts")
-
-        def pick(base, temperature, top_k, top_p):
-            return SamplerConfig(base.temperature if temperature is None else temperature,
-                                 base.top_k if top_k is None else (top_k or None),
-                                 base.top_p if top_p is None else top_p)
-
-        return (pick(text, o.temperature, o.top_k, o.top_p),
-                pick(audio, o.audio_temperature, o.audio_top_k, o.audio_top_p))
-
-    def sampler_record(self, o) -> dict:
-        text, audio = self.samplers(o)
-        return {"text": asdict(text), "audio": asdict(audio)}
-
-    def generation_options(self, o, seed: int):
-        """GenerationOptions for a run: samplers, seed, group cap and the task's stop set."""
-        from mimo_tts.lm.config import MAX_GROUPS
-        from mimo_tts.lm.generate import GenerationOptions
-        from mimo_tts.tasks import TASKS
-
-        text, audio = self.samplers(o)
-        stops = TASKS[o.task].stop_tokens if o.task in TASKS else ("eos", "eostm", "im_end")
-        return GenerationOptions(text_sampler=text, audio_sampler=audio, seed=seed,
-                                 max_new_groups=o.max_new_groups or MAX_GROUPS,
-                                 stop_tokens=stops)
-
-    def generate_pieces(self, prompts, options, seed: int, batch_size: int) -> list[Piece]:
-        """Stage-0 for prompts, `batch_size` at a time, then extraction (spec §4.8)."""
-        from mimo_tts.lm.extract import extract
-        from mimo_tts.lm.generate import generate
-
-        pieces = []
-        for start in range(0, len(prompts), batch_size):
-            batch = prompts[start:start + batch_size]
-            with oom_advice("Stage-0 generation", self.lm_device):
-                outs = generate(self.lm, [p.input_ids for p in batch], options,
-                                self.text.special)
-            for prompt, out in zip(batch, outs, strict=True):
-                found = extract(out.new_ids, self.text, self.empty_ids, self.group_size)
-                pieces.append(Piece(prompt, seed, list(found.text_tokens), found.text,
-                                    found.codes))
-        return pieces
-
-    def decode(self, codes_list: list) -> list:
-        """Stage-1 on the tokenizer device: [8, T] codes -> [960 T] float32 audio each."""
-        with oom_advice("Stage-1 decode", str(self.codec.device)):
-            return self.codec.decode_batch(list(codes_list))

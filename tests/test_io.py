@@ -1,4 +1,5 @@
-"""mimo_tts.io: items, ids, text, atomic writes, audio encoding, codes files, manifest, lock."""
+"""mimo_tts.inputs (items, ids, text), mimo_tts.io (atomic writes, audio, codes files) and
+mimo_tts.outputs (manifest, lock)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import soundfile as sf
 import torch
 
+from mimo_tts import inputs, outputs
 from mimo_tts import io as mio
 from mimo_tts.errors import EXIT_INPUT, InputError, OutputError
 
@@ -31,41 +33,41 @@ from mimo_tts.errors import EXIT_INPUT, InputError, OutputError
     (".hidden", "hidden"),
 ])
 def test_sanitize_id(raw, expected):
-    assert mio.sanitize_id(raw) == expected
+    assert inputs.sanitize_id(raw) == expected
 
 
 def test_sanitized_ids_are_bounded_and_never_escape():
     for raw in ["a" * 500, "../" * 50 + "x", "/abs/path", "~/x", "\x00bad"]:
-        out = mio.sanitize_id(raw)
-        assert len(out) <= mio.MAX_ID_CHARS
+        out = inputs.sanitize_id(raw)
+        assert len(out) <= inputs.MAX_ID_CHARS
         assert "/" not in out and "\\" not in out and ".." not in out and "\x00" not in out
         assert not out.startswith(".")
 
 
 def test_text_id_is_stable_and_distinct():
-    assert mio.text_id("Hello there") == mio.text_id("Hello there")
-    assert mio.text_id("Hello there") != mio.text_id("Hello there!")
-    assert mio.text_id("Hello there").startswith("Hello_there-")
+    assert inputs.text_id("Hello there") == inputs.text_id("Hello there")
+    assert inputs.text_id("Hello there") != inputs.text_id("Hello there!")
+    assert inputs.text_id("Hello there").startswith("Hello_there-")
 
 
 # --- text ---------------------------------------------------------------------------------------
 
 
 def test_clean_text_collapses_whitespace():
-    assert mio.clean_text("  a\tb\n c ", "x") == "a b c"
+    assert inputs.clean_text("  a\tb\n c ", "x") == "a b c"
 
 
 @pytest.mark.parametrize("bad, match", [("", "empty"), (" \t\n", "empty"),
                                         ("bell\x07", "U\\+0007 at 4"), ("nul\x00x", "U\\+0000")])
 def test_clean_text_refuses(bad, match):
     with pytest.raises(InputError, match=match) as info:
-        mio.clean_text(bad, "file.txt:3")
+        inputs.clean_text(bad, "file.txt:3")
     assert "file.txt:3" in str(info.value) and info.value.exit_code == EXIT_INPUT
 
 
 def test_split_text_on_sentences_within_limit():
     text = "One two three. Four five six! Seven eight nine? Ten."
-    pieces = mio.split_text(text, 20)
+    pieces = inputs.split_text(text, 20)
     assert all(len(p) <= 20 for p in pieces)
     assert " ".join(pieces) == text
     assert pieces[0] == "One two three."
@@ -73,16 +75,16 @@ def test_split_text_on_sentences_within_limit():
 
 def test_split_text_hard_splits_long_sentences_and_cjk():
     long = "word " * 30
-    pieces = mio.split_text(long.strip(), 25)
+    pieces = inputs.split_text(long.strip(), 25)
     assert all(len(p) <= 25 for p in pieces) and " ".join(pieces) == long.strip()
     zh = "今天天气真好。我们一起去公园散步吧！" * 3
-    pieces = mio.split_text(zh, 20)
+    pieces = inputs.split_text(zh, 20)
     assert all(len(p) <= 20 for p in pieces) and "".join(p.replace(" ", "") for p in pieces) == zh
 
 
 def test_split_text_disabled_or_short():
-    assert mio.split_text("short", 300) == ["short"]
-    assert mio.split_text("x. " * 200, 0) == ["x. " * 200]
+    assert inputs.split_text("short", 300) == ["short"]
+    assert inputs.split_text("x. " * 200, 0) == ["x. " * 200]
 
 
 # --- reading items ------------------------------------------------------------------------------
@@ -91,7 +93,7 @@ def test_split_text_disabled_or_short():
 def test_txt_items_skip_blank_lines_and_report_bad_utf8(tmp_path):
     path = tmp_path / "lines.txt"
     path.write_bytes(b"first line\n\n  \nsecond \xff line\nthird\n")
-    items = mio.read_items([], [str(path)])
+    items = inputs.read_items([], [str(path)])
     assert [i.text for i in items if i.error is None] == ["first line", "third"]
     bad = [i for i in items if i.error is not None]
     assert len(bad) == 1 and "lines.txt:4" in str(bad[0].error) and "UTF-8" in str(bad[0].error)
@@ -108,7 +110,7 @@ def test_jsonl_items(tmp_path):
     ]
     raw = "\n".join(json.dumps(x) for x in lines) + "\n{not json\n[1, 2]\n"
     path.write_text(raw, encoding="utf-8")
-    items = mio.read_items([], [str(path)])
+    items = inputs.read_items([], [str(path)])
     assert len(items) == 7
     a, esc, dup, unknown, seed, malformed, array = items
     assert (a.id, a.seed, a.instruct, a.error) == ("a", 3, "calm", None)
@@ -121,7 +123,7 @@ def test_jsonl_items(tmp_path):
 
 
 def test_text_flags_and_derived_duplicates():
-    items = mio.read_items(["same", "same", "other"], [])
+    items = inputs.read_items(["same", "same", "other"], [])
     assert len({i.id for i in items}) == 3 and items[1].id == items[0].id + "-2"
     assert all(i.error is None for i in items)
 
@@ -131,11 +133,11 @@ def test_stdin_items_detect_jsonl():
         def isatty(self):
             return False
 
-    plain = mio.read_items([], ["-"], Stdin("one\ntwo\n"))
+    plain = inputs.read_items([], ["-"], Stdin("one\ntwo\n"))
     assert [i.text for i in plain] == ["one", "two"]
-    jsonl = mio.read_items([], ["-"], Stdin('{"id": "x", "text": "hi"}\n'))
+    jsonl = inputs.read_items([], ["-"], Stdin('{"id": "x", "text": "hi"}\n'))
     assert (jsonl[0].id, jsonl[0].text) == ("x", "hi")
-    whole = mio.read_items(["-"], [], Stdin("all of\nthis text"))
+    whole = inputs.read_items(["-"], [], Stdin("all of\nthis text"))
     assert [i.text for i in whole] == ["all of this text"]
 
 
@@ -145,12 +147,12 @@ def test_stdin_on_a_terminal_is_refused():
             return True
 
     with pytest.raises(InputError, match="terminal"):
-        mio.read_items(["-"], [], Tty(""))
+        inputs.read_items(["-"], [], Tty(""))
 
 
 def test_missing_input_file(tmp_path):
     with pytest.raises(InputError, match="not found"):
-        mio.read_items([], [str(tmp_path / "nope.txt")])
+        inputs.read_items([], [str(tmp_path / "nope.txt")])
 
 
 # --- atomic writes, audio, codes ----------------------------------------------------------------
@@ -255,7 +257,7 @@ def test_manifest_last_line_wins_and_truncated_line_is_repaired(tmp_path):
     lines = [{"id": "a", "status": "error"}, {"id": "b", "status": "ok"},
              {"id": "a", "status": "ok"}]
     path.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"id": "c", "sta')
-    manifest = mio.Manifest(path)
+    manifest = outputs.Manifest(path)
     assert manifest.get("a")["status"] == "ok" and manifest.get("c") is None
     rewritten = [json.loads(x) for x in path.read_text().splitlines()]
     assert [r["id"] for r in rewritten] == ["a", "b"]
@@ -267,11 +269,11 @@ def test_manifest_last_line_wins_and_truncated_line_is_repaired(tmp_path):
 
 
 def test_output_dir_lock_refuses_a_second_run(tmp_path):
-    with mio.OutputDir(tmp_path, "tts_sft") as first:
+    with outputs.OutputDir(tmp_path, "tts_sft") as first:
         assert first.dir == tmp_path / "tts_sft"
         with pytest.raises(OutputError, match="another mimo-tts run"):
-            mio.OutputDir(tmp_path, "tts_sft").open()
-    with mio.OutputDir(tmp_path, "tts_sft"):  # released on exit
+            outputs.OutputDir(tmp_path, "tts_sft").open()
+    with outputs.OutputDir(tmp_path, "tts_sft"):  # released on exit
         pass
 
 
@@ -279,7 +281,7 @@ def test_output_dir_cleans_temps_and_checks_done(tmp_path):
     task_dir = tmp_path / "tts_sft"
     task_dir.mkdir()
     (task_dir / f"{mio.TEMP_MARK}99-x.wav").write_bytes(b"partial")
-    with mio.OutputDir(tmp_path, "tts_sft", "flac") as out:
+    with outputs.OutputDir(tmp_path, "tts_sft", "flac") as out:
         assert not list(task_dir.glob(f"{mio.TEMP_MARK}*"))
         assert out.audio_path("x").name == "x.flac"
         assert out.done_record("x", "k1") is None
@@ -294,4 +296,4 @@ def test_unwritable_output_dir(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(OutputError, match="cannot create output directory"):
-        mio.OutputDir(blocker, "tts_sft").open()
+        outputs.OutputDir(blocker, "tts_sft").open()

@@ -1,4 +1,5 @@
-"""mimo_tts.pipeline: options and profiles, exit codes, resume keys, Stage-0/Stage-1 glue."""
+"""mimo_tts.options (options, profiles), mimo_tts.results (exit codes, audio checks) and
+mimo_tts.pipeline (resume keys, Stage-0/Stage-1 glue)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mimo_tts import io as mio
-from mimo_tts import pipeline
+from mimo_tts import options as mopts
+from mimo_tts import pipeline, results
 from mimo_tts.errors import (
     EXIT_INPUT,
     EXIT_NO_AUDIO,
@@ -19,7 +20,9 @@ from mimo_tts.errors import (
     NoAudioError,
     UsageError,
 )
-from mimo_tts.pipeline import ItemResult, SynthOptions, build_options, exit_code_for
+from mimo_tts.inputs import Item
+from mimo_tts.options import SynthOptions, build_options
+from mimo_tts.results import ItemResult, exit_code_for
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -57,13 +60,13 @@ def test_profiles_in_configs_load_and_use_option_names():
     names = sorted(p.stem for p in CONFIGS.glob("*.toml"))
     assert names == ["ci-smoke", "cpu-tokenizer", "default"]
     for name in names:
-        profile = pipeline.load_profile(name)
+        profile = mopts.load_profile(name)
         assert profile == tomllib.loads((CONFIGS / f"{name}.toml").read_text())
         build_options({}, profile)  # every value validates
-    cpu_tok = pipeline.load_profile(str(CONFIGS / "cpu-tokenizer.toml"))
+    cpu_tok = mopts.load_profile(str(CONFIGS / "cpu-tokenizer.toml"))
     assert (cpu_tok["lm_device"], cpu_tok["tokenizer_device"], cpu_tok["cuda_graph"]) == (
         "cuda:0", "cpu", False)
-    smoke = pipeline.load_profile("ci-smoke")
+    smoke = mopts.load_profile("ci-smoke")
     assert (smoke["model"], smoke["lm_device"], smoke["tokenizer_device"]) == ("tiny", "cpu",
                                                                               "cpu")
 
@@ -72,10 +75,10 @@ def test_profile_errors(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("seeed = 1\n")
     with pytest.raises(UsageError, match="unknown key.*seeed"):
-        pipeline.load_profile(str(bad))
+        mopts.load_profile(str(bad))
     bad.write_text("seed = \n")
     with pytest.raises(UsageError, match="invalid TOML"):
-        pipeline.load_profile(str(bad))
+        mopts.load_profile(str(bad))
     with pytest.raises(UsageError, match="bad option value|must"):
         build_options({}, {"seed": -3})
 
@@ -84,7 +87,7 @@ def test_profile_errors(tmp_path):
 
 
 def _result(status, code=EXIT_OK):
-    return ItemResult(item=mio.Item(id="x", text="t", source="s"), status=status, exit_code=code)
+    return ItemResult(item=Item(id="x", text="t", source="s"), status=status, exit_code=code)
 
 
 def test_exit_code_rules():
@@ -100,17 +103,17 @@ def test_exit_code_rules():
 
 
 def test_check_audio():
-    pipeline.check_audio(torch.tensor([0.0, 0.2]), "a")
+    results.check_audio(torch.tensor([0.0, 0.2]), "a")
     with pytest.raises(AudioCheckError, match="NaN"):
-        pipeline.check_audio(torch.tensor([0.1, float("nan")]), "a")
+        results.check_audio(torch.tensor([0.1, float("nan")]), "a")
     with pytest.raises(AudioCheckError, match="silent"):
-        pipeline.check_audio(torch.zeros(960), "a")
+        results.check_audio(torch.zeros(960), "a")
     with pytest.raises(NoAudioError):
-        pipeline.check_audio(torch.zeros(0), "a")
+        results.check_audio(torch.zeros(0), "a")
 
 
 def test_join_pieces_keeps_whole_frames():
-    audio = pipeline.join_pieces([torch.ones(960 * 3), torch.ones(960 * 2)], 8, 960)
+    audio = results.join_pieces([torch.ones(960 * 3), torch.ones(960 * 2)], 8, 960)
     assert audio.shape[0] == 960 * (3 + 8 + 2)
     assert audio[960 * 3: 960 * 11].abs().max() == 0
 
@@ -129,19 +132,19 @@ def fixture_synth(tiny_a):
 
 
 def test_item_key_tracks_every_input(fixture_synth):
-    item = mio.Item(id="a", text="hello", source="s")
+    item = Item(id="a", text="hello", source="s")
     key = fixture_synth.item_key(item)
-    assert key == fixture_synth.item_key(mio.Item(id="b", text="hello", source="t"))
-    assert key != fixture_synth.item_key(mio.Item(id="a", text="hello!", source="s"))
-    assert key != fixture_synth.item_key(mio.Item(id="a", text="hello", source="s", seed=1))
-    assert key != fixture_synth.item_key(mio.Item(id="a", text="hello", source="s",
+    assert key == fixture_synth.item_key(Item(id="b", text="hello", source="t"))
+    assert key != fixture_synth.item_key(Item(id="a", text="hello!", source="s"))
+    assert key != fixture_synth.item_key(Item(id="a", text="hello", source="s", seed=1))
+    assert key != fixture_synth.item_key(Item(id="a", text="hello", source="s",
                                                   instruct="x"))
 
 
 def test_run_without_output_dir_reproduces_the_reference(fixture_synth, cases):
     case = next(c for c in cases["groups"]["lm_generate"]["cases"]
                 if c["name"] == "gen_tts_en_free_greedy")
-    item = mio.Item(id="en", text=case["prompt"]["text"], source="test")
+    item = Item(id="en", text=case["prompt"]["text"], source="test")
     (result,) = list(fixture_synth.run([item], None))
     assert result.status == "error" and result.exit_code == EXIT_NO_AUDIO
     assert result.generated_text_ids == [case["generated_text_tokens"]]
@@ -151,10 +154,10 @@ def test_run_without_output_dir_reproduces_the_reference(fixture_synth, cases):
 def test_batched_generation_equals_single(fixture_synth, cases):
     """--batch-size 2 with greedy sampling gives each item its single-run ids."""
     texts = [c["prompt"]["text"] for c in cases["groups"]["lm_forward"]["cases"][:2]]
-    items = [mio.Item(id=str(i), text=t, source="test") for i, t in enumerate(texts)]
+    items = [Item(id=str(i), text=t, source="test") for i, t in enumerate(texts)]
     single = [list(fixture_synth.run([item], None))[0].generated_text_ids for item in items]
     batched = pipeline.Synthesizer(
-        pipeline.replace_options(fixture_synth.options, batch_size=2), env={})
+        mopts.replace_options(fixture_synth.options, batch_size=2), env={})
     batched.engine, batched.lm_ref, batched.tok_ref = (fixture_synth.engine, fixture_synth.lm_ref,
                                                        fixture_synth.tok_ref)
     assert [r.generated_text_ids for r in batched.run(items, None)] == single

@@ -210,7 +210,7 @@ def test_split_long_text_joins_pieces_with_a_pause(invoke, tmp_path):
     assert result.exit_code == 0, result.stderr
     record = json.loads(result.stdout)
     from mimo_tts.io import load_codes
-    from mimo_tts.pipeline import PAUSE_FRAMES
+    from mimo_tts.results import PAUSE_FRAMES
 
     pieces, meta = load_codes(tmp_path / record["codes_path"])
     assert len(pieces) == 2 and meta["pause_frames"] == PAUSE_FRAMES
@@ -248,6 +248,7 @@ def test_stream_piece_matches_one_shot_codes(tiny_cache):
     import torch
 
     from mimo_tts import models, pipeline
+    from mimo_tts.stream import stream_piece
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -262,7 +263,7 @@ def test_stream_piece_matches_one_shot_codes(tiny_cache):
         prompt = engine.prompt("tts_sft", "Streaming check.", None, None, None, 0)
         gen = engine.generation_options(options, 0)
         chunks = []
-        piece = pipeline.stream_piece(engine, prompt, gen, 0, chunks.append, 2, lambda m: None)
+        piece = stream_piece(engine, prompt, gen, 0, chunks.append, 2, lambda m: None)
         (reference,) = engine.generate_pieces([prompt], gen, 0, 1)
     finally:
         torch.set_num_threads(threads)

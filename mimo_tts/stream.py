@@ -1,0 +1,153 @@
+"""Streaming: Stage-1 decodes in a worker thread while Stage-0 generates (`--stream`).
+
+The generating thread pushes each chunk of new code frames to a `DecodeWorker`, which runs a
+`StreamingDecoder` (spec §7.2 scheme) on the tokenizer device and hands each decoded chunk to a
+sink (raw PCM on stdout, a list, ...). Each stage runs under its own CPU thread budget
+(`engine.thread_budget`), so on one CPU the two stages share the cores instead of fighting
+for them. Timings of both stages are recorded on the returned `Piece` for benchmarks.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from mimo_tts.engine import Piece, oom_advice, thread_budget
+
+
+class DecodeWorker:
+    """Runs a StreamingDecoder on the tokenizer device in a thread; chunks go to the sink."""
+
+    def __init__(self, codec, sink, threads: int | None = None, mode: str = "official"):
+        self.codec, self.sink, self.threads, self.mode = codec, sink, threads, mode
+        self.queue: queue.Queue = queue.Queue()
+        self.chunks: list = []
+        self.error: BaseException | None = None
+        self.busy_s = 0.0  # decode compute, excluding waits for codes and the sink
+        self.first_chunk_at: float | None = None  # perf_counter() of the first decoded audio
+        self.thread = threading.Thread(target=self._run, name="mimo-tts-stage1", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            with thread_budget(self.threads):
+                self._loop()
+        except BaseException as exc:  # re-raised in the generating thread by `push`/`join`
+            self.error = exc
+
+    def _loop(self) -> None:
+        from mimo_tts.codec import StreamingDecoder
+
+        decoder = StreamingDecoder(self.codec, **({} if self.mode == "official"
+                                                  else {"mode": self.mode}))
+        while True:
+            codes, last = self.queue.get()
+            if codes is None:
+                return
+            start = time.perf_counter()
+            with oom_advice("Stage-1 streaming decode", str(self.codec.device)):
+                wave = decoder.push(codes, last=last)
+                if wave is not None and wave.numel():
+                    wave = wave.detach().float().cpu()  # [S]
+            self.busy_s += time.perf_counter() - start
+            if wave is not None and wave.numel():
+                self.first_chunk_at = self.first_chunk_at or time.perf_counter()
+                self.chunks.append(wave)
+                if self.sink is not None:
+                    self.sink(wave)
+            if last:
+                return
+
+    def push(self, codes, last: bool = False) -> None:
+        """Queue new frames [K, f]; a failure of the worker surfaces here, without waiting."""
+        if self.error is not None:
+            raise self.error
+        self.queue.put((codes, last))
+
+    def abort(self) -> None:
+        self.queue.put((None, True))
+        self.thread.join(timeout=30)
+
+    def join(self):
+        """Wait for the last chunk; the whole streamed waveform [S] (CPU)."""
+        import torch
+
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return torch.cat(self.chunks) if self.chunks else torch.zeros(0)
+
+
+def _group_ids(step, empty_codes):
+    """One generated group as ids [1 + K, F]: the text token repeated, then the codes."""
+    import torch
+
+    codes = empty_codes if step.codes is None else step.codes.long()  # [F, K]
+    text = torch.full((1, codes.shape[0]), step.text_token, dtype=torch.long)
+    return torch.cat((text, codes.T), dim=0)
+
+
+def stream_piece(engine, prompt, options, seed: int, sink, chunk_groups: int, log,
+                 mode: str = "official") -> Piece:
+    """Generate one prompt while decoding its audio frames as they arrive (spec §7.2 scheme).
+
+    Frames are streamed from the first audio group to `<|eostm|>`. If the official extraction
+    (spec §4.8) ends up different, e.g. a `<|sostm|>` generated after audio, the file output
+    is re-decoded from the extracted codes and a note is logged. `mode` picks the streaming
+    decoder (`official` or `incremental`, see `StreamingDecoder`). `Piece.timings` holds
+    `stage0_s` (generation), `stage1_s` (decode compute in the worker), `stage1_wait_s`
+    (waiting for the worker after generation), `first_audio_s` and `wall_s`.
+    """
+    import torch
+
+    from mimo_tts.lm.extract import extract
+
+    start = time.perf_counter()
+    worker = DecodeWorker(engine.codec, sink, getattr(engine, "tokenizer_threads", None), mode)
+    try:
+        blocks, sent = _generate_streaming(engine, prompt, options, worker, chunk_groups)
+        generated = time.perf_counter()
+        audio = worker.join()
+    except BaseException:
+        worker.abort()
+        raise
+    found = extract(torch.cat(blocks, dim=1), engine.text, engine.empty_ids, engine.group_size)
+    note = None
+    if found.codes is not None and not torch.equal(torch.cat(sent, dim=1), found.codes):
+        note = "streamed frames differ from the extracted codes; the file is decoded one-shot"
+        log(f"note: {note}")
+        audio = engine.decode([found.codes])[0]
+    end = time.perf_counter()
+    first = worker.first_chunk_at
+    timings = {"stage0_s": generated - start, "stage1_s": worker.busy_s,
+               "stage1_wait_s": end - generated,
+               "first_audio_s": (first - start) if first else end - start, "wall_s": end - start}
+    return Piece(prompt, seed, list(found.text_tokens), found.text, found.codes,
+                 audio if found.codes is not None else None, note, timings)
+
+
+def _generate_streaming(engine, prompt, options, worker: DecodeWorker, chunk_groups: int):
+    """Stage-0 for one prompt in this thread, pushing audio frames to the worker in chunks."""
+    import torch
+
+    from mimo_tts.lm.generate import stream
+
+    special, empty0 = engine.text.special, engine.empty_ids[0]
+    empty_codes = torch.tensor(engine.empty_ids).unsqueeze(0).expand(engine.group_size, -1)
+    blocks, pending, sent = [], [], []
+    with thread_budget(getattr(engine, "lm_threads", None)), \
+            oom_advice("Stage-0 generation", engine.lm_device):
+        for step in stream(engine.lm, [prompt.input_ids], options, special):
+            blocks.append(_group_ids(step, empty_codes))
+            if step.text_token == special.sostm:
+                pending.clear()  # official extraction reads audio after a generated <|sostm|>
+            elif step.codes is not None and step.text_token == special.empty:
+                pending.append(step.codes[step.codes[:, 0] != empty0].long().T)  # [K, f]
+                if len(pending) >= chunk_groups:
+                    sent.append(torch.cat(pending, dim=1))
+                    worker.push(sent[-1])
+                    pending = []
+    sent.append(torch.cat(pending, dim=1) if pending else empty_codes.T[:, :0])
+    worker.push(sent[-1], last=True)
+    return blocks, sent

@@ -1,0 +1,173 @@
+"""Start-up and stage overlap (issue 5 items owned by the orchestration): the light commands
+never import torch; each stage's CPU thread budget holds in its own thread; the `--stream`
+path run in memory reports per-stage timings (what scripts/bench_overlap.py times)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from mimo_tts import devices
+
+# Runs the real CLI entry point; at exit (after typer's SystemExit) reports heavy imports.
+TRACE = """
+import atexit, json, sys
+atexit.register(lambda: sys.stderr.write("\\nMODULES " + json.dumps(
+    [m for m in ("torch", "safetensors.torch", "torchaudio") if m in sys.modules]) + "\\n"))
+sys.argv = ["mimo-tts", *sys.argv[1:]]
+from mimo_tts.cli import main
+main()
+"""
+
+
+def _imports(args, env, cwd) -> tuple[int, list[str]]:
+    proc = subprocess.run([sys.executable, "-c", TRACE, *args], capture_output=True, env=env,
+                          cwd=cwd, timeout=120, stdin=subprocess.DEVNULL)
+    line = [x for x in proc.stderr.decode().splitlines() if x.startswith("MODULES ")][-1]
+    return proc.returncode, json.loads(line.removeprefix("MODULES "))
+
+
+@pytest.mark.parametrize("args, code", [
+    (["--help"], 0),
+    (["synth", "--help"], 0),
+    (["devices", "--model", "tiny", "--json"], 0),
+    (["devices"], 3),  # default HF ids, not in the (empty) cache
+    (["synth", "--model", "tiny", "--text", "hi", "--dry-run", "--json"], 0),
+])
+def test_light_commands_never_import_torch(base_env, tiny_cache, tmp_path, args, code):
+    returncode, heavy = _imports(args, base_env, tmp_path)
+    assert returncode == code
+    assert "safetensors.torch" not in heavy and "torchaudio" not in heavy
+    probing = args[0] != "--help" and args[-1] != "--help"
+    if probing and getattr(devices, "accelerator_possible", lambda: True)():
+        pytest.skip("a GPU driver is present: the device probe asks torch by design")
+    assert "torch" not in heavy
+
+
+def _busy_threads(fn) -> dict[str, int]:
+    """OS threads of this process that used CPU time while `fn` ran: {tid: clock ticks}."""
+    def ticks():
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+            out[tid] = int(fields[11]) + int(fields[12])
+        return out
+
+    before = ticks()
+    fn()
+    after = ticks()
+    return {t: after[t] - before.get(t, 0) for t in after if after[t] - before.get(t, 0) > 2}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_thread_budgets_hold_per_thread():
+    """LM thread with 2 intra-op threads, decode thread with 1, concurrently: 3 busy OS threads,
+    and each thread reports its own budget."""
+    from mimo_tts.engine import thread_budget
+
+    x = torch.randn(2_000_000)
+    worked, release, seen = threading.Event(), threading.Event(), {}
+
+    def work():
+        for _ in range(60):
+            torch.exp(x).sin_()
+
+    def stage1():
+        with thread_budget(1):
+            seen["stage1"] = torch.get_num_threads()
+            work()
+        worked.set()
+        release.wait(60)  # a finished thread leaves /proc: stay until it has been read
+
+    def both():
+        with thread_budget(2):
+            worker = threading.Thread(target=stage1)
+            worker.start()
+            work()
+            seen["stage0"] = torch.get_num_threads()
+            worked.wait(60)
+        return worker
+
+    holder = {}
+    busy = _busy_threads(lambda: holder.update(worker=both()))
+    release.set()
+    holder["worker"].join()
+    assert seen == {"stage0": 2, "stage1": 1}
+    assert len(busy) == 3, busy  # the LM thread + its helper, the decode thread alone
+
+
+@pytest.fixture
+def tiny_synth_options(tiny_cache):
+    from mimo_tts import models
+
+    lm, tok = models.ensure_tiny_preset({models.CACHE_ENV: str(tiny_cache)})
+    return dict(model=str(lm), tokenizer=str(tok), lm_device="cpu", tokenizer_device="cpu")
+
+
+def test_stream_in_memory_reports_stage_timings(tiny_synth_options):
+    """The benchmark path: `Synthesizer.run(items, None)` keeps the audio, times both stages."""
+    from mimo_tts.inputs import Item
+    from mimo_tts.options import SynthOptions
+    from mimo_tts.pipeline import Synthesizer
+
+    options = SynthOptions(**tiny_synth_options, stream=True, lm_threads=1,
+                           tokenizer_threads=1, max_new_groups=8,
+                           stream_chunk_groups=2).validate()
+    synth = Synthesizer(options, env={})
+    chunks = []
+    (result,) = synth.run([Item(id="a", text="Timing check.", source="test")], None,
+                          chunks.append)
+    assert result.status == "ok" and result.path is None, result.error
+    assert synth.threads == {"lm": 1, "tokenizer": 1, "source": "options"}
+    assert result.audio.shape == (960 * 4 * 8,) and torch.equal(torch.cat(chunks), result.audio)
+    t = result.timings
+    assert {"stage0_s", "stage1_s", "stage1_wait_s", "first_audio_s", "generate_s"} <= set(t)
+    assert 0 < t["stage1_s"] and 0 < t["first_audio_s"] <= t["generate_s"]
+    assert t["stage0_s"] + t["stage1_wait_s"] <= t["generate_s"] + 1e-3
+
+
+def test_stream_on_one_cpu_splits_the_threads_by_default(tiny_synth_options):
+    from mimo_tts.options import SynthOptions
+    from mimo_tts.pipeline import Synthesizer
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        split = Synthesizer(SynthOptions(**tiny_synth_options, stream=True), env={})
+        plain = Synthesizer(SynthOptions(**tiny_synth_options), env={})
+        explicit = Synthesizer(SynthOptions(**tiny_synth_options, stream=True, lm_threads=3),
+                               env={})
+        budgets = [s.thread_budgets() for s in (split, plain, explicit)]
+    finally:
+        torch.set_num_threads(before)
+    assert budgets[0] == {"lm": 2, "tokenizer": 2, "source": "auto (--stream, cpu)"}
+    assert budgets[1] == {"lm": None, "tokenizer": None, "source": "options"}
+    assert budgets[2] == {"lm": 3, "tokenizer": None, "source": "options"}
+
+
+def test_incremental_stream_mode_through_the_pipeline(tiny_synth_options):
+    """`stream_mode="incremental"` reaches the worker: whole frames, close to one-shot audio."""
+    from mimo_tts.inputs import Item
+    from mimo_tts.options import SynthOptions
+    from mimo_tts.pipeline import Synthesizer
+
+    item = Item(id="a", text="Incremental.", source="test")
+    common = dict(**tiny_synth_options, lm_threads=1, tokenizer_threads=1, max_new_groups=8)
+    streamed = Synthesizer(SynthOptions(**common, stream=True, stream_mode="incremental",
+                                        stream_chunk_groups=2).validate(), env={})
+    (result,) = streamed.run([item], None)
+    one_shot = Synthesizer(SynthOptions(**common).validate(), env={})
+    (reference,) = one_shot.run([item], None)
+    assert result.status == reference.status == "ok", (result.error, reference.error)
+    assert result.generated_text_ids == reference.generated_text_ids
+    assert result.audio.shape == reference.audio.shape == (960 * 4 * 8,)
+    assert (result.audio - reference.audio).abs().max() < 5e-3
+    assert streamed.item_key(item) != Synthesizer(
+        SynthOptions(**common, stream=True).validate(), env={}).item_key(item)
