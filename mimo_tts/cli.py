@@ -34,9 +34,11 @@ EXAMPLES = """\
   mimo-tts synth --task tts_sft_with_instruct --instruct "calm, low voice" -t "Good night"
   echo "Streaming" | mimo-tts synth --input - --stream --raw | aplay -f S16_LE -r 24000
   mimo-tts decode out/tts_sft/hello.codes.safetensors --tokenizer-device cpu
+  mimo-tts synth --engine vllm --input lines.txt --max-num-seqs 16
   mimo-tts devices --tokenizer-device cpu
 """
 IN, MODELS, DEV, GEN, OUT, RUN = "Inputs", "Models", "Devices", "Generation", "Outputs", "Run"
+VLLM = "vLLM engine"
 
 app = typer.Typer(
     name="mimo-tts", no_args_is_help=True, rich_markup_mode="rich", epilog=EXAMPLES,
@@ -68,6 +70,9 @@ TokThreads = Annotated[int | None, typer.Option(
 Graph = Annotated[bool | None, typer.Option(
     "--cuda-graph/--no-cuda-graph", rich_help_panel=DEV, show_default=False,
     help="CUDA-graph decode on CUDA (env MIMO_AUDIO_TOKENIZER_CUDA_GRAPH; never on CPU).")]
+EngineName = Annotated[str | None, typer.Option(
+    rich_help_panel=VLLM, help="Stage-0 engine: native (default) or vllm (needs "
+    "pip install 'mimo-tts[vllm]'; without it exit 2). Stage-1 stays on the tokenizer device.")]
 Config = Annotated[str | None, typer.Option(
     "--config", "-c", rich_help_panel=RUN,
     help="TOML profile (path, or a name in configs/: default, cpu-tokenizer, ci-smoke).")]
@@ -241,6 +246,15 @@ def synth(
     stream_mode: Annotated[str | None, typer.Option(rich_help_panel=OUT,
         help="Streaming decoder: official (re-decodes overlapping windows, spec §7.2) or "
              "incremental (each frame decoded once; opt-in).")] = None,
+    engine: EngineName = None,
+    gpu_memory_utilization: Annotated[float | None, typer.Option(rich_help_panel=VLLM,
+        help="vLLM: share of GPU memory for weights + KV cache (default 0.9).")] = None,
+    max_num_seqs: Annotated[int | None, typer.Option(rich_help_panel=VLLM,
+        help="vLLM: prompts generated concurrently (default 32).")] = None,
+    tensor_parallel_size: Annotated[int | None, typer.Option(rich_help_panel=VLLM,
+        help="vLLM: GPUs to shard the LM over (default 1).")] = None,
+    max_model_len: Annotated[int | None, typer.Option(rich_help_panel=VLLM,
+        help="vLLM: longest sequence in groups, prompt included (default 8192).")] = None,
     config: Config = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", rich_help_panel=RUN,
         help="Preflight only (devices, checkpoints, memory); load nothing.")] = False,
@@ -261,7 +275,7 @@ def synth(
 
         items, options, synth_ = commands.prepare_synth(flags, config, sys.stdin, reporter.log)
         start = time.perf_counter()
-        with reporter.bar(len(items)) as advance:
+        with synth_, reporter.bar(len(items)) as advance:  # closes the engine (vLLM) at the end
             results = []
             for result in commands.run_synth(synth_, items):
                 results.append(result)
@@ -291,10 +305,10 @@ def _preflight(reporter: Reporter, flags: dict, config: str | None) -> int:
 def devices(
     model: Model = None, tokenizer: Tokenizer = None, lm_device: LmDevice = None,
     tokenizer_device: TokDevice = None, dtype: Dtype = None, tokenizer_dtype: TokDtype = None,
-    cuda_graph: Graph = None, config: Config = None, as_json: AsJson = False,
-    debug: Debug = False,
+    cuda_graph: Graph = None, engine: EngineName = None, config: Config = None,
+    as_json: AsJson = False, debug: Debug = False,
 ) -> None:
-    """Preflight: resolved devices (and why), CUDA, graph policy, checkpoints, memory per stage.
+    """Preflight: devices (and why), CUDA, graph policy, checkpoints, memory, Stage-0 engine.
 
     Loads no weights. Exits 3 when a checkpoint is missing, 4 on a bad device.
     """

@@ -4,11 +4,17 @@
 settings, batched generation + extraction, Stage-1 decode). Each stage runs under its own CPU
 thread budget (`thread_budget`) and turns an allocation failure into a `DeviceError` with
 advice (`oom_advice`). `check_pairing` refuses an LM and a tokenizer whose codebooks differ.
+
+Stage-0 runs on the native LM (`mimo_tts.lm`) or, with `--engine vllm`, on a `VLLMEngine`
+(`mimo_tts.lm.vllm`, imported only then). vLLM missing or unimportable is a UsageError (exit 2)
+naming the install command; Stage-1 stays on the tokenizer device either way.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -109,37 +115,100 @@ def check_pairing(lm_cfg, codec_cfg, lm_path, tok_path) -> None:
             f"{tok_path} has codebooks of {sizes}: they are not a matching pair")
 
 
-class Engine:
-    """The loaded LM, text tokenizer and audio tokenizer, with the glue between them."""
+VLLM_INSTALL = "pip install 'mimo-tts[vllm]' (CPU: scripts/setup_vllm_venv.sh)"
+CPU_KV_CACHE_MIB = 64  # vLLM on CPU: a small KV cache starts in seconds (default: most of RAM)
 
-    def __init__(self, lm, text, codec):
-        self.lm, self.text, self.codec = lm, text, codec
-        self.empty_ids = list(lm.cfg.speech_empty_ids)
-        self.group_size = lm.cfg.group_size
+
+def import_vllm_engine():
+    """The vLLM engine module; vLLM missing or broken is one UsageError line (exit 2)."""
+    try:  # the engine module first: it sets vLLM's env defaults (logs to stderr) before import
+        from mimo_tts.lm.vllm import engine
+
+        importlib.import_module("vllm")  # the engine module imports it only when starting
+    except ImportError as exc:
+        if getattr(exc, "name", None) == "vllm":
+            raise UsageError(f"--engine vllm needs vLLM, which is not installed: "
+                             f"{VLLM_INSTALL}") from None
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UsageError(f"--engine vllm: vLLM fails to import ({first}); reinstall it: "
+                         f"{VLLM_INSTALL}") from None
+    return engine
+
+
+def vllm_options(o, placement) -> dict:
+    """VLLMOptions keywords from the run options and placement (CPU: small KV cache)."""
+    device = placement.lm_device.value
+    if device == "mps":
+        raise UsageError("--engine vllm runs on CUDA or CPU, not mps; use --engine native")
+    if device.startswith("cuda:") and device != "cuda:0":
+        raise UsageError(f"--engine vllm places Stage-0 itself: pick its GPU with "
+                         f"CUDA_VISIBLE_DEVICES instead of --lm-device {device}")
+    kv_mib = o.kv_cache_mib if o.kv_cache_mib is not None else (
+        CPU_KV_CACHE_MIB if device == "cpu" else None)
+    given = {name: getattr(o, name) for name in ("gpu_memory_utilization", "max_num_seqs",
+                                                 "tensor_parallel_size", "max_model_len")}
+    return {"dtype": placement.lm_dtype.value, "in_process": True,
+            "kv_cache_memory_bytes": None if kv_mib is None else kv_mib << 20,
+            **{k: v for k, v in given.items() if v is not None}}
+
+
+class Engine:
+    """The loaded LM (native, or a `VLLMEngine` as `stage0`), text tokenizer and audio
+    tokenizer, with the glue between them."""
+
+    def __init__(self, lm, text, codec, stage0=None, lm_device: str | None = None):
+        self.lm, self.text, self.codec, self.stage0 = lm, text, codec, stage0
+        cfg = lm.cfg if stage0 is None else stage0.cfg
+        self.empty_ids = list(cfg.speech_empty_ids)
+        self.group_size = cfg.group_size
         self.samples_per_frame = codec.samples_per_frame
-        self.lm_device = str(lm.lm_head.weight.device)
+        self.lm_device = lm_device or str(lm.lm_head.weight.device)
         self._prompt_codes: dict[str, object] = {}
         self.lm_threads: int | None = None  # CPU threads per stage (None: torch's default)
         self.tokenizer_threads: int | None = None
 
     @classmethod
-    def load(cls, lm_path: Path, tok_path: Path, placement, log) -> Engine:
-        from mimo_tts.codec import load_audio_tokenizer
+    def load(cls, lm_path: Path, tok_path: Path, placement, log,
+             vllm: dict | None = None) -> Engine:
+        """Load both stages; `vllm` (VLLMOptions keywords) runs Stage-0 on vLLM instead."""
         from mimo_tts.lm.load import load_lm
         from mimo_tts.lm.text import TextTokenizer
 
+        module = import_vllm_engine() if vllm is not None else None  # fail before loading
         text = TextTokenizer.from_dir(lm_path)
+        lm = stage0 = None
         with _naming(lm_path), oom_advice("LM loading", placement.lm_device.value):
-            lm = load_lm(lm_path, placement.lm_device.value, placement.lm_dtype.value)
-        log(f"LM loaded from {lm_path}")
+            if module is None:
+                lm = load_lm(lm_path, placement.lm_device.value, placement.lm_dtype.value)
+            else:
+                stage0 = module.VLLMEngine(lm_path, module.VLLMOptions(**vllm))
+        log(f"LM loaded from {lm_path}" + ("" if stage0 is None else f" into vLLM {vllm}"))
+        try:
+            codec = cls._load_codec(tok_path, placement, log)
+            check_pairing((lm or stage0).cfg, codec.config, lm_path, tok_path)
+        except BaseException:
+            if stage0 is not None:
+                stage0.close()
+            raise
+        return cls(lm, text, codec, stage0, placement.lm_device.value)
+
+    @staticmethod
+    def _load_codec(tok_path: Path, placement, log):
+        from mimo_tts.codec import load_audio_tokenizer
+
         with _naming(tok_path), \
                 oom_advice("audio tokenizer loading", placement.tokenizer_device.value):
             codec = load_audio_tokenizer(tok_path, placement.tokenizer_device.value,
                                          placement.tokenizer_dtype.value,
                                          cuda_graph=bool(placement.cuda_graph.value))
         log(f"audio tokenizer loaded from {tok_path}")
-        check_pairing(lm.cfg, codec.config, lm_path, tok_path)
-        return cls(lm, text, codec)
+        return codec
+
+    def close(self) -> None:
+        """Shut the vLLM engine down (frees its memory); the native LM needs nothing."""
+        stage0, self.stage0 = self.stage0, None
+        if stage0 is not None:
+            stage0.close()
 
     def prompt(self, task, text, instruct, prompt_audio, template, seed):
         """The task prompt (mimo_tts.tasks.Prompt); a voice prompt is encoded on first use."""
@@ -194,22 +263,38 @@ class Engine:
                                  stop_tokens=stops)
 
     def generate_pieces(self, prompts, options, seed: int, batch_size: int) -> list[Piece]:
-        """Stage-0 for prompts, `batch_size` at a time, then extraction (spec §4.8)."""
+        """Stage-0 for prompts, `batch_size` at a time, then extraction (spec §4.8).
+
+        vLLM takes all prompts at once: it batches up to its max_num_seqs itself."""
         from mimo_tts.lm.extract import extract
-        from mimo_tts.lm.generate import generate
 
         pieces = []
-        for start in range(0, len(prompts), batch_size):
-            batch = prompts[start:start + batch_size]
+        step = batch_size if self.stage0 is None else max(len(prompts), 1)
+        for start in range(0, len(prompts), step):
+            batch = prompts[start:start + step]
             with thread_budget(self.lm_threads), \
                     oom_advice("Stage-0 generation", self.lm_device):
-                outs = generate(self.lm, [p.input_ids for p in batch], options,
-                                self.text.special)
+                outs = self._generate([p.input_ids for p in batch], options)
             for prompt, out in zip(batch, outs, strict=True):
                 found = extract(out.new_ids, self.text, self.empty_ids, self.group_size)
                 pieces.append(Piece(prompt, seed, list(found.text_tokens), found.text,
                                     found.codes))
         return pieces
+
+    def _generate(self, ids: list, options) -> list:
+        if self.stage0 is not None:
+            return self.stage0.generate(ids, options)
+        from mimo_tts.lm.generate import generate
+
+        return generate(self.lm, ids, options, self.text.special)
+
+    def stream_steps(self, ids: list, options) -> Iterator:
+        """Stage-0 StepOutputs as produced (vLLM: an audio group arrives one step late)."""
+        if self.stage0 is not None:
+            return self.stage0.stream(ids, options)
+        from mimo_tts.lm.generate import stream
+
+        return stream(self.lm, ids, options, self.text.special)
 
     def decode(self, codes_list: list) -> list:
         """Stage-1 on the tokenizer device: [8, T] codes -> [960 T] float32 audio each."""

@@ -15,11 +15,16 @@ from pathlib import Path
 
 from mimo_tts.errors import UsageError
 from mimo_tts.io import FORMATS, SAMPLE_RATE
+from mimo_tts.lm.config import MAX_GROUPS
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 # Resolved downstream with their env vars (devices.py, models.py), so the profile is not merged
 # into these fields here: flag > env > profile > default needs the env step in between.
 STREAM_MODES = ("official", "incremental")
+ENGINES = ("native", "vllm")
+# Options of the vLLM engine only (`--engine vllm`); an error with the native engine.
+VLLM_FIELDS = ("gpu_memory_utilization", "max_num_seqs", "tensor_parallel_size", "max_model_len",
+               "kv_cache_mib")
 DEFERRED_FIELDS = ("lm_device", "tokenizer_device", "dtype", "tokenizer_dtype", "cuda_graph",
                    "model", "tokenizer")
 
@@ -66,6 +71,14 @@ class SynthOptions:
     # Streaming decoder: "official" re-decodes overlapping windows (spec §7.2); "incremental"
     # (opt-in) decodes every frame once with bounded state (mimo_tts.codec.incremental).
     stream_mode: str = "official"
+    # Stage-0 engine: "native" (mimo_tts.lm) or "vllm" (mimo_tts.lm.vllm, optional install). The
+    # vLLM settings stay None unless given (None: VLLMOptions' defaults, see engine.vllm_options).
+    engine: str = "native"
+    gpu_memory_utilization: float | None = None
+    max_num_seqs: int | None = None
+    tensor_parallel_size: int | None = None
+    max_model_len: int | None = None  # groups, prompt included
+    kv_cache_mib: int | None = None  # profile only; default 64 MiB on CPU, else the utilisation
 
     def validate(self) -> SynthOptions:
         """Check values and combinations in one place (UsageError, exit 2)."""
@@ -92,7 +105,21 @@ class SynthOptions:
         _check(not (self.raw and self.output not in (None, "-")),
                "--raw writes PCM to stdout; it cannot be combined with -o FILE")
         _check(self.template is None or self.template >= 0, "--template must be >= 0")
+        self._validate_engine()
         return self
+
+    def _validate_engine(self) -> None:
+        _check(self.engine in ENGINES, f"--engine must be one of {', '.join(ENGINES)}")
+        given = [name for name in VLLM_FIELDS if getattr(self, name) is not None]
+        _check(self.engine == "vllm" or not given,
+               f"--{given[0].replace('_', '-') if given else ''} applies to --engine vllm only")
+        value = self.gpu_memory_utilization
+        _check(value is None or 0 < value <= 1, "--gpu-memory-utilization must be in (0, 1]")
+        for name in ("max_num_seqs", "tensor_parallel_size", "kv_cache_mib"):
+            value = getattr(self, name)
+            _check(value is None or value >= 1, f"--{name.replace('_', '-')} must be >= 1")
+        _check(self.max_model_len is None or 2 <= self.max_model_len <= MAX_GROUPS,
+               f"--max-model-len must be in [2, {MAX_GROUPS}] groups")
 
     @property
     def to_stdout(self) -> bool:

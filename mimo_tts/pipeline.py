@@ -5,6 +5,10 @@ both models once on first need, and `run` yields one typed `ItemResult` per inpu
 skipped (already done with the same inputs) or failed with its exit code. Every file write goes
 through `mimo_tts.io` (atomic). Without an output directory or file, results keep their audio
 in memory (`ItemResult.audio`): the library and benchmark path.
+
+With `engine="vllm"` Stage-0 runs on vLLM (loaded in `load`, shut down by `close`; the
+Synthesizer is a context manager): items are generated max(batch_size, max_num_seqs) at a time,
+all prompts of a window in one call, and sidecars record the engine and its settings.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ from pathlib import Path
 from mimo_tts import __version__, models
 from mimo_tts import io as mio
 from mimo_tts.devices import Placement, resolve_placement
-from mimo_tts.engine import Engine, Piece
-from mimo_tts.errors import MimoTTSError, NoAudioError, OutputError
+from mimo_tts.engine import Engine, Piece, import_vllm_engine, vllm_options
+from mimo_tts.errors import MimoTTSError, NoAudioError, OutputError, UsageError
 from mimo_tts.inputs import Item, split_text
 from mimo_tts.options import SynthOptions, build_options, load_profile, replace_options
 from mimo_tts.outputs import OutputDir
@@ -41,7 +45,7 @@ __all__ = ["PAUSE_FRAMES", "ItemResult", "Synthesizer", "SynthOptions", "build_o
            "check_audio", "exit_code_for", "join_pieces", "load_profile", "replace_options",
            "stream_piece"]
 
-
+VLLM_MAX_NUM_SEQS = 32  # VLLMOptions' default: the batch window when max_num_seqs is not given
 
 
 class Synthesizer:
@@ -81,10 +85,29 @@ class Synthesizer:
             if path is not None:
                 entry["memory"] = _safe_estimate(path, dtype)
             report["checkpoints"][role] = entry
+        report["engine"] = self.engine_record(preflight=True)
         return report
 
+    def engine_record(self, preflight: bool = False) -> dict:
+        """The Stage-0 engine and its settings (sidecar, preflight); no vLLM import."""
+        if self.options.engine != "vllm":
+            return {"name": "native"}
+        record: dict = {"name": "vllm"}
+        try:
+            record["settings"] = vllm_options(self.options, self.placement)
+        except UsageError as exc:
+            record["error"] = str(exc)
+        if preflight:
+            from importlib.util import find_spec
+
+            record["installed"] = find_spec("vllm") is not None
+        return record
+
     def resolve(self) -> None:
+        """Locate the checkpoints; with `engine="vllm"` also import vLLM (both end a run early)."""
         if self.lm_ref is None:
+            if self.options.engine == "vllm":
+                import_vllm_engine()
             self.lm_ref, self.tok_ref = models.resolve_models(
                 self.options.model, self.options.tokenizer, self.profile, self.env,
                 self.options.allow_download)
@@ -95,8 +118,10 @@ class Synthesizer:
             return
         self.resolve()
         start = time.perf_counter()
-        self.engine = Engine.load(self.lm_ref.path, self.tok_ref.path, self.placement,
-                                         self.log)
+        vllm = (vllm_options(self.options, self.placement)
+                if self.options.engine == "vllm" else None)
+        self.engine = Engine.load(self.lm_ref.path, self.tok_ref.path, self.placement, self.log,
+                                  vllm=vllm)
         self.timings["load_s"] = time.perf_counter() - start
         self.threads = self.thread_budgets()
         self.engine.lm_threads = self.threads["lm"]
@@ -104,7 +129,19 @@ class Synthesizer:
         self.log(f"loaded models in {self.timings['load_s']:.2f} s "
                  f"(LM on {self.placement.lm_device.value}, "
                  f"tokenizer on {self.placement.tokenizer_device.value}; "
-                 f"threads {self.threads})")
+                 f"threads {self.threads}; engine {self.options.engine})")
+
+    def close(self) -> None:
+        """Shut the Stage-0 engine down (vLLM frees its memory); loading again is possible."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.close()
+
+    def __enter__(self) -> Synthesizer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def thread_budgets(self) -> dict:
         """Per-stage CPU threads: the options', else half each for `--stream` on one CPU."""
@@ -137,6 +174,8 @@ class Synthesizer:
         }
         if o.stream and o.stream_mode != "official":  # keeps the keys of earlier outputs
             inputs["stream_mode"] = o.stream_mode
+        if o.engine != "native":  # likewise
+            inputs["engine"] = o.engine
         blob = json.dumps(inputs, sort_keys=True, ensure_ascii=False, default=str)
         return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
 
@@ -153,17 +192,25 @@ class Synthesizer:
             chunk_sink=None) -> Iterator[ItemResult]:
         """Yield one result per item, in input order; a failed item is recorded, the rest go on.
 
-        Items are generated `batch_size` at a time. Checkpoint and device errors while loading
+        Items are generated `batch_size` at a time (vLLM: max(batch_size, max_num_seqs),
+        scheduled by vLLM). Checkpoint and device errors while loading
         are not per-item: they end the run (raised). With `out=None` and no `output` option,
         nothing is written: each result carries its audio (`ItemResult.audio`).
         """
         window: list[ItemResult] = []
         for item in items:
             window.append(self._prepare(item, out))
-            if sum(r.status == "pending" for r in window) >= self.options.batch_size:
+            if sum(r.status == "pending" for r in window) >= self.batch_window():
                 yield from self._flush(window, out, chunk_sink)
                 window = []
         yield from self._flush(window, out, chunk_sink)
+
+    def batch_window(self) -> int:
+        """Items per Stage-0 call: batch_size, or for vLLM at least its max_num_seqs."""
+        o = self.options
+        if o.engine != "vllm" or o.stream:
+            return o.batch_size
+        return max(o.batch_size, o.max_num_seqs or VLLM_MAX_NUM_SEQS)
 
     def _prepare(self, item: Item, out) -> ItemResult:
         result = ItemResult(item=item, status="pending", seed=item.seed)
@@ -346,6 +393,7 @@ class Synthesizer:
             "prompt_audio": item.prompt_audio or o.prompt_audio,
             "model": self.lm_ref.describe(), "tokenizer": self.tok_ref.describe(),
             "placement": self.placement.describe(), "threads": self.threads,
+            "engine": self.engine_record(),
             "sampler": self.sampler_settings(),
             "effective_sampler": self.engine.sampler_record(o),
             "seed": self.seed(item), "max_new_groups": o.max_new_groups,

@@ -2,9 +2,11 @@
 
 The generating thread pushes each chunk of new code frames to a `DecodeWorker`, which runs a
 `StreamingDecoder` (spec §7.2 scheme) on the tokenizer device and hands each decoded chunk to a
-sink (raw PCM on stdout, a list, ...). Each stage runs under its own CPU thread budget
-(`engine.thread_budget`), so on one CPU the two stages share the cores instead of fighting
-for them. Timings of both stages are recorded on the returned `Piece` for benchmarks.
+sink (raw PCM on stdout, a list, ...). Stage-0 steps come from `Engine.stream_steps`: the native
+LM, or vLLM with `--engine vllm` (its audio groups arrive one step late). Each stage runs under
+its own CPU thread budget (`engine.thread_budget`), so on one CPU the two stages share the cores
+instead of fighting for them. Timings of both stages are recorded on the returned `Piece` for
+benchmarks.
 """
 
 from __future__ import annotations
@@ -131,14 +133,12 @@ def _generate_streaming(engine, prompt, options, worker: DecodeWorker, chunk_gro
     """Stage-0 for one prompt in this thread, pushing audio frames to the worker in chunks."""
     import torch
 
-    from mimo_tts.lm.generate import stream
-
     special, empty0 = engine.text.special, engine.empty_ids[0]
     empty_codes = torch.tensor(engine.empty_ids).unsqueeze(0).expand(engine.group_size, -1)
     blocks, pending, sent = [], [], []
     with thread_budget(getattr(engine, "lm_threads", None)), \
             oom_advice("Stage-0 generation", engine.lm_device):
-        for step in stream(engine.lm, [prompt.input_ids], options, special):
+        for step in engine.stream_steps([prompt.input_ids], options):
             blocks.append(_group_ids(step, empty_codes))
             if step.text_token == special.sostm:
                 pending.clear()  # official extraction reads audio after a generated <|sostm|>
