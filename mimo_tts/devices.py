@@ -8,8 +8,10 @@ so that an explicit `0`/`false` wins.
 
 from __future__ import annotations
 
+import glob
 import os
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -35,12 +37,49 @@ class Probe:
 
     @staticmethod
     def detect() -> Probe:
+        """Ask torch, unless the machine plainly has no accelerator (then torch stays unimported).
+
+        Importing torch costs seconds; `mimo-tts devices` and `--dry-run` must not pay it on a
+        CPU-only machine (issue 5, start-up).
+        """
+        if "torch" not in sys.modules and not accelerator_possible():
+            return Probe(cuda_count=0, cuda_current=0, mps=False)
         import torch
 
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         current = torch.cuda.current_device() if count else 0
         mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
         return Probe(cuda_count=count, cuda_current=current, mps=mps)
+
+
+# Traces a GPU driver leaves on Linux: NVIDIA (/proc, /dev/nvidia*), WSL2 (/dev/dxg) and ROCm
+# (/dev/kfd; torch.cuda reports ROCm GPUs too). Any one sends `Probe.detect` to torch.
+DRIVER_MARKERS = ("/proc/driver/nvidia", "/dev/nvidia*", "/dev/dxg", "/dev/kfd")
+CUDA_LIBRARIES = ("libcuda.so.1", "libcuda.so")
+
+
+def accelerator_possible(markers=DRIVER_MARKERS, libraries=CUDA_LIBRARIES,
+                         platform: str | None = None) -> bool:
+    """False only when no GPU can be present: no driver trace, no CUDA driver library, no macOS.
+
+    False positives just cost a torch import. The library check asks the dynamic loader
+    (dlopen) rather than `ctypes.util.find_library`, whose gcc fallback alone takes ~0.15 s.
+    """
+    if (platform or sys.platform) == "darwin":  # MPS
+        return True
+    if any(glob.glob(marker) for marker in markers):
+        return True
+    return any(_loadable(name) for name in libraries)
+
+
+def _loadable(name: str) -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL(name)
+    except OSError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -192,3 +192,55 @@ def test_detect_probe_matches_torch():
 def test_mps_takes_no_index():
     with pytest.raises(DeviceError, match="'mps:3'"):
         normalize_device("mps:3", probe=MAC)
+
+
+# --- Probe.detect: no torch import where no accelerator can exist (issue 5, start-up) -----------
+
+
+def test_accelerator_possible_sees_each_driver_trace(tmp_path):
+    absent = str(tmp_path / "absent")
+    assert not devices.accelerator_possible((absent,), ("libmimo-absent.so",), "linux")
+    (tmp_path / "nvidia0").touch()
+    assert devices.accelerator_possible((str(tmp_path / "nvidia*"),), (), "linux")
+    assert devices.accelerator_possible((absent,), (), "darwin")  # MPS is asked of torch
+
+
+def test_accelerator_possible_sees_a_loadable_driver_library():
+    import ctypes.util
+
+    libc = ctypes.util.find_library("c")
+    assert libc is not None
+    assert devices.accelerator_possible((), (libc,), "linux")
+    assert not devices.accelerator_possible((), ("libmimo-absent.so",), "linux")
+
+
+def _detect_in_fresh_interpreter() -> dict:
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys; from mimo_tts.devices import Probe, accelerator_possible; "
+            "p = Probe.detect(); print(json.dumps({'probe': [p.cuda_count, p.cuda_current, p.mps],"
+            " 'torch': 'torch' in sys.modules, 'possible': accelerator_possible()}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    return json.loads(out.stdout)
+
+
+def test_detect_skips_torch_without_an_accelerator():
+    found = _detect_in_fresh_interpreter()
+    if found["possible"]:
+        pytest.skip("this machine may have a GPU: detect rightly imports torch")
+    assert found == {"probe": [0, 0, False], "torch": False, "possible": False}
+
+
+def test_fast_path_agrees_with_torch():
+    import torch
+
+    found = _detect_in_fresh_interpreter()
+    assert found["torch"] == found["possible"]
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert found["probe"][0] == count
+    if not found["possible"]:
+        mps = getattr(torch.backends, "mps", None)
+        assert count == 0 and not (mps and mps.is_available())
