@@ -110,11 +110,40 @@ def check_state_dict(
     return used
 
 
+def _read_converted(directory: str | Path, names: set[str], expected: dict) -> dict:
+    """Read `names` one tensor at a time and convert each to its module dtype.
+
+    Converting memory-mapped tensors would leave every source page resident for as long as the
+    mapping lives (it does, through the tensors that need no conversion), so a float32 checkpoint
+    loaded as bfloat16 would peak at 1.5x its size; read this way it peaks at the converted size
+    plus one source tensor.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    out = {}
+    for path in weight_files(directory):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                wanted = sorted(names.intersection(handle.keys()))
+            for name in wanted:  # a mapping per tensor: its pages leave RSS when it closes
+                with safe_open(str(path), framework="pt", device="cpu") as handle:
+                    out[name] = handle.get_tensor(name).to(expected[name].dtype)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"corrupt or truncated safetensors file {path}: {exc}") from None
+    return out
+
+
 def load_module_weights(module, directory: str | Path, where: str, ignore=()) -> None:
-    """Load a checkpoint into a module built on the meta device (strict, by official names)."""
-    found = load_tensors(directory)
+    """Load a checkpoint into a module built on the meta device (strict, by official names).
+
+    Tensors already in the module's dtype stay memory-mapped (no copy; pages are read on first
+    use). The others (e.g. a float32 checkpoint loaded as bfloat16) are read and converted one by
+    one, so peak memory stays near the loaded weights' size.
+    """
+    found = load_tensors(directory)  # memory-mapped: nothing is read yet
     expected = module.state_dict()
     used = check_state_dict(expected, found, where, ignore)
-    # Match each tensor's dtype to the module's before assigning (checkpoints may be bf16).
-    used = {k: v.to(expected[k].dtype) for k, v in used.items()}
+    convert = {k for k, v in used.items() if v.dtype != expected[k].dtype}
+    if convert:
+        used.update(_read_converted(directory, convert, expected))
     module.load_state_dict(used, strict=True, assign=True)

@@ -1,7 +1,8 @@
 """Build the audio tokenizer on the meta device and load its checkpoint strictly (house style).
 
-meta build -> safetensors (single file or sharded index) -> strict load_state_dict(assign=True)
--> move to the tokenizer device -> parameters to the chosen dtype -> eval. The RVQ codebooks and
+meta build (parameters already in the chosen dtype) -> safetensors (single file or sharded index;
+memory-mapped, converted tensor by tensor where the dtype differs) -> strict
+load_state_dict(assign=True) -> move to the tokenizer device -> eval. The RVQ codebooks and
 the ISTFT window are buffers and stay float32 whatever the dtype (spec §3.4, §8 item 4).
 """
 
@@ -51,10 +52,17 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return DTYPE_NAMES[name]
 
 
-def build_model(config: CodecConfig) -> CodecModel:
-    """The module tree on the meta device (no memory, no init), ready for assign-loading."""
+def build_model(config: CodecConfig, dtype: torch.dtype = torch.float32) -> CodecModel:
+    """The module tree on the meta device (no memory, no init), ready for assign-loading.
+
+    Parameters take `dtype` already, so loading converts each tensor as it is read; buffers (RVQ
+    codebooks, ISTFT window) stay float32.
+    """
     with torch.device("meta"):
-        return CodecModel(config)
+        model = CodecModel(config)
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return model
 
 
 def place_model(model: CodecModel, device: torch.device, dtype: torch.dtype) -> CodecModel:
@@ -76,6 +84,6 @@ def load_audio_tokenizer(
     device = torch.device(normalize_device(str(device)))
     dtype = resolve_dtype(dtype)
     config = CodecConfig.from_json(read_config(path))
-    model = build_model(config)
+    model = build_model(config, dtype)
     load_module_weights(model, path, f"audio tokenizer {path}", ignore=IGNORED_TENSORS)
     return AudioTokenizer(place_model(model, device, dtype), device, dtype, cuda_graph=cuda_graph)

@@ -4,6 +4,10 @@ Each push dequantises the new codes, prepends the cached latent frames and decod
 sequence from scratch. Audio is held back by `right_overlap` frames (the vocoder looks ahead) and
 the cache keeps at most `left_overlap` frames once audio has been emitted, so memory stays bounded.
 The output totals 960*T samples but differs slightly from one-shot decode (chunk-wide GroupNorm).
+
+`mode="incremental"` (opt-in) hands the stream to `IncrementalDecoder` instead: every frame is
+decoded once, with a KV cache and exact vocoder look-ahead (see `incremental.py`); its audio is
+closer to one-shot decode than the official scheme's, at about one-shot compute.
 Shapes: K codebooks, n new frames, C combined frames, S samples.
 """
 
@@ -12,32 +16,46 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mimo_tts.codec.incremental import IncrementalDecoder
 from mimo_tts.errors import UsageError
 
 # Spec §7.2 StreamingConfig defaults, in code frames (10 s and 1.6 s).
 LEFT_OVERLAP = 250
 RIGHT_OVERLAP = 40
+MODES = ("official", "incremental")
 
 
 class StreamingDecoder:
-    """One stream: push code chunks in order; each push returns new audio or None."""
+    """One stream: push code chunks in order; each push returns new audio or None.
+
+    mode "official" (default) re-decodes with `left_overlap`/`right_overlap` exactly as spec §7.2;
+    mode "incremental" ignores the overlaps and passes `options` (context, norm_window, warmup)
+    to `IncrementalDecoder`.
+    """
 
     def __init__(self, tokenizer, left_overlap: int = LEFT_OVERLAP,
-                 right_overlap: int = RIGHT_OVERLAP):
+                 right_overlap: int = RIGHT_OVERLAP, mode: str = "official", **options):
+        if mode not in MODES:
+            raise UsageError(f"streaming mode must be one of {', '.join(MODES)}, got {mode!r}")
         if not 0 <= right_overlap <= left_overlap:
             # The kept cache must cover the held-back frames, or the next start goes negative.
             raise UsageError(
                 "streaming overlaps need 0 <= right_overlap <= left_overlap, got "
                 f"left={left_overlap}, right={right_overlap}"
             )
-        self.tokenizer = tokenizer
+        if options and mode != "incremental":
+            raise UsageError(f"options {sorted(options)} apply to mode='incremental' only")
+        self.tokenizer, self.mode = tokenizer, mode
         self.left_overlap, self.right_overlap = int(left_overlap), int(right_overlap)
+        self.incremental = IncrementalDecoder(tokenizer, **options) if mode != "official" else None
         self.reset()
 
     def reset(self) -> None:
         """Start a new stream (drop the cached frames)."""
         self._cache: Tensor | None = None  # [C, d_model] float32 latent frames
         self.processed_length = 0
+        if self.incremental is not None:
+            self.incremental.reset()
 
     @property
     def cache_length(self) -> int:
@@ -45,6 +63,8 @@ class StreamingDecoder:
 
     def push(self, codes: Tensor, last: bool = False) -> Tensor | None:
         """codes [K, n] -> new waveform samples [S] float32 on the tokenizer device, or None."""
+        if self.incremental is not None:
+            return self.incremental.push(codes, last)
         hidden = self.tokenizer.dequantize(codes)
         if self._cache is not None:
             hidden = torch.cat([self._cache, hidden])

@@ -47,18 +47,23 @@ class ISTFT(nn.Module):
         self.pad = (nfft - hop) // 2
         self.register_buffer("window", torch.empty(nfft, dtype=torch.float32))
 
-    def _overlap_add(self, frames: Tensor) -> Tensor:
-        """frames [B, N, nfft] -> [B, N*hop] after overlap-add and trimming."""
+    def _overlap_add(self, frames: Tensor, trim: bool = True) -> Tensor:
+        """frames [B, N, nfft] -> [B, N*hop] after overlap-add and trimming (untrimmed:
+        [B, (N-1)*hop + nfft])."""
         n = frames.shape[1]
         total = (n - 1) * self.hop + self.nfft
         out = F.fold(frames.transpose(1, 2), output_size=(1, total),
                      kernel_size=(1, self.nfft), stride=(1, self.hop))  # [B, 1, 1, total]
-        return out[:, 0, 0, self.pad:total - self.pad]
+        return out[:, 0, 0, self.pad:total - self.pad] if trim else out[:, 0, 0]
+
+    def frames(self, spec: Tensor) -> Tensor:
+        """Complex spec [B, N, F] (float32) -> windowed inverse-FFT frames [B, N, nfft]."""
+        return torch.fft.irfft(spec, n=self.nfft, dim=-1) * self.window.float()
 
     def forward(self, spec: Tensor, lengths: Tensor | None = None) -> Tensor:
         """Complex spec [B, N, F] (float32) -> waveform [B, N*hop] float32."""
         window = self.window.float()
-        frames = torch.fft.irfft(spec, n=self.nfft, dim=-1) * window  # [B, N, nfft]
+        frames = self.frames(spec)  # [B, N, nfft]
         squared = (window * window).expand(1, spec.shape[1], self.nfft)
         if lengths is not None:
             keep = valid_mask(lengths, spec.shape[1])[..., None].float()  # [B, N, 1]
@@ -75,12 +80,15 @@ class ISTFTHead(nn.Module):
         self.out = nn.Linear(dim, nfft + 2)
         self.istft = ISTFT(nfft, hop)
 
-    def forward(self, x: Tensor, lengths: Tensor | None = None) -> Tensor:
-        """x [B, N, dim] -> waveform [B, N*hop] float32."""
+    def spectrum(self, x: Tensor) -> Tensor:
+        """x [B, N, dim] -> complex spectrum [B, N, F] float32."""
         log_mag, phase = self.out(x).float().chunk(2, dim=-1)  # [B, N, F] each
         mag = log_mag.exp().clamp(max=MAX_MAGNITUDE)
-        spec = torch.complex(mag * phase.cos(), mag * phase.sin())
-        return self.istft(spec, lengths)
+        return torch.complex(mag * phase.cos(), mag * phase.sin())
+
+    def forward(self, x: Tensor, lengths: Tensor | None = None) -> Tensor:
+        """x [B, N, dim] -> waveform [B, N*hop] float32."""
+        return self.istft(self.spectrum(x), lengths)
 
 
 class Vocoder(nn.Module):

@@ -61,3 +61,18 @@ def test_meta_context_with_cuda_device(tokenizer_dir, decode_cases):
         wave = codec.decode(decode_cases["decode_T4.codes"])
     assert wave.device.type == "cuda"
     torch.testing.assert_close(wave.cpu(), decode_cases["decode_T4.waveform"], atol=1e-4, rtol=0)
+
+
+def test_incremental_streaming_on_cuda(gpu_codec, decode_cases):
+    """The incremental mode keeps its state on the tokenizer device and stays exact there."""
+    from mimo_tts.codec.incremental import IncrementalDecoder
+
+    codes = decode_cases["decode_T101.codes"]
+    stream = IncrementalDecoder(gpu_codec, context=101, norm_window=101, warmup=101)
+    pieces = [stream.push(codes[:, s:s + 20], last=s + 20 >= 101) for s in range(0, 101, 20)]
+    wave = torch.cat([p for p in pieces if p is not None])
+    assert wave.device.type == "cuda"
+    torch.testing.assert_close(wave.cpu(), decode_cases["decode_T101.waveform"], atol=1e-4, rtol=0)
+    default = StreamingDecoder(gpu_codec, mode="incremental")
+    pieces = [default.push(codes[:, s:s + 20], last=s + 20 >= 101) for s in range(0, 101, 20)]
+    assert torch.cat([p for p in pieces if p is not None]).shape == (960 * 101,)
