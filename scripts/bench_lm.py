@@ -1,12 +1,24 @@
 """Benchmark the Stage-0 group step at the real width with random weights; prints JSON.
 
 The backbone keeps the real width (hidden 4096, 32/8 heads, ffn 11008, vocab 151680) but
-fewer layers (--layers) so it fits in memory; the patch encoder and decoder are full size.
-Reports ms per group step split into backbone (+ lm_head), patch decoder (11 steps) and patch
-encoder, batch 1 vs batch B throughput, and the memory-bandwidth floor: the weight bytes one
-batch-1 step must read divided by the measured copy bandwidth.
+fewer layers (--layers) so it fits in memory; the patch encoder (6 layers) and decoder
+(16 layers, 11 steps per group) are full size. Weights are fused as `load_lm` fuses them.
 
-    .venv/bin/python scripts/bench_lm.py [--quick] [--layers 4] [--batch 4] [--device cpu]
+Reported, all from one run:
+- ms per group step split into backbone (+ lm_head), patch decoder (11 steps) and patch
+  encoder, and the whole step through `stream`, for each batch size (default 1, 4, 8);
+- groups/s per batch size and the batch-B / batch-1 throughput ratios;
+- the memory-bandwidth floor of a batch-1 step: the weight bytes one step must read divided
+  by the read bandwidth, measured as bytes per second of a large read-only reduction (a sum
+  over a tensor far larger than the last-level cache), best of several; the tensor copy
+  bandwidth (read + write bytes) is reported alongside for reference.
+
+The CPU is shared with other jobs, so every time is the best of N after a warm-up (others
+only ever slow a run down), each timed call first waits (up to --quiet-wait seconds) for the
+other jobs' CPU use to drop below --quiet-busy, the bandwidth is sampled between the step
+measurements in the same way, and the calls that found no quiet moment are counted.
+
+    .venv/bin/python scripts/bench_lm.py [--quick] [--layers 4] [--batch 1,4,8] [--threads N]
 """
 
 from __future__ import annotations
@@ -33,9 +45,10 @@ FULL_CONFIG = FIXTURES / "full-size" / "lm-config.json"
 SPECIAL = SpecialTokens(endoftext=151643, im_start=151644, im_end=151645, sosp=151665,
                         eosp=151666, empty=151667, sostm=151670, eostm=151671, eot=151672,
                         think=151668, end_think=151669, eos=151645, pad=151643)
+PROMPT_GROUPS = 48
 
 
-def build_model(layers: int, device: str, dtype: torch.dtype) -> MiMoAudioLM:
+def build_model(layers: int, device: str, dtype: torch.dtype, fuse: bool = True) -> MiMoAudioLM:
     """The full-size architecture with `layers` backbone layers and random weights."""
     cfg = json.loads(FULL_CONFIG.read_text())
     cfg["num_hidden_layers"] = layers
@@ -50,6 +63,8 @@ def build_model(layers: int, device: str, dtype: torch.dtype) -> MiMoAudioLM:
             else:  # uniform with std 0.02: fast to draw, keeps activations sane
                 p.uniform_(-0.0346, 0.0346, generator=gen)
     model.build_buffers(torch.device(device))
+    if fuse:
+        model.fuse_weights()
     return model.eval().requires_grad_(False)
 
 
@@ -58,26 +73,68 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn, repeats: int, device: str, best: bool = False) -> float:
-    """Median (or best) seconds of `fn()` after one warm-up call."""
+class Quiet:
+    """Waits for other processes' CPU use (from /proc/stat, while this one sleeps) to fall
+    below `busy`, at most `wait` seconds; counts the waits that timed out."""
+
+    def __init__(self, wait: float, busy: float):
+        self.wait, self.busy = wait, busy
+        self.calls = self.noisy = 0
+
+    @staticmethod
+    def _ticks() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+        return sum(values), values[3] + values[4]  # total, idle + iowait
+
+    def __call__(self) -> None:
+        if self.wait <= 0 or not os.path.exists("/proc/stat"):
+            return
+        self.calls += 1
+        deadline = time.monotonic() + self.wait
+        while time.monotonic() < deadline:
+            total, idle = self._ticks()
+            time.sleep(0.2)
+            total2, idle2 = self._ticks()
+            if 1 - (idle2 - idle) / max(1, total2 - total) < self.busy:
+                return
+        self.noisy += 1
+
+
+QUIET = Quiet(0, 1.0)
+
+
+def timed(fn, repeats: int, device: str) -> list[float]:
+    """Seconds of each of `repeats` calls of `fn()` after one warm-up call."""
     fn()
     times = []
     for _ in range(repeats):
         sync(device)
+        QUIET()
         start = time.perf_counter()
         fn()
         sync(device)
         times.append(time.perf_counter() - start)
-    return min(times) if best else sorted(times)[len(times) // 2]
+    return times
 
 
-def copy_bandwidth(device: str, mib: int, repeats: int) -> float:
-    """Bytes moved per second (read + write) by a large tensor copy."""
-    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty_like(src)
-    # Best of several: other jobs on a shared machine only ever slow a copy down.
-    seconds = timed(lambda: dst.copy_(src), repeats, device, best=True)
-    return 2 * src.numel() / seconds
+class Bandwidth:
+    """Read bandwidth samples: bytes per second of a sum over a large tensor (read-only)."""
+
+    def __init__(self, device: str, mib: int):
+        self.device = device
+        self.src = torch.ones(mib * 2**20 // 8, dtype=torch.int64, device=device)
+        self.read: list[float] = []
+
+    def sample(self, repeats: int = 2) -> None:
+        nbytes = self.src.numel() * self.src.element_size()
+        self.read += [nbytes / s for s in timed(self.src.sum, repeats, self.device)]
+
+    def copy(self, repeats: int) -> float:
+        """Bytes moved per second (read + write) by a tensor copy, best of `repeats`."""
+        dst = torch.empty_like(self.src)
+        best = min(timed(lambda: dst.copy_(self.src), repeats, self.device))
+        return 2 * self.src.numel() * self.src.element_size() / best
 
 
 def weight_bytes_per_step(model: MiMoAudioLM) -> dict[str, int]:
@@ -86,11 +143,12 @@ def weight_bytes_per_step(model: MiMoAudioLM) -> dict[str, int]:
         return sum(p.numel() * p.element_size() for p in module.parameters())
 
     cfg = model.cfg
-    heads = sum(size(h) for h in model.local_transformer_lm_heads) * cfg.group_size
+    # Each channel's head is read at the F steps that sample it.
+    heads = size(model.local_transformer_lm_heads) * cfg.group_size
     return {
         "backbone": size(model.model.layers) + size(model.model.norm) + size(model.lm_head),
         "patch_decoder": size(model.hidden_states_downcast) + heads
-        + cfg.local_steps * (size(model.local_transformer)),
+        + cfg.local_steps * size(model.local_transformer),
         "patch_encoder": size(model.input_local_transformer) + size(model.speech_group_downcast),
     }
 
@@ -110,10 +168,10 @@ def audio_prompt(model: MiMoAudioLM, groups: int, seed: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def component_times(model, batch: int, repeats: int, device: str) -> dict[str, float]:
-    """Seconds per group for each part of one decode step at this batch size."""
+def component_times(model, batch: int, repeats: int, device: str) -> dict[str, list[float]]:
+    """Seconds per group (each repeat) for each part of one decode step at this batch size."""
     cfg = model.cfg
-    prompts = [audio_prompt(model, 48, seed) for seed in range(batch)]
+    prompts = [audio_prompt(model, PROMPT_GROUPS, seed) for seed in range(batch)]
     options = GenerationOptions(text_sampler=GREEDY, audio_sampler=GREEDY, max_new_groups=64)
     state = prefill(model, prompts, options, SPECIAL)
     slot = state.prompt_len
@@ -137,9 +195,9 @@ def component_times(model, batch: int, repeats: int, device: str) -> dict[str, f
     }
 
 
-def full_step_seconds(model, batch: int, steps: int, device: str) -> float:
-    """Seconds per generated group through `stream`, every group an audio group."""
-    prompts = [audio_prompt(model, 48, seed) for seed in range(batch)]
+def step_times(model, batch: int, steps: int, device: str) -> list[float]:
+    """Seconds between consecutive groups yielded by `stream`, every group an audio group."""
+    prompts = [audio_prompt(model, PROMPT_GROUPS, seed) for seed in range(batch)]
 
     def force_empty(step, logits):
         logits = logits.clone()
@@ -147,51 +205,87 @@ def full_step_seconds(model, batch: int, steps: int, device: str) -> float:
         return logits
 
     options = GenerationOptions(text_sampler=GREEDY, audio_sampler=GREEDY,
-                                max_new_groups=steps + 1, text_logits_processor=force_empty)
-    marks = []
+                                max_new_groups=steps + 2, text_logits_processor=force_empty)
+    gaps, last = [], None
     for out in stream(model, prompts, options, SPECIAL):
         if out.index == 0:
             sync(device)
-            marks.append(time.perf_counter())
-    # Intervals between consecutive groups exclude the prefill.
-    gaps = [b - a for a, b in zip(marks, marks[1:], strict=False)]
-    return sorted(gaps)[len(gaps) // 2]
+            if last is not None:
+                gaps.append(time.perf_counter() - last)
+            QUIET()  # the generator is paused here: the next group starts when resumed
+            last = time.perf_counter()
+    # Each interval is one group's step; the prefill is excluded and the first is a warm-up.
+    return gaps[1:]
+
+
+def _ms(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    middle = ordered[len(ordered) // 2]
+    return {"best": round(1e3 * ordered[0], 1), "median": round(1e3 * middle, 1)}
+
+
+def run(args) -> dict:
+    layers = args.layers or (2 if args.quick else 4)
+    repeats, steps = (2, 3) if args.quick else (5, 8)
+    batches = [int(b) for b in args.batch.split(",")]
+    if 1 not in batches:
+        batches.insert(0, 1)
+    load_before = os.getloadavg()
+    model = build_model(layers, args.device, getattr(torch, args.dtype), fuse=not args.no_fuse)
+    bandwidth = Bandwidth(args.device, 1024)
+    weights = weight_bytes_per_step(model)
+    parts, steps_s = {}, {}
+    for b in batches:
+        bandwidth.sample()
+        parts[b] = component_times(model, b, repeats, args.device)
+        bandwidth.sample()
+        steps_s[b] = step_times(model, b, steps, args.device)
+    bandwidth.sample()
+    read_bw = max(bandwidth.read)
+    floor = sum(weights.values()) / read_bw
+    best = {b: min(s) for b, s in steps_s.items()}
+    return {
+        "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+        "load_average_start_end": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+        "timed_calls_without_quiet_cpu": f"{QUIET.noisy} of {QUIET.calls}",
+        "backbone_layers": layers, "fused_weights": not args.no_fuse,
+        "weight_gib_per_step": {k: round(v / 2**30, 3) for k, v in weights.items()},
+        "read_bandwidth_gbps": {"best": round(read_bw / 1e9, 2),
+                                "median": round(sorted(bandwidth.read)[len(bandwidth.read) // 2]
+                                                / 1e9, 2),
+                                "op": "sum of a 1 GiB int64 tensor"},
+        "copy_bandwidth_gbps_read_plus_write": round(bandwidth.copy(3) / 1e9, 2),
+        "floor_ms_per_group": round(1e3 * floor, 1),
+        "floor_ms_parts": {k: round(1e3 * v / read_bw, 1) for k, v in weights.items()},
+        "ms_per_group_parts": {b: {k: _ms(v) for k, v in p.items()} for b, p in parts.items()},
+        "ms_per_group_step": {b: _ms(s) for b, s in steps_s.items()},
+        "groups_per_s": {b: round(b / s, 2) for b, s in best.items()},
+        "throughput_over_batch1": {b: round(b * best[1] / s, 2) for b, s in best.items()},
+        "batch1_over_floor": round(best[1] / floor, 2),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 layers, few repeats")
     parser.add_argument("--layers", type=int, default=None, help="backbone layers (default 4)")
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--batch", default="1,4,8", help="batch sizes, comma-separated")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads (default: torch's); on a CPU shared with other jobs "
-                             "1 thread avoids OpenMP threads spinning against each other")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(),
+                        help="CPU threads (default: all the machine's cores)")
+    parser.add_argument("--quiet-wait", type=float, default=3.0,
+                        help="seconds to wait, before each timed call, for the CPU to be quiet "
+                             "(0: never wait)")
+    parser.add_argument("--quiet-busy", type=float, default=0.1,
+                        help="CPU use by other processes (0-1) below which the CPU is quiet")
+    parser.add_argument("--no-fuse", action="store_true",
+                        help="keep q/k/v, gate/up and the channel heads as separate matmuls")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    layers = args.layers or (2 if args.quick else 4)
-    repeats, steps = (2, 3) if args.quick else (5, 8)
-    dtype = getattr(torch, args.dtype)
-    model = build_model(layers, args.device, dtype)
-    bandwidth = copy_bandwidth(args.device, 1024, 5)
-    weights = weight_bytes_per_step(model)
-    parts = {b: component_times(model, b, repeats, args.device) for b in (1, args.batch)}
-    step = {b: full_step_seconds(model, b, steps, args.device) for b in (1, args.batch)}
-    floor = sum(weights.values()) / bandwidth
-    print(json.dumps({
-        "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(), "backbone_layers": layers,
-        "weight_gib_per_step": {k: round(v / 2**30, 3) for k, v in weights.items()},
-        "copy_bandwidth_gbps": round(bandwidth / 1e9, 2),
-        "floor_ms_per_group": round(1e3 * floor, 1),
-        "ms_per_group_parts": {b: {k: round(1e3 * v, 1) for k, v in p.items()}
-                               for b, p in parts.items()},
-        "ms_per_group_step": {b: round(1e3 * s, 1) for b, s in step.items()},
-        "groups_per_s": {b: round(b / s, 2) for b, s in step.items()},
-        "batch1_over_floor": round(step[1] / floor, 2),
-    }, indent=2))
+    torch.set_num_threads(args.threads)
+    QUIET.wait, QUIET.busy = args.quiet_wait, args.quiet_busy
+    print(json.dumps(run(args), indent=2))
 
 
 if __name__ == "__main__":

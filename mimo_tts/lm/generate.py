@@ -16,6 +16,7 @@ from torch import Tensor
 
 from mimo_tts.errors import InputError, UsageError
 from mimo_tts.lm.config import MAX_GROUPS
+from mimo_tts.lm.graph import StaticDecoder
 from mimo_tts.lm.model import KVCache, MiMoAudioLM
 from mimo_tts.lm.sampling import TASK_SAMPLERS, SamplerConfig, sample, task_samplers
 
@@ -30,6 +31,10 @@ TASK_STOP_TOKENS: dict[str, tuple[str, ...]] = {
 }
 
 LogitsHook = Callable[[int, Tensor], Tensor]
+# step(x [n, 1, local_dim], step, channels) -> raw float32 logits [n, V_c] per channel.
+LocalLogits = Callable[[Tensor, int, Sequence[int]], list[Tensor]]
+# How decode steps run (GenerationOptions.decode_step); see mimo_tts/lm/graph.py.
+DECODE_STEPS = ("auto", "eager", "graph", "static")
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,10 @@ class GenerationOptions:
     # min-length rule and the sampler (tests force a token script with it).
     text_logits_processor: LogitsHook | None = None
     keep_logits: bool = False  # return each step's raw text logits
+    # "auto": CUDA graphs on CUDA devices (eager if a capture fails), eager elsewhere;
+    # "eager": dynamic shapes; "graph": CUDA graphs, CUDA only; "static": the graphs'
+    # fixed-shape step run without capture, on any device (debugging, tests).
+    decode_step: str = "auto"
 
     def __post_init__(self):
         if self.max_new_groups < 1:
@@ -54,6 +63,9 @@ class GenerationOptions:
             raise UsageError(f"min_new_groups must be >= 0, got {self.min_new_groups}")
         if not self.stop_tokens:
             raise UsageError("stop_tokens must name at least one special token")
+        if self.decode_step not in DECODE_STEPS:
+            raise UsageError(f"decode_step must be one of {', '.join(DECODE_STEPS)}, "
+                             f"got {self.decode_step!r}")
 
     @classmethod
     def for_task(cls, task: str, **overrides) -> GenerationOptions:
@@ -162,20 +174,25 @@ def prefill(model: MiMoAudioLM, prompts: Sequence[Tensor], options: GenerationOp
 
 def decode_patch(model: MiMoAudioLM, local_in: Tensor, sampler: SamplerConfig,
                  generator: torch.Generator | None, cache: KVCache,
-                 record: list[list[Tensor]] | None = None) -> Tensor:
+                 record: list[list[Tensor]] | None = None,
+                 step_logits: LocalLogits | None = None) -> Tensor:
     """Patch decoder (spec §4.4): local_in [n, local_dim] -> codes [n, F, K], de-delayed.
 
-    `record[c]` collects channel c's raw logits per frame (before the empty id is masked).
+    `record[c]` collects channel c's raw logits per frame (before the empty id is masked);
+    `step_logits` replaces the eager transformer step + heads (StaticDecoder.local_logits).
     """
     cfg = model.cfg
     n, frames = local_in.shape[0], cfg.group_size
     codes = torch.empty(n, frames, cfg.audio_channels, dtype=torch.long, device=local_in.device)
     x = local_in.unsqueeze(1)  # [n, 1, local_dim]
     for step, channels in enumerate(_schedule(cfg.delay_pattern, frames)):
-        hidden = model.local_step(x, step, cache)
+        if step_logits is None:
+            hidden = model.local_step(x, step, cache)
+            step_out = model.local_transformer_lm_heads.logits(channels, hidden)
+        else:
+            step_out = step_logits(x, step, channels)
         tokens = []
-        for c in channels:
-            logits = model.channel_logits(c, hidden)
+        for c, logits in zip(channels, step_out, strict=True):
             if record is not None:
                 record[c].append(logits.clone())
             logits[:, cfg.speech_empty_ids[c]] = float("-inf")
@@ -192,7 +209,8 @@ def _schedule(delays: Sequence[int], frames: int) -> list[list[int]]:
     return [[c for c, d in enumerate(delays) if d <= t < d + frames] for t in range(steps)]
 
 
-def _sample_group(model, state: BatchState, step: int, options, special, generator):
+def _sample_group(model, state: BatchState, step: int, options, special, generator,
+                  decoder: StaticDecoder | None):
     """Sample each row's text token and, for <|empty|> rows, its codes -> ([B], [B, F, K])."""
     logits = model.text_logits(state.hidden)  # [B, V]
     raw = logits.detach().to("cpu", copy=True) if options.keep_logits else None
@@ -208,20 +226,38 @@ def _sample_group(model, state: BatchState, step: int, options, special, generat
     if rows.numel():
         local_in = model.hidden_states_downcast(state.hidden[rows])
         codes[rows] = decode_patch(model, local_in, options.audio_sampler, generator,
-                                   state.local_cache)
+                                   state.local_cache,
+                                   step_logits=None if decoder is None else decoder.local_logits)
     return tokens, codes, raw
 
 
-def _advance(model, state: BatchState, step: int, tokens: Tensor, codes: Tensor, special) -> None:
+def _advance(model, state: BatchState, step: int, tokens: Tensor, codes: Tensor, special,
+             decoder: StaticDecoder | None) -> None:
     """Feed the new group of every row through one backbone step."""
     embeds = model.embed_groups(tokens[:, None], codes[:, None], special.empty)  # [B, 1, H]
     slot = state.prompt_len + step
+    if decoder is not None:
+        state.hidden = decoder.backbone_step(embeds, state.lengths + step, slot)
+        return
     mask = None
     if state.valid is not None:
         state.valid[:, slot] = True
         mask = state.valid[:, None, None, : slot + 1]  # [B, 1, 1, S]: a view, no copy
     positions = state.lengths + step  # [B, 1]
     state.hidden = model.backbone(embeds, positions, state.cache, slot, slot + 1, mask)[:, -1]
+
+
+def _decoder(model, state: BatchState, options: GenerationOptions) -> StaticDecoder | None:
+    """The fixed-shape decoder the options ask for on this device, or None for eager."""
+    cuda = state.hidden.device.type == "cuda"
+    mode = options.decode_step
+    if mode == "graph" and not cuda:
+        raise UsageError(f"decode_step 'graph' needs a CUDA device, the LM is on "
+                         f"{state.hidden.device}")
+    if mode == "eager" or (mode == "auto" and not cuda):
+        return None
+    return StaticDecoder(model, state.cache, state.local_cache, state.valid, state.prompt_len,
+                         capture=mode != "static", strict=mode == "graph")
 
 
 def _generator(options: GenerationOptions, device) -> torch.Generator | None:
@@ -241,10 +277,12 @@ def stream(model: MiMoAudioLM, prompts: Sequence[Tensor], options: GenerationOpt
     """Yield each row's group as soon as it is sampled, until every row has stopped."""
     state = prefill(model, prompts, options, special)
     generator = _generator(options, state.hidden.device)
+    decoder = _decoder(model, state, options)
     done = [False] * len(state.budgets)
     stops = set(state.stop_ids)
     for step in range(max(state.budgets)):
-        tokens, codes, raw = _sample_group(model, state, step, options, special, generator)
+        tokens, codes, raw = _sample_group(model, state, step, options, special, generator,
+                                           decoder)
         token_list, codes_cpu = tokens.tolist(), codes.cpu()
         for row, token in enumerate(token_list):
             if done[row]:
@@ -255,7 +293,7 @@ def stream(model: MiMoAudioLM, prompts: Sequence[Tensor], options: GenerationOpt
                              done[row], None if raw is None else raw[row])
         if all(done):
             return
-        _advance(model, state, step, tokens, codes, special)
+        _advance(model, state, step, tokens, codes, special, decoder)
 
 
 def generate(model: MiMoAudioLM, prompts: Sequence[Tensor], options: GenerationOptions,

@@ -22,8 +22,9 @@ def load_config(path: str | Path) -> LMConfig:
 
 
 def load_lm(path: str | Path, device: str | torch.device = "cpu",
-            dtype: torch.dtype | str = torch.float32) -> MiMoAudioLM:
-    """Build the LM on the meta device, load it strictly, move it to `device` in `dtype`."""
+            dtype: torch.dtype | str = torch.float32, *, fuse: bool = True) -> MiMoAudioLM:
+    """Build the LM on the meta device, load it strictly, move it to `device` in `dtype`,
+    then (`fuse`) fuse q/k/v, gate/up and the channel heads in place (no extra memory)."""
     dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if dtype not in DTYPES.values():
         raise CheckpointError(f"unsupported LM dtype {dtype}: use float32, bfloat16 or float16")
@@ -36,6 +37,8 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu",
         # Derived buffers are still meta here: rebuild them first, then move the weights.
         model.build_buffers(torch.device(device))
         model = model.to(device=device)
+        if fuse:
+            model.fuse_weights()
     except (RuntimeError, AssertionError) as exc:  # bad index, OOM, CUDA unavailable
         raise DeviceError(f"cannot place the LM on {device}: {exc}") from None
     return model.eval().requires_grad_(False)

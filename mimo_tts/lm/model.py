@@ -1,11 +1,16 @@
 """MiMo-Audio LM: Qwen2 backbone, patch encoder and patch decoder (spec §4.1-4.4, §4.9).
 
 Module attribute names equal the checkpoint tensor names, so loading is a strict
-load_state_dict. Shapes: B batch, G groups, L new positions, S cached positions, K codebooks
-(audio channels), F = group_size frames per group, H hidden.
+load_state_dict. After loading, `fuse_weights()` concatenates q/k/v, gate/up and the channel
+heads into single matrices and turns the checkpoint-named parameters into views of them: one
+matrix-vector pass per block instead of two or three, no extra memory. Shapes: B batch,
+G groups, L new positions, S cached positions, K codebooks (audio channels), F = group_size
+frames per group, H hidden.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -45,37 +50,58 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
-# Up to this many rows, CPU matmuls go through matrix-vector style kernels (see Linear).
+# Up to this many rows, CPU matmuls go through matrix-vector style kernels (see `linear`).
 SMALL_ROWS = 8
 
 
-class Linear(nn.Linear):
-    """nn.Linear (same parameters) whose few-row CPU case reads the weight once, fast.
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [..., in] @ weight[out, in].T (+ bias); few-row CPU calls read the weight once, fast.
 
-    A decode step multiplies 1-4 rows by each weight. On CPU, F.linear sends that to a GEMM
-    that streams bf16 weights at about half the memory bandwidth; `addmv`/`addmm` with the
-    weight as the left operand use the GEMV kernels instead (scripts/bench_lm.py).
+    A decode step multiplies 1-8 rows by each weight. On CPU, F.linear sends that to a GEMM
+    that streams bf16 weights well below the memory bandwidth; `mv`/`mm` with the weight as
+    the left operand reach it (docs/perf-stage0.md, scripts/bench_lm.py).
     """
+    rows = x.numel() // weight.shape[1]
+    if x.device.type != "cpu" or rows > SMALL_ROWS or rows == 0:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, weight.shape[1])
+    if rows == 1:
+        out = torch.mv(weight, flat[0]) if bias is None else torch.addmv(bias, weight, flat[0])
+    elif bias is None:
+        out = torch.mm(weight, flat.T).T  # [rows, out]
+    else:
+        out = torch.addmm(bias.unsqueeze(1), weight, flat.T).T
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters) computed by `linear`."""
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = x.numel() // self.in_features
-        if x.device.type != "cpu" or rows > SMALL_ROWS:
-            return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(rows, self.in_features)
-        if rows == 1:
-            out = (torch.mv(self.weight, flat[0]) if self.bias is None
-                   else torch.addmv(self.bias, self.weight, flat[0]))
-        else:
-            out = torch.mm(self.weight, flat.T).T  # [rows, out]
-            out = out if self.bias is None else out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return linear(x, self.weight, self.bias)
+
+
+def fuse_linears(parts: Sequence[nn.Linear]) -> tuple[Tensor, Tensor | None]:
+    """Stack the parts' weights (and biases) by rows into one tensor; each part's parameters
+    become views of it, so checkpoint names and state_dict() stay as they were."""
+    weight = torch.cat([p.weight.detach() for p in parts])
+    has_bias = parts[0].bias is not None
+    bias = torch.cat([p.bias.detach() for p in parts]) if has_bias else None
+    start = 0
+    for part in parts:
+        end = start + part.weight.shape[0]
+        part.weight = nn.Parameter(weight[start:end], requires_grad=False)
+        if has_bias:
+            part.bias = nn.Parameter(bias[start:end], requires_grad=False)
+        start = end
+    return weight, bias
 
 
 class KVCache:
     """Preallocated keys/values of one stack: [layers, B, H_kv, S, D].
 
-    Shapes never change after allocation, so a decode step can be captured later; a call
-    on fewer rows than allocated uses the first rows (the patch decoder's audio subset).
+    Shapes never change after allocation, so a decode step can be captured in a CUDA graph;
+    a call on fewer rows than allocated uses the first rows (the patch decoder's audio subset).
     """
 
     def __init__(self, cfg: TransformerConfig, batch: int, length: int, *, dtype, device):
@@ -87,12 +113,20 @@ class KVCache:
     def length(self) -> int:
         return self.k.shape[3]
 
-    def update(self, layer: int, slot: int, span: int, k: Tensor, v: Tensor):
-        """Write k/v [n, H_kv, L, D] at slot..slot+L; return the first `span` cached positions."""
+    def update(self, layer: int, slot: int | Tensor, span: int, k: Tensor, v: Tensor):
+        """Write k/v [n, H_kv, L, D] at slot..slot+L; return the first `span` cached positions.
+
+        `slot` may be a device tensor of the L written positions (a captured step's input).
+        """
         n, length = k.shape[0], k.shape[2]
-        self.k[layer, :n, :, slot : slot + length] = k
-        self.v[layer, :n, :, slot : slot + length] = v
-        return self.k[layer, :n, :, :span], self.v[layer, :n, :, :span]
+        keys, values = self.k[layer, :n], self.v[layer, :n]
+        if isinstance(slot, Tensor):
+            keys.index_copy_(2, slot, k)
+            values.index_copy_(2, slot, v)
+        else:
+            keys[:, :, slot : slot + length] = k
+            values[:, :, slot : slot + length] = v
+        return keys[:, :, :span], values[:, :, :span]
 
 
 class Attention(nn.Module):
@@ -106,20 +140,31 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=True)
         self.v_proj = Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=True)
         self.o_proj = Linear(cfg.heads * cfg.head_dim, cfg.dim, bias=False)
+        # [q + k + v, dim] and its bias once fused; not in the checkpoint.
+        self.register_buffer("qkv_weight", None, persistent=False)
+        self.register_buffer("qkv_bias", None, persistent=False)
+
+    def fuse(self) -> None:
+        self.qkv_weight, self.qkv_bias = fuse_linears((self.q_proj, self.k_proj, self.v_proj))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None,
-                slot: int, span: int, mask: Tensor | None) -> Tensor:
+                slot: int | Tensor, span: int, mask: Tensor | None) -> Tensor:
         b, length, _ = x.shape
-        q = self.q_proj(x).view(b, length, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        heads, kv = self.heads, self.kv_heads
+        if self.qkv_weight is not None:
+            qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        else:
+            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+        qkv = qkv.view(b, length, heads + 2 * kv, self.head_dim)
+        qk = apply_rope(qkv[:, :, : heads + kv].transpose(1, 2), cos, sin)  # [B, h+kv, L, D]
+        q, k = qk[:, :heads], qk[:, heads:]
+        v = qkv[:, :, heads + kv :].transpose(1, 2)
         if cache is not None:
             k, v = cache.update(self.layer, slot, span, k, v)
         # is_causal aligns top-left: only valid when the queries start at key 0 (prefill).
         causal = self.causal and mask is None and length > 1
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.heads != self.kv_heads
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=heads != kv
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
 
@@ -132,9 +177,16 @@ class MLP(nn.Module):
         self.gate_proj = Linear(dim, ffn_dim, bias=False)
         self.up_proj = Linear(dim, ffn_dim, bias=False)
         self.down_proj = Linear(ffn_dim, dim, bias=False)
+        self.register_buffer("gate_up_weight", None, persistent=False)  # [2 * ffn, dim]
+
+    def fuse(self) -> None:
+        self.gate_up_weight, _ = fuse_linears((self.gate_proj, self.up_proj))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -170,15 +222,59 @@ class Transformer(nn.Module):
         self.rope_cos = cos.to(device=device, dtype=dtype)
         self.rope_sin = sin.to(device=device, dtype=dtype)
 
+    def fuse(self) -> None:
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
     def forward(self, x: Tensor, positions: Tensor, cache: KVCache | None = None,
-                slot: int = 0, span: int | None = None, mask: Tensor | None = None) -> Tensor:
-        """x [B, L, dim], positions [B or 1, L] -> normed hidden [B, L, dim]."""
+                slot: int | Tensor = 0, span: int | None = None,
+                mask: Tensor | None = None) -> Tensor:
+        """x [B, L, dim], positions [B or 1, L] -> normed hidden [B, L, dim].
+
+        A tensor `slot` (the L cache positions written, on x's device) needs an explicit span.
+        """
         cos = self.rope_cos[positions].unsqueeze(1)  # [B, 1, L, D]
         sin = self.rope_sin[positions].unsqueeze(1)
         span = slot + x.shape[1] if span is None else span
         for layer in self.layers:
             x = layer(x, cos, sin, cache, slot, span, mask)
         return self.norm(x)
+
+
+class ChannelHeads(nn.ModuleList):
+    """`local_transformer_lm_heads`: one bias-free head per audio channel. Fused, the heads
+    of consecutive channels (those sampled at one patch-decoder step) are one matmul."""
+
+    def __init__(self, dim: int, sizes: Sequence[int]):
+        super().__init__(Linear(dim, n, bias=False) for n in sizes)
+        self.sizes = tuple(sizes)
+        self.offsets = [sum(self.sizes[:c]) for c in range(len(self.sizes) + 1)]
+        self.register_buffer("fused", None, persistent=False)  # [sum(sizes), dim]
+
+    def fuse(self) -> None:
+        self.fused, _ = fuse_linears(list(self))
+
+    def logits(self, channels: Sequence[int], hidden: Tensor) -> list[Tensor]:
+        """hidden [n, dim] -> raw float32 logits [n, V_c] for each channel, in order."""
+        if self.fused is None:
+            return [self[c](hidden).float() for c in channels]
+        out: list[Tensor] = []
+        for first, last in _runs(channels):
+            rows = self.fused[self.offsets[first] : self.offsets[last + 1]]
+            out += linear(hidden, rows).float().split(self.sizes[first : last + 1], dim=-1)
+        return out
+
+
+def _runs(channels: Sequence[int]) -> list[tuple[int, int]]:
+    """Consecutive runs (first, last) of a channel list: [0, 1, 2, 5] -> [(0, 2), (5, 5)]."""
+    runs: list[tuple[int, int]] = []
+    for c in channels:
+        if runs and runs[-1][1] == c - 1:
+            runs[-1] = (runs[-1][0], c)
+        else:
+            runs.append((c, c))
+    return runs
 
 
 class MiMoAudioLM(nn.Module):
@@ -194,9 +290,7 @@ class MiMoAudioLM(nn.Module):
         )
         self.input_local_transformer = Transformer(cfg.patch_encoder, cfg.group_size)
         self.local_transformer = Transformer(cfg.patch_decoder, cfg.local_steps)
-        self.local_transformer_lm_heads = nn.ModuleList(
-            Linear(cfg.local_dim, n, bias=False) for n in cfg.speech_vocab_sizes
-        )
+        self.local_transformer_lm_heads = ChannelHeads(cfg.local_dim, cfg.speech_vocab_sizes)
         self.speech_group_downcast = Linear(
             cfg.group_size * cfg.input_local_dim, cfg.hidden, bias=False
         )
@@ -220,6 +314,16 @@ class MiMoAudioLM(nn.Module):
         self.local_positions = [
             torch.tensor([[t]], device=device) for t in range(self.cfg.local_steps)
         ]
+
+    def fuse_weights(self) -> None:
+        """Fuse q/k/v, gate/up and the channel heads in place, on the weights' final device.
+
+        The checkpoint-named parameters become views of the fused tensors. A later `.to()`
+        converts both (correct, but then no longer shared), so fuse after placing the model.
+        """
+        for stack in (self.model, self.input_local_transformer, self.local_transformer):
+            stack.fuse()
+        self.local_transformer_lm_heads.fuse()
 
     # -- patch encoder (§4.3) -------------------------------------------------------------
     def encode_patches(self, codes: Tensor) -> Tensor:
@@ -246,13 +350,13 @@ class MiMoAudioLM(nn.Module):
             self.lm_head.weight.dtype
         )
         if bool(is_speech.any()):
-            embeds = embeds.clone()
             embeds[is_speech] = self.encode_patches(codes[is_speech])
         return embeds
 
     # -- backbone and heads ---------------------------------------------------------------
-    def backbone(self, embeds: Tensor, positions: Tensor, cache: KVCache, slot: int,
-                 span: int | None = None, mask: Tensor | None = None) -> Tensor:
+    def backbone(self, embeds: Tensor, positions: Tensor, cache: KVCache,
+                 slot: int | Tensor, span: int | None = None,
+                 mask: Tensor | None = None) -> Tensor:
         """embeds [B, L, H] at per-row positions [B, L] -> normed hidden [B, L, H]."""
         return self.model(embeds, positions, cache, slot, span, mask)
 
