@@ -40,3 +40,20 @@ def case_tensors(tiny_a):
         return cache[group]
 
     return load
+
+
+@pytest.fixture(scope="session")
+def forcing():
+    """forcing(scripts) -> a text-logits hook that makes row b's step-k token scripts[b][k] the
+    only choice (how the tests replay the reference's forced token scripts)."""
+
+    def make(scripts: list[list[int]]):
+        def hook(step: int, logits):
+            forced = logits.new_full(logits.shape, float("-inf"))
+            for row, script in enumerate(scripts):
+                forced[row, script[min(step, len(script) - 1)]] = 0.0
+            return forced
+
+        return hook
+
+    return make

@@ -41,24 +41,6 @@ def special(text_tokenizer):
     return text_tokenizer.special
 
 
-def _forcing(scripts: list[list[int]]):
-    """A text-logits hook that makes row b's step-k token scripts[b][k] the only choice."""
-
-    def hook(step: int, logits: torch.Tensor) -> torch.Tensor:
-        forced = torch.full_like(logits, float("-inf"))
-        for row, script in enumerate(scripts):
-            forced[row, script[min(step, len(script) - 1)]] = 0.0
-        return forced
-
-    return hook
-
-
-@pytest.fixture(scope="session")
-def forcing():
-    """forcing(scripts) -> a text-logits hook forcing a token script per batch row."""
-    return _forcing
-
-
 @pytest.fixture(scope="session")
 def greedy_options():
     """greedy_options(**kw) -> GenerationOptions with greedy text and audio samplers."""

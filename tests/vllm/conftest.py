@@ -83,19 +83,3 @@ def greedy():
     return lambda **kw: GenerationOptions(text_sampler=GREEDY, audio_sampler=GREEDY, **kw)
 
 
-def _forcing(scripts: list[list[int]]):
-    """A native text-logits hook that makes row b's step-k token scripts[b][k] the only choice."""
-
-    def hook(step: int, logits: torch.Tensor) -> torch.Tensor:
-        forced = torch.full_like(logits, float("-inf"))
-        for row, script in enumerate(scripts):
-            forced[row, script[min(step, len(script) - 1)]] = 0.0
-        return forced
-
-    return hook
-
-
-@pytest.fixture(scope="session")
-def forcing():
-    """forcing(scripts) -> a native text-logits hook replaying one token script per row."""
-    return _forcing
