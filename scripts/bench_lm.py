@@ -2,16 +2,18 @@
 
 The backbone keeps the real width (hidden 4096, 32/8 heads, ffn 11008, vocab 151680) but
 fewer layers (--layers) so it fits in memory; the patch encoder (6 layers) and decoder
-(16 layers, 11 steps per group) are full size. Weights are fused as `load_lm` fuses them.
+(16 layers, 11 steps per group) are full size. Weights are fused and the patch decoder's
+steps run through the fused CPU kernel (mimo_tts/lm/cpu_kernel.py) where `load_lm` would use
+it (--no-fuse, --kernel off to compare).
 
 Reported, all from one run:
 - ms per group step split into backbone (+ lm_head), patch decoder (11 steps) and patch
   encoder, and the whole step through `stream`, for each batch size (default 1, 4, 8);
 - groups/s per batch size and the batch-B / batch-1 throughput ratios;
 - the memory-bandwidth floor of a batch-1 step: the weight bytes one step must read divided
-  by the read bandwidth, measured as bytes per second of a large read-only reduction (a sum
-  over a tensor far larger than the last-level cache), best of several; the tensor copy
-  bandwidth (read + write bytes) is reported alongside for reference.
+  by the read bandwidth: the best bytes per second of two large read-only operations (a sum
+  and a bf16 matrix-vector product, each over 1 GiB, far more than the last-level cache),
+  best of several; the tensor copy bandwidth (read + write bytes) is reported for reference.
 
 The CPU is shared with other jobs, so every time is the best of N after a warm-up (others
 only ever slow a run down), each timed call first waits (up to --quiet-wait seconds) for the
@@ -32,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from mimo_tts.lm import cpu_kernel
 from mimo_tts.lm.config import LMConfig
 from mimo_tts.lm.generate import GenerationOptions, decode_patch, prefill, stream
 from mimo_tts.lm.model import KVCache, MiMoAudioLM
@@ -48,8 +51,10 @@ SPECIAL = SpecialTokens(endoftext=151643, im_start=151644, im_end=151645, sosp=1
 PROMPT_GROUPS = 48
 
 
-def build_model(layers: int, device: str, dtype: torch.dtype, fuse: bool = True) -> MiMoAudioLM:
-    """The full-size architecture with `layers` backbone layers and random weights."""
+def build_model(layers: int, device: str, dtype: torch.dtype, fuse: bool = True,
+                kernel: str = "auto") -> MiMoAudioLM:
+    """The full-size architecture with `layers` backbone layers and random weights, fused and
+    with the CPU patch-decoder kernel as `load_lm` sets them up."""
     cfg = json.loads(FULL_CONFIG.read_text())
     cfg["num_hidden_layers"] = layers
     with torch.device("meta"):
@@ -65,6 +70,7 @@ def build_model(layers: int, device: str, dtype: torch.dtype, fuse: bool = True)
     model.build_buffers(torch.device(device))
     if fuse:
         model.fuse_weights()
+        model.use_cpu_kernel(kernel)
     return model.eval().requires_grad_(False)
 
 
@@ -119,16 +125,28 @@ def timed(fn, repeats: int, device: str) -> list[float]:
 
 
 class Bandwidth:
-    """Read bandwidth samples: bytes per second of a sum over a large tensor (read-only)."""
+    """Read bandwidth samples: bytes per second of two large read-only operations, PyTorch's
+    sum over an int64 tensor and its matrix-vector product with a bfloat16 matrix (the
+    kernel the eager path uses), each over `mib` MiB, far more than the last-level cache."""
+
+    OPS = ("sum of a 1 GiB int64 tensor", "torch.mv of a 1 GiB bfloat16 matrix")
 
     def __init__(self, device: str, mib: int):
         self.device = device
         self.src = torch.ones(mib * 2**20 // 8, dtype=torch.int64, device=device)
-        self.read: list[float] = []
+        self.matrix = torch.full((mib * 2**19 // 4096, 4096), 0.5, dtype=torch.bfloat16,
+                                 device=device)
+        self.vector = torch.ones(4096, dtype=torch.bfloat16, device=device)
+        self.read: dict[str, list[float]] = {op: [] for op in self.OPS}
 
     def sample(self, repeats: int = 2) -> None:
         nbytes = self.src.numel() * self.src.element_size()
-        self.read += [nbytes / s for s in timed(self.src.sum, repeats, self.device)]
+        ops = (self.src.sum, lambda: torch.mv(self.matrix, self.vector))
+        for op, fn in zip(self.OPS, ops, strict=True):
+            self.read[op] += [nbytes / s for s in timed(fn, repeats, self.device)]
+
+    def best(self) -> float:
+        return max(max(v) for v in self.read.values())
 
     def copy(self, repeats: int) -> float:
         """Bytes moved per second (read + write) by a tensor copy, best of `repeats`."""
@@ -231,7 +249,8 @@ def run(args) -> dict:
     if 1 not in batches:
         batches.insert(0, 1)
     load_before = os.getloadavg()
-    model = build_model(layers, args.device, getattr(torch, args.dtype), fuse=not args.no_fuse)
+    model = build_model(layers, args.device, getattr(torch, args.dtype), fuse=not args.no_fuse,
+                        kernel=args.kernel)
     bandwidth = Bandwidth(args.device, 1024)
     weights = weight_bytes_per_step(model)
     parts, steps_s = {}, {}
@@ -241,7 +260,7 @@ def run(args) -> dict:
         bandwidth.sample()
         steps_s[b] = step_times(model, b, steps, args.device)
     bandwidth.sample()
-    read_bw = max(bandwidth.read)
+    read_bw = bandwidth.best()
     floor = sum(weights.values()) / read_bw
     best = {b: min(s) for b, s in steps_s.items()}
     return {
@@ -250,11 +269,13 @@ def run(args) -> dict:
         "load_average_start_end": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "timed_calls_without_quiet_cpu": f"{QUIET.noisy} of {QUIET.calls}",
         "backbone_layers": layers, "fused_weights": not args.no_fuse,
+        "cpu_kernel": {"active": model.local_transformer.kernel is not None,
+                       **cpu_kernel.features()},
         "weight_gib_per_step": {k: round(v / 2**30, 3) for k, v in weights.items()},
-        "read_bandwidth_gbps": {"best": round(read_bw / 1e9, 2),
-                                "median": round(sorted(bandwidth.read)[len(bandwidth.read) // 2]
-                                                / 1e9, 2),
-                                "op": "sum of a 1 GiB int64 tensor"},
+        "read_bandwidth_gbps": {
+            op: {"best": round(max(v) / 1e9, 2), "median": round(sorted(v)[len(v) // 2] / 1e9, 2)}
+            for op, v in bandwidth.read.items()},
+        "floor_bandwidth_gbps": round(read_bw / 1e9, 2),
         "copy_bandwidth_gbps_read_plus_write": round(bandwidth.copy(3) / 1e9, 2),
         "floor_ms_per_group": round(1e3 * floor, 1),
         "floor_ms_parts": {k: round(1e3 * v / read_bw, 1) for k, v in weights.items()},
@@ -282,6 +303,9 @@ def main() -> None:
                         help="CPU use by other processes (0-1) below which the CPU is quiet")
     parser.add_argument("--no-fuse", action="store_true",
                         help="keep q/k/v, gate/up and the channel heads as separate matmuls")
+    parser.add_argument("--kernel", choices=("auto", "on", "off"), default="auto",
+                        help="the fused CPU patch-decoder kernel: where faster (auto), always, "
+                             "or never (eager steps)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     QUIET.wait, QUIET.busy = args.quiet_wait, args.quiet_busy

@@ -215,6 +215,7 @@ class Transformer(nn.Module):
         # Derived tables: not in the checkpoint; rebuilt on a real device by build_rope().
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.kernel = None  # a fused one-position CPU step (cpu_kernel.py), when enabled
 
     def build_rope(self, device, dtype) -> None:
         """Compute the RoPE tables on CPU in float32, then move and cast them (HF casts too)."""
@@ -227,6 +228,11 @@ class Transformer(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
+    def _apply(self, fn, recurse=True):
+        # .to()/.float()/... replace the tensors the kernel points at: the eager modules run.
+        self.kernel = None
+        return super()._apply(fn, recurse)
+
     def forward(self, x: Tensor, positions: Tensor, cache: KVCache | None = None,
                 slot: int | Tensor = 0, span: int | None = None,
                 mask: Tensor | None = None) -> Tensor:
@@ -234,9 +240,11 @@ class Transformer(nn.Module):
 
         A tensor `slot` (the L cache positions written, on x's device) needs an explicit span.
         """
+        span = slot + x.shape[1] if span is None else span
+        if self.kernel is not None and self.kernel.accepts(x, positions, cache, slot, span, mask):
+            return self.kernel(x, positions, cache, slot)
         cos = self.rope_cos[positions].unsqueeze(1)  # [B, 1, L, D]
         sin = self.rope_sin[positions].unsqueeze(1)
-        span = slot + x.shape[1] if span is None else span
         for layer in self.layers:
             x = layer(x, cos, sin, cache, slot, span, mask)
         return self.norm(x)
@@ -324,6 +332,16 @@ class MiMoAudioLM(nn.Module):
         for stack in (self.model, self.input_local_transformer, self.local_transformer):
             stack.fuse()
         self.local_transformer_lm_heads.fuse()
+
+    def use_cpu_kernel(self, mode: str = "auto") -> bool:
+        """Run the patch decoder's one-position steps on CPU through the fused C kernel
+        (cpu_kernel.py): "auto" where it is faster, "on" wherever it can run, "off" never.
+        Returns whether it will."""
+        from mimo_tts.lm.cpu_kernel import local_step_kernel
+
+        stack = self.local_transformer
+        stack.kernel = local_step_kernel(stack, mode)
+        return stack.kernel is not None
 
     # -- patch encoder (§4.3) -------------------------------------------------------------
     def encode_patches(self, codes: Tensor) -> Tensor:
