@@ -78,6 +78,15 @@ def vllm_runs(quick: bool) -> list[list[str]]:
     return [argv]
 
 
+def overlap_runs(quick: bool) -> list[list[str]]:
+    """The pipeline's default stream mode, and the incremental one where the script offers it."""
+    help_text = _help("bench_overlap.py")
+    base = ["--quick"] if quick and _flag(help_text, "--quick") else []
+    if "incremental" in help_text and _flag(help_text, "--stream-mode"):
+        return [base + ["--stream-mode", mode] for mode in ("official", "incremental")]
+    return [base]
+
+
 def quick_only(script: str):
     def runs(quick: bool) -> list[list[str]]:
         return [["--quick"] if quick and _flag(_help(script), "--quick") else []]
@@ -89,7 +98,7 @@ def quick_only(script: str):
 BENCHMARKS = {
     "codec": ("bench_codec.py", sys.executable, codec_runs, (3600, 1200)),
     "lm": ("bench_lm.py", sys.executable, lm_runs, (2400, 900)),
-    "overlap": ("bench_overlap.py", sys.executable, quick_only("bench_overlap.py"), (1800, 900)),
+    "overlap": ("bench_overlap.py", sys.executable, overlap_runs, (1800, 900)),
     "startup": ("bench_startup.py", sys.executable, quick_only("bench_startup.py"), (1800, 900)),
     "vllm": ("bench_vllm.py", str(VLLM_PYTHON), vllm_runs, (2400, 900)),
 }
@@ -309,16 +318,19 @@ def lm_rows(result: dict) -> list[dict]:
 
 
 def overlap_rows(result: dict) -> list[dict]:
-    o = (_outputs(result) or [{}])[0]
-    ratio = o.get("stream_over_slower_stage")
-    note = ""
-    if ratio is not None:
-        note = (f"Stage-0 {_get(o, 'stage0', 'seconds')} s, Stage-1 {_get(o, 'stage1', 'seconds')}"
-                f" s, stream {_get(o, 'stream', 'seconds')} s; {o.get('lm_threads')} + "
-                f"{o.get('tokenizer_threads')} threads, {o.get('stream_mode')} stream mode; "
-                f"other processes used up to {o.get('other_processes_cores_max')} cores")
-    return [_row("`--stream` wall / slower stage alone", ratio, "<= 1.15",
-                 ratio is not None and ratio <= 1.15, note)]
+    rows = []
+    for o in _outputs(result) or [{}]:
+        ratio = o.get("stream_over_slower_stage")
+        note = ""
+        if ratio is not None:
+            note = (f"Stage-0 {_get(o, 'stage0', 'seconds')} s, Stage-1 "
+                    f"{_get(o, 'stage1', 'seconds')} s, stream {_get(o, 'stream', 'seconds')} s; "
+                    f"{o.get('lm_threads')} + {o.get('tokenizer_threads')} threads; other "
+                    f"processes used up to {o.get('other_processes_cores_max')} cores")
+        mode = f", {o['stream_mode']} decode" if o.get("stream_mode") else ""
+        rows.append(_row(f"`--stream` wall / slower stage alone{mode}", ratio, "<= 1.15",
+                         ratio is not None and ratio <= 1.15, note))
+    return rows
 
 
 def startup_rows(result: dict) -> list[dict]:
@@ -361,7 +373,8 @@ ROWS = {"codec": codec_rows, "lm": lm_rows, "overlap": overlap_rows, "startup": 
 
 def summarize(results: dict) -> list[dict]:
     rows = []
-    for name, result in results.items():
+    for name in (n for n in BENCHMARKS if n in results):  # a fixed order, merged or not
+        result = results[name]
         for row in ROWS[name](result):
             if result.get("status") != "ok" and row["value"] is None:
                 row["note"] = (row["note"] or result.get("error") or result.get("reason")
@@ -379,10 +392,16 @@ def table(report: dict) -> str:
         met = {True: "yes", False: "**no**", None: "-"}[r["meets"]]
         lines.append(f"| {r['metric']} | {value} | {r['target']} | {met} | {r['note']} |")
     mode = "--quick" if report.get("quick") else "full"
+    isa = ", ".join(m.get("isa") or []) or "no ISA flags read"
+    busy = {name: r.get("busy_cores_at_start") for name, r in report["results"].items()
+            if r.get("busy_cores_at_start") is not None}
     lines.append("")
-    lines.append(f"Measured {report['finished'][:10]} ({mode} run) on {m.get('cpu')}, "
-                 f"{m.get('cores')} cores, torch {m.get('torch')}, Python {m.get('python')}; "
-                 f"load average at start {m.get('load_average')}.")
+    lines.append(f"Measured {report['finished'][:10]} by `scripts/bench.py` ({mode} run) on "
+                 f"{m.get('cpu')} ({isa}), {m.get('cores')} cores, {m.get('memory_gb')} GB, "
+                 f"torch {m.get('torch')}, Python {m.get('python')}.")
+    if busy:
+        lines.append("Cores other jobs kept busy as each benchmark started: "
+                     + ", ".join(f"{name} {cores}" for name, cores in busy.items()) + ".")
     return "\n".join(lines)
 
 
@@ -397,6 +416,8 @@ def main() -> None:
                              "keeps at most CORES cores busy (a shared machine)")
     parser.add_argument("--patience", type=float, default=1800,
                         help="seconds --wait-quiet waits at most per benchmark")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other benchmarks' results already in --out")
     parser.add_argument("--table", action="store_true",
                         help="print the README Markdown table instead of the JSON")
     parser.add_argument("--from", dest="source", type=Path,
@@ -410,19 +431,27 @@ def main() -> None:
     unknown = sorted(set(names) - set(BENCHMARKS))
     if unknown:
         parser.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {list(BENCHMARKS)}")
-    report = run_all(names, args.quick, args.out, args.wait_quiet, args.patience)
+    report = run_all(names, args.quick, args.out, args.wait_quiet, args.patience, args.merge)
     print(table(report) if args.table else json.dumps(report, indent=2))
 
 
 def run_all(names: list[str], quick: bool, out: Path, max_busy: float | None = None,
-            patience_s: float = 1800) -> dict:
-    """Each benchmark in turn; the report is rewritten after each, so a crash keeps the rest."""
+            patience_s: float = 1800, merge: bool = False) -> dict:
+    """Each benchmark in turn; the report is rewritten after each, so a crash keeps the rest.
+
+    With `merge`, the other benchmarks' results already in `out` are kept (a re-run of a few).
+    """
     report = {"benchmark": "all", "quick": quick, "started": _now(), "machine": machine(),
               "results": {}, "summary": []}
+    if merge and out.is_file():
+        previous = json.loads(out.read_text(encoding="utf-8"))
+        report["results"] = {k: v for k, v in previous.get("results", {}).items()
+                             if k not in names}
+        report["merged_from"] = previous.get("started")
     for name in names:
         quiet = wait_quiet(max_busy, patience_s)
         print(f"[bench] {name} ...", file=sys.stderr, flush=True)
-        report["results"][name] = run_benchmark(name, quick) | quiet
+        report["results"][name] = run_benchmark(name, quick) | quiet | {"finished": _now()}
         status = report["results"][name]["status"]
         print(f"[bench] {name}: {status}", file=sys.stderr, flush=True)
         report["summary"] = summarize(report["results"])

@@ -82,6 +82,20 @@ def test_static_sampling_follows_the_seed_like_eager(lm, special, case_tensors, 
     assert torch.equal(runs[0], runs[1])
 
 
+def test_decoder_choice_by_option_and_device(lm, special, case_tensors, greedy_options):
+    from mimo_tts.lm.generate import _decoder, prefill
+
+    prompt = case_tensors("lm_generate")["gen_tts_en_forced.input_ids"]
+    state = prefill(lm, [prompt], greedy_options(max_new_groups=4), special)
+    for mode in ("auto", "eager"):  # on CPU: eager, the fused kernel where it applies
+        assert _decoder(lm, state, GenerationOptions(decode_step=mode)) is None
+    static = _decoder(lm, state, GenerationOptions(decode_step="static"))
+    assert not static.capture and static.spans == [state.cache.length]
+    assert static.valid.shape == (1, state.cache.length)
+    width = state.prompt_len
+    assert static.valid[0, :width].all() and not static.valid[0, width:].any()
+
+
 def test_span_buckets():
     assert span_buckets(30) == [30]
     assert span_buckets(64) == [64]
