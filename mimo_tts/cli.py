@@ -244,8 +244,8 @@ def synth(
     raw: Annotated[bool | None, typer.Option("--raw", rich_help_panel=OUT,
         help="Stream 16-bit 24 kHz mono PCM to stdout as it is decoded.")] = None,
     stream_mode: Annotated[str | None, typer.Option(rich_help_panel=OUT,
-        help="Streaming decoder: official (re-decodes overlapping windows, spec §7.2) or "
-             "incremental (each frame decoded once; opt-in).")] = None,
+        help="Streaming decoder: incremental (default: each frame decoded once, closest to "
+             "one-shot) or official (re-decodes overlapping windows, spec §7.2).")] = None,
     engine: EngineName = None,
     gpu_memory_utilization: Annotated[float | None, typer.Option(rich_help_panel=VLLM,
         help="vLLM: share of GPU memory for weights + KV cache (default 0.9).")] = None,

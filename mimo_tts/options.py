@@ -67,10 +67,15 @@ class SynthOptions:
     overwrite: bool = False
     stream: bool = False
     raw: bool = False
+    # Stage-1 pushes with --stream: the first after this many groups (0.8 s of audio), then
+    # doubling up to stream_max_chunk_groups (None: 10 in incremental mode, 30 in official
+    # mode, vllm-omni's chunk; see mimo_tts.stream.DEFAULT_MAX_CHUNK).
     stream_chunk_groups: int = 5
-    # Streaming decoder: "official" re-decodes overlapping windows (spec §7.2); "incremental"
-    # (opt-in) decodes every frame once with bounded state (mimo_tts.codec.incremental).
-    stream_mode: str = "official"
+    stream_max_chunk_groups: int | None = None
+    # Streaming decoder: "incremental" decodes every frame once with bounded state, closest to
+    # the official one-shot decode (mimo_tts.codec.incremental); "official" re-decodes
+    # overlapping windows (the official `streaming_decode`, spec §7.2).
+    stream_mode: str = "incremental"
     # Stage-0 engine: "native" (mimo_tts.lm) or "vllm" (mimo_tts.lm.vllm, optional install). The
     # vLLM settings stay None unless given (None: VLLMOptions' defaults, see engine.vllm_options).
     engine: str = "native"
@@ -90,6 +95,9 @@ class SynthOptions:
         _check(self.max_new_groups is None or self.max_new_groups >= 1,
                "--max-new-groups must be >= 1")
         _check(self.stream_chunk_groups >= 1, "stream_chunk_groups must be >= 1")
+        _check(self.stream_max_chunk_groups is None
+               or self.stream_max_chunk_groups >= self.stream_chunk_groups,
+               "stream_max_chunk_groups must be >= stream_chunk_groups")
         _check(self.stream_mode in STREAM_MODES,
                f"--stream-mode must be one of {', '.join(STREAM_MODES)}")
         for name in ("temperature", "audio_temperature"):

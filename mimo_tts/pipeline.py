@@ -38,7 +38,7 @@ from mimo_tts.results import (
     join_pieces,
     piece_record,
 )
-from mimo_tts.stream import stream_piece
+from mimo_tts.stream import chunk_cap, stream_piece
 
 # Re-exported: the library surface in one place (`from mimo_tts.pipeline import ...`).
 __all__ = ["PAUSE_FRAMES", "ItemResult", "Synthesizer", "SynthOptions", "build_options",
@@ -174,6 +174,10 @@ class Synthesizer:
         }
         if o.stream and o.stream_mode != "official":  # keeps the keys of earlier outputs
             inputs["stream_mode"] = o.stream_mode
+        if o.stream and o.stream_mode == "official":  # its audio depends on the chunks
+            inputs["stream_chunk_groups"] = [
+                o.stream_chunk_groups,
+                chunk_cap(o.stream_mode, o.stream_chunk_groups, o.stream_max_chunk_groups)]
         if o.engine != "native":  # likewise
             inputs["engine"] = o.engine
         blob = json.dumps(inputs, sort_keys=True, ensure_ascii=False, default=str)
@@ -306,7 +310,8 @@ class Synthesizer:
                 chunk_sink(torch.zeros(PAUSE_FRAMES * self.engine.samples_per_frame))
             pieces.append(stream_piece(self.engine, prompt, options, result.seed, chunk_sink,
                                        self.options.stream_chunk_groups, self.log,
-                                       self.options.stream_mode))
+                                       self.options.stream_mode,
+                                       self.options.stream_max_chunk_groups))
         result.timings["generate_s"] = time.perf_counter() - start
         for name in ("stage0_s", "stage1_s", "stage1_wait_s"):
             result.timings[name] = sum(p.timings.get(name, 0.0) for p in pieces)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Iterator
 
 from mimo_tts.engine import Piece, oom_advice, thread_budget
 
@@ -21,7 +22,7 @@ from mimo_tts.engine import Piece, oom_advice, thread_budget
 class DecodeWorker:
     """Runs a StreamingDecoder on the tokenizer device in a thread; chunks go to the sink."""
 
-    def __init__(self, codec, sink, threads: int | None = None, mode: str = "official"):
+    def __init__(self, codec, sink, threads: int | None = None, mode: str = "incremental"):
         self.codec, self.sink, self.threads, self.mode = codec, sink, threads, mode
         self.queue: queue.Queue = queue.Queue()
         self.chunks: list = []
@@ -47,6 +48,10 @@ class DecodeWorker:
             codes, last = self.queue.get()
             if codes is None:
                 return
+            if self.mode != "official":  # chunk-invariant: decode everything queued at once
+                codes, last = self._merge_queued(codes, last)
+                if codes is None:
+                    return
             start = time.perf_counter()
             with oom_advice("Stage-1 streaming decode", str(self.codec.device)):
                 wave = decoder.push(codes, last=last)
@@ -60,6 +65,26 @@ class DecodeWorker:
                     self.sink(wave)
             if last:
                 return
+
+    def _merge_queued(self, codes, last: bool):
+        """The frames queued while the last decode ran, joined to `codes` (None on abort).
+
+        The incremental decoder's output does not depend on how the stream is cut, so when
+        Stage-1 falls behind it catches up in one larger push (less compute per frame), and
+        while it keeps up it decodes every small chunk at once (a short tail after Stage-0).
+        """
+        import torch
+
+        parts = [codes]
+        while not last:
+            try:
+                more, last = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if more is None:
+                return None, True
+            parts.append(more)
+        return (torch.cat(parts, dim=1) if len(parts) > 1 else codes), last
 
     def push(self, codes, last: bool = False) -> None:
         """Queue new frames [K, f]; a failure of the worker surfaces here, without waiting."""
@@ -90,14 +115,40 @@ def _group_ids(step, empty_codes):
     return torch.cat((text, codes.T), dim=0)
 
 
+# Largest push (groups) when SynthOptions.stream_max_chunk_groups is None, per stream mode.
+# Every official push re-decodes a whole window (up to 250 + 40 frames), so fewer pushes save
+# compute. An incremental push costs a pass over the decoder's weights plus its frames: 10
+# groups keeps that near one-shot compute (docs/performance.md) while the tail left to decode
+# after Stage-0 ends stays short; when Stage-1 falls behind, its worker merges queued pushes.
+DEFAULT_MAX_CHUNK = {"official": 30, "incremental": 10}
+
+
+def chunk_cap(mode: str, first: int, most: int | None) -> int:
+    """The push cap the options ask for (`most`), or the mode's default."""
+    most = most if most is not None else DEFAULT_MAX_CHUNK.get(mode)
+    return max(first, most or first)
+
+
+def chunk_schedule(first: int, most: int | None = None) -> Iterator[int]:
+    """Groups per Stage-1 push: `first` (the first audio comes early), then doubling up to
+    `most` (default: `first`, fixed chunks)."""
+    most = first if most is None else max(most, first)
+    size = first
+    while True:
+        yield size
+        size = min(2 * size, most)
+
+
 def stream_piece(engine, prompt, options, seed: int, sink, chunk_groups: int, log,
-                 mode: str = "official") -> Piece:
+                 mode: str = "incremental", max_chunk_groups: int | None = None) -> Piece:
     """Generate one prompt while decoding its audio frames as they arrive (spec §7.2 scheme).
 
     Frames are streamed from the first audio group to `<|eostm|>`. If the official extraction
     (spec §4.8) ends up different, e.g. a `<|sostm|>` generated after audio, the file output
     is re-decoded from the extracted codes and a note is logged. `mode` picks the streaming
-    decoder (`official` or `incremental`, see `StreamingDecoder`). `Piece.timings` holds
+    decoder (`official` or `incremental`, see `StreamingDecoder`); pushes follow
+    `chunk_schedule` from `chunk_groups` up to `max_chunk_groups` (None: the mode's default).
+    `Piece.timings` holds
     `stage0_s` (generation), `stage1_s` (decode compute in the worker), `stage1_wait_s`
     (waiting for the worker after generation), `first_audio_s` and `wall_s`.
     """
@@ -108,7 +159,9 @@ def stream_piece(engine, prompt, options, seed: int, sink, chunk_groups: int, lo
     start = time.perf_counter()
     worker = DecodeWorker(engine.codec, sink, getattr(engine, "tokenizer_threads", None), mode)
     try:
-        blocks, sent = _generate_streaming(engine, prompt, options, worker, chunk_groups)
+        cap = chunk_cap(mode, chunk_groups, max_chunk_groups)
+        blocks, sent = _generate_streaming(engine, prompt, options, worker,
+                                           chunk_schedule(chunk_groups, cap))
         generated = time.perf_counter()
         audio = worker.join()
     except BaseException:
@@ -129,13 +182,16 @@ def stream_piece(engine, prompt, options, seed: int, sink, chunk_groups: int, lo
                  audio if found.codes is not None else None, note, timings)
 
 
-def _generate_streaming(engine, prompt, options, worker: DecodeWorker, chunk_groups: int):
-    """Stage-0 for one prompt in this thread, pushing audio frames to the worker in chunks."""
+def _generate_streaming(engine, prompt, options, worker: DecodeWorker,
+                        schedule: Iterator[int]):
+    """Stage-0 for one prompt in this thread, pushing audio frames to the worker in chunks
+    of the schedule's sizes (in groups)."""
     import torch
 
     special, empty0 = engine.text.special, engine.empty_ids[0]
     empty_codes = torch.tensor(engine.empty_ids).unsqueeze(0).expand(engine.group_size, -1)
     blocks, pending, sent = [], [], []
+    size = next(schedule)
     with thread_budget(getattr(engine, "lm_threads", None)), \
             oom_advice("Stage-0 generation", engine.lm_device):
         for step in engine.stream_steps([prompt.input_ids], options):
@@ -144,10 +200,10 @@ def _generate_streaming(engine, prompt, options, worker: DecodeWorker, chunk_gro
                 pending.clear()  # official extraction reads audio after a generated <|sostm|>
             elif step.codes is not None and step.text_token == special.empty:
                 pending.append(step.codes[step.codes[:, 0] != empty0].long().T)  # [K, f]
-                if len(pending) >= chunk_groups:
+                if len(pending) >= size:
                     sent.append(torch.cat(pending, dim=1))
                     worker.push(sent[-1])
-                    pending = []
+                    pending, size = [], next(schedule)
     sent.append(torch.cat(pending, dim=1) if pending else empty_codes.T[:, :0])
     worker.push(sent[-1], last=True)
     return blocks, sent

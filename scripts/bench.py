@@ -277,6 +277,16 @@ def stream_rows(outputs: list[dict]) -> list[dict]:
             if name else "")
     rows = [_row(f"streaming decode compute / one-shot ({_get(stream, 'stream_s')} s stream)",
                  ratio, "<= 1.5", ratio is not None and ratio <= 1.5, note)]
+    pipe = (stream or {}).get("pipeline_chunks") or {}
+    if pipe:
+        inc, off = pipe.get("incremental", {}), pipe.get("official_250_40", {})
+        ratio = inc.get("compute_vs_one_shot")
+        rows.append(_row("streaming decode compute / one-shot, `--stream`'s chunks "
+                         "(5 groups, then 10)", ratio, "<= 1.5",
+                         ratio is not None and ratio <= 1.5,
+                         f"incremental; official scheme {off.get('compute_vs_one_shot')}x; RMS "
+                         f"{inc.get('rms')} vs official {off.get('rms')}; first audio "
+                         f"{inc.get('first_audio_s')} s"))
     for label, key in (("random full-size", "stream"), ("tiny-a weights", "stream_tiny_a")):
         section = next((o[key] for o in outputs if key in o), None)
         _, mine = _stream_scheme(section)

@@ -8,8 +8,10 @@ Sections (all by default, pick with --sections):
 - stream: a 60 s stream in 120-frame chunks (vllm-omni's 30 groups), float32, one thread (so CPU
   seconds measure compute whatever else runs): one-shot decode, the official scheme (250/40
   overlaps) and the incremental mode; compute relative to one-shot, time to first audio, max-abs
-  and RMS distance to the one-shot audio, and the incremental state size. The same distances are
-  measured on the tiny-a fixture checkpoint.
+  and RMS distance to the one-shot audio, and the incremental state size; then both schemes again
+  in the chunks `mimo-tts synth --stream` pushes (5 groups first, doubling to 10 for incremental
+  and 30 for official: under "pipeline_chunks"). The same distances are measured on the tiny-a
+  fixture checkpoint.
 - load: peak RSS (ru_maxrss, in a fresh subprocess) while loading a full-size checkpoint written
   once to a temporary safetensors file, in float32 and bfloat16, relative to the weights' bytes.
 - int8: opt-in dynamically quantised decode (int8 weights) against float32: time and error.
@@ -23,6 +25,7 @@ filled in place). The machine is shared: run it on a quiet machine and read `loa
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -44,6 +47,7 @@ from mimo_tts.codec.vocoder import periodic_hann
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(os.environ.get("MIMO_TTS_FIXTURES", REPO.parent / "shared" / "fixtures"))
 CONFIG = FIXTURES / "full-size" / "tokenizer-config.json"
+LM_CONFIG = FIXTURES / "full-size" / "lm-config.json"
 SECTIONS = ("speed", "stream", "load", "int8")
 STREAM_CHUNK = 120  # code frames per push: vllm-omni's 30 groups (spec §7.6)
 
@@ -153,13 +157,28 @@ def speed_rows(tok: AudioTokenizer, seconds: float, repeats: int, encode: bool) 
     return rows
 
 
-def run_stream(decoder, codes: torch.Tensor, chunk: int) -> dict:
-    """Push `codes` in chunks; wall time, time to first audio, the waveform, peak state bytes."""
+def pipeline_chunks(group_size: int, mode: str):
+    """Frames per push as `mimo-tts synth --stream --stream-mode MODE` pushes them."""
+    from mimo_tts.options import SynthOptions
+    from mimo_tts.stream import chunk_cap, chunk_schedule
+
+    o = SynthOptions()
+    cap = chunk_cap(mode, o.stream_chunk_groups, o.stream_max_chunk_groups)
+    return (group_size * n for n in chunk_schedule(o.stream_chunk_groups, cap))
+
+
+def run_stream(decoder, codes: torch.Tensor, chunks) -> dict:
+    """Push `codes` in chunks (an int, or an iterator of frame counts); wall time, time to
+    first audio, the waveform, peak state bytes."""
     pieces, first, state = [], None, 0
+    sizes = iter(chunks) if not isinstance(chunks, int) else None
     start = time.perf_counter()
     cpu = time.process_time()
-    for offset in range(0, codes.shape[1], chunk):
+    offset = 0
+    while offset < codes.shape[1]:
+        chunk = chunks if sizes is None else next(sizes)
         piece = decoder.push(codes[:, offset:offset + chunk], last=offset + chunk >= codes.shape[1])
+        offset += chunk
         if piece is not None:
             pieces.append(piece)
             first = time.perf_counter() - start if first is None else first
@@ -175,8 +194,11 @@ def distance(wave: torch.Tensor, reference: torch.Tensor) -> dict:
             "reference_rms": float(reference.double().pow(2).mean().sqrt())}
 
 
-def compare_streams(tok: AudioTokenizer, seconds: float, chunk: int, contexts=()) -> dict:
-    """One-shot vs the official scheme vs incremental streaming of `seconds` of random codes."""
+def compare_streams(tok: AudioTokenizer, seconds: float, chunk: int, contexts=(),
+                    pipeline: bool = False) -> dict:
+    """One-shot vs the official scheme vs incremental streaming of `seconds` of random codes,
+    in `chunk`-frame pushes; with `pipeline`, also both schemes in `--stream`'s growing
+    chunks (under "pipeline_chunks")."""
     from mimo_tts.codec import StreamingDecoder
     from mimo_tts.codec.incremental import IncrementalDecoder
 
@@ -184,15 +206,25 @@ def compare_streams(tok: AudioTokenizer, seconds: float, chunk: int, contexts=()
     start, cpu = time.perf_counter(), time.process_time()
     one_shot = tok.decode(codes)
     base = {"seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu}
-    schemes = {"official_250_40": StreamingDecoder(tok)}
-    schemes.update({f"incremental_context_{n}": IncrementalDecoder(tok, context=n)
-                    for n in contexts})
-    schemes["incremental"] = IncrementalDecoder(tok)
+    runs = [(None, "official_250_40", StreamingDecoder(tok), chunk)]
+    runs += [(None, f"incremental_context_{n}", IncrementalDecoder(tok, context=n), chunk)
+             for n in contexts]
+    runs.append((None, "incremental", IncrementalDecoder(tok), chunk))
     out = {"stream_s": seconds, "chunk_frames": chunk,
            "one_shot_seconds": round(base["seconds"], 2)}
-    for name, decoder in schemes.items():
-        run = run_stream(decoder, codes, chunk)
-        out[name] = {
+    if pipeline:
+        group = json.loads(LM_CONFIG.read_text())["group_size"]  # frames per LM group
+        out["pipeline_chunks"] = {
+            f"{mode}_chunk_frames": [*itertools.islice(pipeline_chunks(group, mode), 5), "..."]
+            for mode in ("official", "incremental")}
+        runs += [("pipeline_chunks", "official_250_40", StreamingDecoder(tok),
+                  pipeline_chunks(group, "official")),
+                 ("pipeline_chunks", "incremental", IncrementalDecoder(tok),
+                  pipeline_chunks(group, "incremental"))]
+    for section, name, decoder, chunks in runs:
+        run = run_stream(decoder, codes, chunks)
+        target = out if section is None else out[section]
+        target[name] = {
             "seconds": round(run["seconds"], 2),
             "compute_vs_one_shot": round(run["seconds"] / base["seconds"], 3),
             "cpu_vs_one_shot": round(run["cpu_seconds"] / base["cpu_seconds"], 3),
@@ -200,8 +232,8 @@ def compare_streams(tok: AudioTokenizer, seconds: float, chunk: int, contexts=()
             **{k: round(v, 7) for k, v in distance(run["wave"], one_shot).items()},
         }
         if run["state_bytes"]:
-            out[name]["state_mib"] = round(run["state_bytes"] / 2**20, 1)
-        print(json.dumps({name: out[name]}), file=sys.stderr)
+            target[name]["state_mib"] = round(run["state_bytes"] / 2**20, 1)
+        print(json.dumps({section or "fixed_chunks": {name: target[name]}}), file=sys.stderr)
     return out
 
 
@@ -210,7 +242,7 @@ def tiny_streams(seconds: float) -> dict:
     from mimo_tts.codec import load_audio_tokenizer
 
     tok = load_audio_tokenizer(FIXTURES / "tiny-a" / "tokenizer")
-    return compare_streams(tok, seconds, STREAM_CHUNK)
+    return compare_streams(tok, seconds, STREAM_CHUNK, pipeline=True)
 
 
 def _status_bytes(field: str) -> int:
@@ -341,7 +373,8 @@ def run_sections(args, sections: set[str]) -> dict:
         tok = AudioTokenizer(place_model(model, torch.device("cpu"), torch.float32), "cpu",
                              torch.float32)
         contexts = [int(n) for n in args.contexts.split(",") if n]
-        out["stream"] = compare_streams(tok, args.stream_seconds, STREAM_CHUNK, contexts)
+        out["stream"] = compare_streams(tok, args.stream_seconds, STREAM_CHUNK, contexts,
+                                        pipeline=True)
         out["stream"]["threads"] = args.stream_threads
         out["stream_tiny_a"] = tiny_streams(args.stream_seconds)
         torch.set_num_threads(threads)

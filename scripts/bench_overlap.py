@@ -180,21 +180,27 @@ def child_stage1(args) -> dict:
 
     torch.set_num_threads(args.tokenizer_threads)
     codec = load_audio_tokenizer(args.tok_dir, "cpu", "float32")
+    from mimo_tts.stream import chunk_schedule
+
     (codes,), _ = mio.load_codes(args.codes)  # [K, T]
-    step = args.chunk_groups * args.group_size
     mode = {} if args.stream_mode == "official" else {"mode": args.stream_mode}
 
     def decode(codes) -> tuple[float, float, float]:
         decoder = StreamingDecoder(codec, **mode)
+        sizes = chunk_schedule(args.chunk_groups, args.max_chunk_groups)
         with Meter() as meter:
-            for first in range(0, codes.shape[1], step):
+            first = 0
+            while first < codes.shape[1]:
+                step = next(sizes) * args.group_size
                 decoder.push(codes[:, first:first + step], last=first + step >= codes.shape[1])
+                first += step
         return meter.wall, meter.cpu_s, meter.other_cores
 
     decode(codes[:, : 2 * args.group_size])  # warm-up
     best, cpu, others = min(decode(codes) for _ in range(args.repeats))
     return {"seconds": best, "cpu_s": cpu, "other_processes_cores": others,
-            "frames": int(codes.shape[1]), "chunk_frames": step,
+            "frames": int(codes.shape[1]),
+            "chunk_groups": [args.chunk_groups, args.max_chunk_groups],
             "stream_mode": args.stream_mode, "threads": torch.get_num_threads()}
 
 
@@ -211,6 +217,8 @@ def child_stream(args) -> dict:
         torch.set_num_threads(args.lm_threads + args.tokenizer_threads)
     mode = {"stream_mode": args.stream_mode} if "stream_mode" in names else {}
     synth = Synthesizer(_options(args, name="stream", stream=True, **mode,
+                                 stream_chunk_groups=args.chunk_groups,
+                                 stream_max_chunk_groups=args.max_chunk_groups,
                                  **(budgets if supported else {})))
     synth.load()
 
@@ -226,7 +234,8 @@ def child_stream(args) -> dict:
             "audio_s": best["result"].seconds,
             "first_audio_s": best["first_audio_s"], "thread_budgets": supported,
             "threads": getattr(synth, "threads", None),
-            "chunk_groups": synth.options.stream_chunk_groups,
+            "chunk_groups": [synth.options.stream_chunk_groups,
+                             synth.options.stream_max_chunk_groups],
             "stream_mode": getattr(synth.options, "stream_mode", "official"),
             **{f"pipeline_{k}": v for k, v in timings.items()
                if k in ("stage0_s", "stage1_s", "stage1_wait_s", "first_audio_s")}}
@@ -243,7 +252,8 @@ def run_child(name: str, args, extra: list[str] = ()) -> dict:
            "--tok-dir", str(args.tok_dir), "--work", str(args.work), "--groups", str(args.groups),
            "--repeats", str(args.repeats), "--lm-threads", str(args.lm_threads),
            "--tokenizer-threads", str(args.tokenizer_threads),
-           "--chunk-groups", str(args.chunk_groups), "--group-size", str(args.group_size),
+           "--chunk-groups", str(args.chunk_groups),
+           "--max-chunk-groups", str(args.max_chunk_groups), "--group-size", str(args.group_size),
            "--stream-mode", args.stream_mode,
            *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
@@ -278,7 +288,11 @@ def parse_args(argv=None):
     parser.add_argument("--lm-threads", type=int, default=1)
     parser.add_argument("--tokenizer-threads", type=int, default=1)
     parser.add_argument("--chunk-groups", type=int, default=None,
-                        help="stage1 chunking (default: the pipeline's stream_chunk_groups)")
+                        help="groups in the first Stage-1 push (default: the pipeline's "
+                             "stream_chunk_groups)")
+    parser.add_argument("--max-chunk-groups", type=int, default=None,
+                        help="pushes double up to this many groups (default: the pipeline's, "
+                             "which depends on the stream mode)")
     parser.add_argument("--stream-mode", default=None,
                         help="streaming decoder: official or incremental (default: the "
                              "pipeline's default, as `mimo-tts synth --stream` runs)")
@@ -306,8 +320,12 @@ def main() -> None:
     from mimo_tts.pipeline import SynthOptions
 
     defaults = SynthOptions()
+    from mimo_tts.stream import chunk_cap
+
     args.chunk_groups = args.chunk_groups or defaults.stream_chunk_groups
-    args.stream_mode = args.stream_mode or getattr(defaults, "stream_mode", "official")
+    args.stream_mode = args.stream_mode or defaults.stream_mode
+    args.max_chunk_groups = chunk_cap(args.stream_mode, args.chunk_groups,
+                                      args.max_chunk_groups or defaults.stream_max_chunk_groups)
     lm = {**LM_DIMS, "local_layers": args.lm_local_layers}
     codec = {**CODEC_DIMS, "decoder_layers": args.codec_layers}
     args.lm_dir, args.tok_dir = write_model(args.cache, lm, codec)

@@ -179,17 +179,20 @@ def test_wav_to_stdout_with_logs_on_stderr(mimo, tmp_path):
     assert not (tmp_path / "output_audio").exists()
 
 
-def test_stream_raw_pcm_to_stdout(mimo, invoke, tmp_path):
+@pytest.mark.parametrize(("mode", "max_error"), [("incremental", 0.03), ("official", 0.015)])
+def test_stream_raw_pcm_to_stdout(mimo, invoke, tmp_path, mode, max_error):
     args = ["synth", "--model", "tiny", "--text", "Streamed.", "--max-new-groups", "12"]
-    streamed = mimo(*args, "--stream", "--raw")
+    streamed = mimo(*args, "--stream", "--raw", "--stream-mode", mode)
     assert streamed.returncode == 0, streamed.stderr.decode()
     pcm = np.frombuffer(streamed.stdout, "<i2")
     assert pcm.size == SPF * 4 * 12
     one_shot = invoke(*args, "-o", "-")
     reference, _ = sf.read(io.BytesIO(one_shot.stdout_bytes), dtype="float32")
-    # streaming decode differs slightly from one-shot decode (chunk-wide GroupNorm, lookahead)
-    assert np.abs(pcm / 32767.0 - reference).max() < 5e-3
-    assert np.abs(reference).max() > 0.01
+    # Streaming differs slightly from one-shot decode: GroupNorm statistics of the frames so
+    # far (incremental) or of the re-decoded window (official), relative to the peak.
+    peak = np.abs(reference).max()
+    assert peak > 0.01
+    assert np.abs(pcm / 32767.0 - reference).max() < max_error * peak
 
 
 def test_stream_to_file_matches_codes(invoke, tmp_path):
@@ -272,4 +275,4 @@ def test_stream_piece_matches_one_shot_codes(tiny_cache):
     streamed = torch.cat(chunks)
     assert streamed.shape == one_shot.shape == (SPF * reference.codes.shape[1],)
     assert torch.equal(streamed, piece.audio)
-    assert (streamed - one_shot).abs().max() < 5e-3
+    assert (streamed - one_shot).abs().max() < 0.03 * one_shot.abs().max()  # as above

@@ -9,11 +9,13 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
 
 from mimo_tts import devices
+from mimo_tts.errors import UsageError
 
 # Runs the real CLI entry point; at exit (after typer's SystemExit) reports heavy imports.
 TRACE = """
@@ -153,7 +155,8 @@ def test_stream_on_one_cpu_splits_the_threads_by_default(tiny_synth_options):
 
 
 def test_incremental_stream_mode_through_the_pipeline(tiny_synth_options):
-    """`stream_mode="incremental"` reaches the worker: whole frames, close to one-shot audio."""
+    """`stream_mode="incremental"` (the default) reaches the worker: whole frames, close to
+    one-shot audio; the official scheme's outputs are kept apart by their resume keys."""
     from mimo_tts.inputs import Item
     from mimo_tts.options import SynthOptions
     from mimo_tts.pipeline import Synthesizer
@@ -169,5 +172,79 @@ def test_incremental_stream_mode_through_the_pipeline(tiny_synth_options):
     assert result.generated_text_ids == reference.generated_text_ids
     assert result.audio.shape == reference.audio.shape == (960 * 4 * 8,)
     assert (result.audio - reference.audio).abs().max() < 5e-3
+    assert SynthOptions().stream_mode == "incremental"
     assert streamed.item_key(item) != Synthesizer(
-        SynthOptions(**common, stream=True).validate(), env={}).item_key(item)
+        SynthOptions(**common, stream=True, stream_mode="official").validate(),
+        env={}).item_key(item)
+
+
+def test_chunk_schedule_grows_from_the_first_chunk_to_the_cap():
+    from itertools import islice
+
+    from mimo_tts.stream import chunk_schedule
+
+    assert list(islice(chunk_schedule(5, 30), 6)) == [5, 10, 20, 30, 30, 30]
+    assert list(islice(chunk_schedule(3), 3)) == [3, 3, 3]  # no cap: fixed chunks
+    assert list(islice(chunk_schedule(4, 2), 2)) == [4, 4]  # a cap below the first: fixed
+
+
+def test_stream_pushes_follow_the_chunk_schedule(tiny_synth_options, monkeypatch):
+    """Stage-1 gets the first audio after `stream_chunk_groups`, then ever larger chunks."""
+    from mimo_tts import stream
+    from mimo_tts.inputs import Item
+    from mimo_tts.options import SynthOptions
+    from mimo_tts.pipeline import Synthesizer
+
+    pushed = []
+    push = stream.DecodeWorker.push
+
+    def record(self, codes, last=False):
+        pushed.append((codes.shape[1], last))
+        return push(self, codes, last=last)
+
+    monkeypatch.setattr(stream.DecodeWorker, "push", record)
+    options = SynthOptions(**tiny_synth_options, stream=True, lm_threads=1, tokenizer_threads=1,
+                           max_new_groups=16, stream_chunk_groups=2,
+                           stream_max_chunk_groups=6).validate()
+    (result,) = Synthesizer(options, env={}).run([Item(id="a", text="Chunks.", source="t")], None)
+    assert result.status == "ok", result.error
+    frames = result.audio.shape[0] // 960
+    assert sum(n for n, _ in pushed) == frames and frames > 8 * 4
+    assert [n for n, _ in pushed[:3]] == [8, 16, 24]  # groups 2, 4, 6, each 4 frames
+    assert all(n == 24 for n, _ in pushed[3:-1]) and pushed[-1][0] <= 24
+    assert [last for _, last in pushed] == [False] * (len(pushed) - 1) + [True]
+    with pytest.raises(UsageError, match="stream_max_chunk_groups"):
+        SynthOptions(**tiny_synth_options, stream_chunk_groups=8, stream_max_chunk_groups=4
+                     ).validate()
+
+
+def test_incremental_worker_merges_queued_chunks_without_changing_the_audio(tiny_synth_options):
+    """While Stage-1 is busy, later chunks queue up; the incremental worker decodes them in one
+    push, and the audio equals decoding the same frames in one stream of small pushes."""
+    from mimo_tts.codec import StreamingDecoder, load_audio_tokenizer
+    from mimo_tts.stream import DecodeWorker
+
+    codec = load_audio_tokenizer(tiny_synth_options["tokenizer"])
+    generator = torch.Generator().manual_seed(5)
+    codes = torch.stack([torch.randint(0, n, (120,), generator=generator)
+                         for n in codec.config.codebook_size[:8]])
+    reference = StreamingDecoder(codec, mode="incremental")
+    expected = torch.cat([w for w in (reference.push(codes[:, i:i + 20], last=i + 20 >= 120)
+                                      for i in range(0, 120, 20)) if w is not None])
+    release, pieces = threading.Event(), []
+
+    def sink(wave):
+        pieces.append(wave)
+        release.wait(timeout=30)  # hold the worker after its first piece
+
+    worker = DecodeWorker(codec, sink, threads=1, mode="incremental")
+    worker.push(codes[:, :60])  # 60 frames: past the 40-frame look-ahead, so audio comes out
+    while not pieces:
+        time.sleep(0.01)
+    for i in range(60, 120, 20):
+        worker.push(codes[:, i:i + 20], last=i + 20 >= 120)
+    release.set()
+    audio = worker.join()
+    assert len(pieces) == 2  # the first push, then the three queued ones merged
+    assert audio.shape == expected.shape == (960 * 120,)
+    torch.testing.assert_close(audio, expected.float(), atol=1e-5, rtol=0)
