@@ -11,11 +11,11 @@ produce a bfloat16 tensor, so it tracks the eager path (float32 models match the
 fixtures); accumulation order differs from oneDNN's, so bfloat16 outputs may differ from the
 eager ones in the last bit.
 
-The C source below is compiled once per machine with the system C compiler into the user
-cache directory (about 3 s, once) and loaded with ctypes. By default it runs only where it
-beats eager PyTorch (bfloat16 on AVX512-BF16 CPUs); `load_lm(..., cpu_kernel="on"/"off")` or
-MIMO_TTS_CPU_KERNEL=1/0 overrides that. Without a compiler the eager modules run. Shapes: n rows,
-D dim, F ffn dim, S cache length.
+The C source (cpu_kernel.c, beside this file) is compiled once per machine with the system C
+compiler into the user cache directory (about 3 s, once) and loaded with ctypes. By default it
+runs only where it beats eager PyTorch (bfloat16 on AVX512-BF16 CPUs);
+`load_lm(..., cpu_kernel="on"/"off")` or MIMO_TTS_CPU_KERNEL=1/0 overrides that. Without a
+compiler the eager modules run. Shapes in the C source: n rows, D dim, F ffn dim, S cache length.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+from importlib.resources import files
 from pathlib import Path
 
 import torch
@@ -35,398 +36,7 @@ from torch import Tensor
 
 from mimo_tts.errors import UsageError
 
-SOURCE = r"""
-/* One decode position through a Qwen2 stack (the patch decoder), every layer in one call.
- * Rounds where the PyTorch modules produce a tensor of the model dtype, so bfloat16 tracks
- * the eager path; float32 is plain float math. */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-#include <omp.h>
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#define LDBH(p) ((__m512bh)_mm512_loadu_si512(p))
-#endif
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define HAVE_AMX 1
-#else
-#define HAVE_AMX 0
-#endif
-
-typedef uint16_t bf16;
-
-static inline float bf2f(bf16 v) {
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)v << 16;
-    return c.f;
-}
-
-static inline bf16 f2bf(float f) {
-    union { uint32_t u; float f; } c;
-    c.f = f;
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (bf16)((c.u >> 16) | 0x40u);
-    c.u += 0x7fffu + ((c.u >> 16) & 1u);
-    return (bf16)(c.u >> 16);
-}
-
-typedef struct {
-    const void *in_norm, *qkv_w, *qkv_b, *o_w, *post_norm, *gate_up_w, *down_w;
-} Layer;
-
-typedef struct {
-    int layers, dim, heads, head_dim, ffn, rows, slot, threads;
-    float eps;
-    const Layer *layer;
-    const void *final_norm, *cos, *sin;   /* cos/sin: the rows of this position [head_dim] */
-    void *k, *v;                          /* caches [layers, B, heads, S, head_dim] */
-    long cache_rows, cache_len;           /* B and S of the caches */
-    const void *x;                        /* input [rows, dim] */
-    void *out;                            /* normed hidden [rows, dim] */
-    float *work;
-} Step;
-
-/* The calling thread's share [r0, r1) of `rows`, cut at multiples of 16. */
-static void share(long rows, long *r0, long *r1) {
-    int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    long blocks = (rows + 15) / 16;
-    long b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
-    *r0 = b0 * 16 < rows ? b0 * 16 : rows;
-    *r1 = b1 * 16 < rows ? b1 * 16 : rows;
-}
-
-/* ---- matrix-vector products: y[j * ldy + r] = round(W[r] . x[j] + b[r]), j < n -------- */
-static inline float bias_at(const bf16 *b, long r) { return b ? bf2f(b[r]) : 0.f; }
-
-/* Row r against vectors j < n from column `from` on, scalar (tails, CPUs without BF16). */
-static void row_bf16(const bf16 *w, const bf16 *b, long in, long r, long from, const bf16 *x,
-                     int n, float *y, long ldy, const float *partial) {
-    const bf16 *row = w + r * in;
-    for (int j = 0; j < n; j++) {
-        float s = partial ? partial[j] : 0.f;
-        for (long i = from; i < in; i++) s += bf2f(row[i]) * bf2f(x[(long)j * in + i]);
-        y[(long)j * ldy + r] = bf2f(f2bf(s + bias_at(b, r)));
-    }
-}
-
-#if defined(__AVX512BF16__)
-/* Rows r..r+3 against vectors j0..j0+m-1 (m constant after inlining): each weight cache line
- * is loaded once for all m vectors; the next four rows are prefetched meanwhile. */
-static inline __attribute__((always_inline)) void block_bf16(
-        const bf16 *w, const bf16 *b, long in, long r, const bf16 *x, int j0, const int m,
-        float *y, long ldy, int prefetch) {
-    const bf16 *w0 = w + r * in;
-    long vin = in & ~31L;
-    __m512 acc[4][4];
-    for (int k = 0; k < 4; k++)
-        for (int j = 0; j < 4; j++) acc[k][j] = _mm512_setzero_ps();
-    for (long i = 0; i < vin; i += 32) {
-        if (prefetch)
-            for (int k = 4; k < 8; k++) _mm_prefetch((const char *)(w0 + k * in + i), _MM_HINT_T0);
-        __m512bh wv[4];
-        for (int k = 0; k < 4; k++) wv[k] = LDBH(w0 + k * in + i);
-        for (int j = 0; j < m; j++) {
-            __m512bh xv = LDBH(x + (long)(j0 + j) * in + i);
-            for (int k = 0; k < 4; k++) acc[k][j] = _mm512_dpbf16_ps(acc[k][j], wv[k], xv);
-        }
-    }
-    for (int k = 0; k < 4; k++) {
-        float part[4];
-        for (int j = 0; j < m; j++) part[j] = _mm512_reduce_add_ps(acc[k][j]);
-        row_bf16(w, b, in, r + k, vin, x + (long)j0 * in, m, y + (long)j0 * ldy, ldy, part);
-    }
-}
-#endif
-
-static void rows_bf16(const bf16 *w, const bf16 *b, long in, long r0, long r1, const bf16 *x,
-                      int n, float *y, long ldy) {
-    long r = r0;
-#if defined(__AVX512BF16__)
-    for (; r + 4 <= r1; r += 4) {
-        int prefetch = r + 8 <= r1;
-        for (int j0 = 0; j0 < n; j0 += 4) {
-            switch (n - j0 < 4 ? n - j0 : 4) {
-            case 1: block_bf16(w, b, in, r, x, j0, 1, y, ldy, prefetch && !j0); break;
-            case 2: block_bf16(w, b, in, r, x, j0, 2, y, ldy, prefetch && !j0); break;
-            case 3: block_bf16(w, b, in, r, x, j0, 3, y, ldy, prefetch && !j0); break;
-            default: block_bf16(w, b, in, r, x, j0, 4, y, ldy, prefetch && !j0); break;
-            }
-        }
-    }
-#endif
-    for (; r < r1; r++) row_bf16(w, b, in, r, 0, x, n, y, ldy, NULL);
-}
-
-#if HAVE_AMX
-/* AMX tiles for 2-16 vectors: C (tile 0) [16 rows, n] fp32 += A (tile 1) [16 rows, 32]
- * weights . B (tile 2) [16 pairs, n] vectors in pair-interleaved (VNNI) layout. */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-static int amx_state = -1;  /* -1 unknown, 0 unavailable, 1 granted to this process */
-
-int amx_enable(void) {
-    if (amx_state < 0)  /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA (Linux >= 5.16) */
-        amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return amx_state;
-}
-
-static void amx_configure(int n) {
-    TileConfig c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    c.rows[0] = 16, c.colsb[0] = (uint16_t)(4 * n);
-    c.rows[1] = 16, c.colsb[1] = 64;
-    c.rows[2] = 16, c.colsb[2] = (uint16_t)(4 * n);
-    _tile_loadconfig(&c);
-}
-
-/* xp[(i / 2) * 2n + 2j + i % 2] = x[j * in + i]: the B operand of every column block. */
-static void amx_pack(const bf16 *x, int n, long in, bf16 *xp) {
-    for (long p = 0; p < in / 2; p++)
-        for (int j = 0; j < n; j++) {
-            xp[(p * n + j) * 2] = x[(long)j * in + 2 * p];
-            xp[(p * n + j) * 2 + 1] = x[(long)j * in + 2 * p + 1];
-        }
-}
-
-static void amx_rows(const bf16 *w, const bf16 *b, long in, long r0, long r1, const bf16 *xp,
-                     int n, float *y, long ldy) {
-    float tile[16 * 16];
-    for (long r = r0; r < r1; r += 16) {
-        const bf16 *w0 = w + r * in;
-        _tile_zero(0);
-        for (long i = 0; i < in; i += 32) {
-            _tile_loadd(1, w0 + i, in * 2);
-            _tile_loadd(2, xp + i * n, 4 * n);
-            _tile_dpbf16ps(0, 1, 2);
-        }
-        _tile_stored(0, tile, 4 * n);
-        for (int k = 0; k < 16; k++)
-            for (int j = 0; j < n; j++)
-                y[(long)j * ldy + r + k] = bf2f(f2bf(tile[k * n + j] + bias_at(b, r + k)));
-    }
-}
-static void amx_release(void) { _tile_release(); }
-#else
-static int amx_state = 0;
-int amx_enable(void) { return 0; }
-static void amx_configure(int n) { (void)n; }
-static void amx_release(void) {}
-#endif
-
-/* Called by every thread of the team; ends in a barrier. `xp` scratch holds n * in. */
-static void gemv_bf16(const Step *s, const void *w, const void *b, long in, long out,
-                      const bf16 *x, float *y, bf16 *xp) {
-    long r0, r1;
-    share(out, &r0, &r1);
-#if HAVE_AMX
-    if (s->rows > 1 && s->rows <= 16 && amx_state == 1 && in % 32 == 0 && out % 16 == 0) {
-        #pragma omp single
-        amx_pack(x, s->rows, in, xp);
-        amx_rows((const bf16 *)w, (const bf16 *)b, in, r0, r1, xp, s->rows, y, out);
-        #pragma omp barrier
-        return;
-    }
-#endif
-    (void)xp;
-    rows_bf16((const bf16 *)w, (const bf16 *)b, in, r0, r1, x, s->rows, y, out);
-    #pragma omp barrier
-}
-
-static void gemv_f32(const Step *s, const void *w, const void *b, long in, long out,
-                     const float *x, float *y, float *xp) {
-    long r0, r1;
-    (void)xp;
-    share(out, &r0, &r1);
-    for (long r = r0; r < r1; r++) {
-        const float *row = (const float *)w + r * in;
-        for (int j = 0; j < s->rows; j++) {
-            float acc = 0.f;
-            for (long i = 0; i < in; i++) acc += row[i] * x[(long)j * in + i];
-            y[(long)j * out + r] = acc + (b ? ((const float *)b)[r] : 0.f);
-        }
-    }
-    #pragma omp barrier
-}
-
-/* ---- SwiGLU: h[j, c] = round(round(silu(g)) * u) for g, u the gate/up outputs ----------- */
-static void act_f32(const float *gu, float *h, long n, long F, long i0, long i1) {
-    (void)n;
-    for (long i = i0; i < i1; i++) {
-        long j = i / F, c = i % F;
-        float g = gu[j * 2 * F + c];
-        h[i] = g / (1.0f + expf(-g)) * gu[j * 2 * F + F + c];
-    }
-}
-
-#if defined(__AVX512BF16__)
-/* e^x for x <= 0 (silu's argument is -|g|), relative error < 2e-7: 2^(x log2 e) split into
- * an integer power and a degree-6 polynomial of the fraction. */
-static inline __m512 exp_neg(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, k), _mm512_set1_ps(0.693147180559945309f));
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, k);
-}
-
-static inline __m512 round_bf16(__m512 v) {
-    return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v));
-}
-#endif
-
-static void act_bf16(const float *gu, bf16 *h, long n, long F, long i0, long i1) {
-    (void)n;
-    long i = i0;
-#if defined(__AVX512BF16__)
-    for (; i + 16 <= i1 && (i % F) + 16 <= F; i += 16) {
-        long j = i / F, c = i % F;
-        __m512 g = _mm512_loadu_ps(gu + j * 2 * F + c);
-        __m512 u = _mm512_loadu_ps(gu + j * 2 * F + F + c);
-        /* silu(g) = g / (1 + e^-g) = g * e^g / (1 + e^g) below 0: both from e^-|g| */
-        __m512 e = exp_neg(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-        __m512 one = _mm512_set1_ps(1.0f);
-        __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-        __m512 num = _mm512_mask_mul_ps(g, neg, g, e);
-        __m512 silu = round_bf16(_mm512_div_ps(num, _mm512_add_ps(one, e)));
-        __m256bh out = _mm512_cvtneps_pbh(_mm512_mul_ps(silu, u));
-        _mm256_storeu_si256((__m256i *)(h + i), (__m256i)out);
-    }
-#endif
-    for (; i < i1; i++) {
-        long j = i / F, c = i % F;
-        float g = gu[j * 2 * F + c];
-        h[i] = f2bf(bf2f(f2bf(g / (1.0f + expf(-g)))) * gu[j * 2 * F + F + c]);
-    }
-}
-
-/* ---- per-dtype element access, norms, attention and the step --------------------------- */
-#define LOAD_bf16(p, i) bf2f(((const bf16 *)(p))[i])
-#define LOAD_f32(p, i) (((const float *)(p))[i])
-#define STORE_bf16(p, i, v) (((bf16 *)(p))[i] = f2bf(v))
-#define STORE_f32(p, i, v) (((float *)(p))[i] = (v))
-#define ROUND_bf16(v) bf2f(f2bf(v))
-#define ROUND_f32(v) (v)
-
-#define DEFINE_STEP(T, SFX)                                                                  \
-/* RMSNorm of n rows of float x into T h: w * round(x * rsqrt(mean(x^2) + eps)). */          \
-static void norm_##SFX(const float *x, const void *w, T *h, int n, int dim, float eps) {     \
-    for (int j = 0; j < n; j++) {                                                            \
-        const float *xj = x + (long)j * dim;                                                 \
-        float ss = 0.f;                                                                      \
-        for (int i = 0; i < dim; i++) ss += xj[i] * xj[i];                                   \
-        float scale = 1.0f / sqrtf(ss / dim + eps);                                          \
-        for (int i = 0; i < dim; i++)                                                        \
-            STORE_##SFX(h, (long)j * dim + i,                                                \
-                        LOAD_##SFX(w, i) * ROUND_##SFX(xj[i] * scale));                      \
-    }                                                                                        \
-}                                                                                            \
-                                                                                             \
-/* RoPE, cache write and attention of one (row, head) over positions 0..slot. */             \
-static void attend_##SFX(const Step *s, int layer, int j, int h, const float *qkv, T *att,   \
-                         float *scores) {                                                    \
-    int hd = s->head_dim, half = hd / 2, D = s->heads * hd;                                  \
-    const float *q = qkv + (long)j * 3 * D + h * hd;                                         \
-    const float *k = q + D, *v = q + 2 * D;                                                  \
-    long base = (((long)layer * s->cache_rows + j) * s->heads + h) * s->cache_len * hd;      \
-    T *kc = (T *)s->k + base, *vc = (T *)s->v + base;                                        \
-    float qr[256], acc[256];                                                                 \
-    for (int d = 0; d < hd; d++) {                                                           \
-        float c = LOAD_##SFX(s->cos, d), sn = LOAD_##SFX(s->sin, d);                         \
-        float qo = d < half ? -q[d + half] : q[d - half];                                    \
-        float ko = d < half ? -k[d + half] : k[d - half];                                    \
-        qr[d] = ROUND_##SFX(ROUND_##SFX(q[d] * c) + ROUND_##SFX(qo * sn));                   \
-        STORE_##SFX(kc, (long)s->slot * hd + d,                                              \
-                    ROUND_##SFX(k[d] * c) + ROUND_##SFX(ko * sn));                           \
-        STORE_##SFX(vc, (long)s->slot * hd + d, v[d]);                                       \
-        acc[d] = 0.f;                                                                        \
-    }                                                                                        \
-    float scale = 1.0f / sqrtf((float)hd), top = -INFINITY, total = 0.f;                     \
-    for (int t = 0; t <= s->slot; t++) {                                                     \
-        float dot = 0.f;                                                                     \
-        for (int d = 0; d < hd; d++) dot += qr[d] * LOAD_##SFX(kc, (long)t * hd + d);        \
-        scores[t] = dot * scale;                                                             \
-        top = scores[t] > top ? scores[t] : top;                                             \
-    }                                                                                        \
-    for (int t = 0; t <= s->slot; t++) {                                                     \
-        float e = expf(scores[t] - top);                                                     \
-        total += e;                                                                          \
-        float p = ROUND_##SFX(e);                                                            \
-        for (int d = 0; d < hd; d++) acc[d] += p * LOAD_##SFX(vc, (long)t * hd + d);         \
-    }                                                                                        \
-    for (int d = 0; d < hd; d++) STORE_##SFX(att, (long)j * D + h * hd + d, acc[d] / total); \
-}                                                                                            \
-                                                                                             \
-int step_##SFX(const Step *s) {                                                              \
-    int n = s->rows, D = s->dim, F = s->ffn, H = s->heads;                                   \
-    long wide = D > F ? D : F;                                                               \
-    float *x = s->work;                      /* residual stream [n, D] */                    \
-    float *qkv = x + (long)n * D;            /* [n, 3D] */                                   \
-    float *o = qkv + (long)n * 3 * D;        /* [n, D]; reused for down */                   \
-    float *gu = o + (long)n * D;             /* [n, 2F] */                                   \
-    float *scores = gu + (long)n * 2 * F;    /* [threads, S] */                              \
-    T *h = (T *)(scores + (long)s->threads * s->cache_len);   /* [n, wide] */                \
-    T *att = h + n * wide;                   /* [n, D] */                                    \
-    T *xp = att + (long)n * D;               /* [n, wide]: packed matmul operand */          \
-    for (long i = 0; i < (long)n * D; i++) x[i] = LOAD_##SFX(s->x, i);                       \
-    _Pragma("omp parallel num_threads(s->threads)")                                          \
-    {                                                                                        \
-        float *sc = scores + (long)omp_get_thread_num() * s->cache_len;                     \
-        int amx = sizeof(T) == 2 && n > 1 && n <= 16 && amx_state == 1;                      \
-        if (amx) amx_configure(n);                                                           \
-        for (int l = 0; l < s->layers; l++) {                                                \
-            const Layer *L = s->layer + l;                                                   \
-            _Pragma("omp single")                                                            \
-            norm_##SFX(x, L->in_norm, h, n, D, s->eps);                                      \
-            gemv_##SFX(s, L->qkv_w, L->qkv_b, D, 3 * D, h, qkv, xp);                         \
-            _Pragma("omp for schedule(static)")                                              \
-            for (int jh = 0; jh < n * H; jh++)                                               \
-                attend_##SFX(s, l, jh / H, jh % H, qkv, att, sc);                            \
-            gemv_##SFX(s, L->o_w, NULL, D, D, att, o, xp);                                   \
-            _Pragma("omp single")                                                            \
-            {                                                                                \
-                for (long i = 0; i < (long)n * D; i++) x[i] = ROUND_##SFX(x[i] + o[i]);      \
-                norm_##SFX(x, L->post_norm, h, n, D, s->eps);                                \
-            }                                                                                \
-            gemv_##SFX(s, L->gate_up_w, NULL, D, 2 * F, h, gu, xp);                          \
-            long i0, i1;                                                                     \
-            share((long)n * F, &i0, &i1);                                                    \
-            act_##SFX(gu, h, n, F, i0, i1);                                                  \
-            _Pragma("omp barrier")                                                           \
-            gemv_##SFX(s, L->down_w, NULL, F, D, h, o, xp);                                  \
-            _Pragma("omp single")                                                            \
-            for (long i = 0; i < (long)n * D; i++) x[i] = ROUND_##SFX(x[i] + o[i]);          \
-        }                                                                                    \
-        if (amx) amx_release();                                                              \
-    }                                                                                        \
-    norm_##SFX(x, s->final_norm, (T *)s->out, n, D, s->eps);                                 \
-    return 0;                                                                                \
-}
-
-DEFINE_STEP(bf16, bf16)
-DEFINE_STEP(float, f32)
-
-/* 1: AVX512-BF16 dot products compiled in; 2: AMX tiles compiled in and granted. */
-int features(void) {
-    int bits = 0;
-#if defined(__AVX512BF16__)
-    bits |= 1;
-#endif
-    return bits | (amx_state == 1 ? 2 : 0);
-}
-"""
+SOURCE = files("mimo_tts.lm") / "cpu_kernel.c"
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LAYER_FIELDS = ("in_norm", "qkv_w", "qkv_b", "o_w", "post_norm", "gate_up_w", "down_w")
@@ -467,14 +77,18 @@ def library() -> ctypes.CDLL | None:
     """The compiled kernel (built on first use, cached per source and machine), or None."""
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None
-    key = hashlib.sha256((SOURCE + " ".join(FLAGS) + _cpu_flags()).encode()).hexdigest()
+    try:
+        source_text = SOURCE.read_text(encoding="utf-8")
+    except OSError:  # an install without the C file: the eager modules run
+        return None
+    key = hashlib.sha256((source_text + " ".join(FLAGS) + _cpu_flags()).encode()).hexdigest()
     target = _cache_dir() / f"lm_step_{key[:16]}.so"
     try:
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory() as tmp:
                 source = Path(tmp) / "lm_step.c"
-                source.write_text(SOURCE)
+                source.write_text(source_text)
                 built = Path(tmp) / target.name
                 subprocess.run(["cc", *FLAGS, str(source), "-o", str(built), "-lm"],
                                check=True, capture_output=True, timeout=120)
@@ -542,7 +156,7 @@ class LocalStepKernel:
         x = x.contiguous()
         out = torch.empty_like(x)
         dim, ffn, length = cfg.dim, cfg.ffn_dim, cache.length
-        # float32 scratch, then three buffers of the model dtype (see step_* in SOURCE)
+        # float32 scratch, then three buffers of the model dtype (see step_* in cpu_kernel.c)
         floats = n * (5 * dim + 2 * ffn) + threads * length + n * (2 * max(dim, ffn) + dim)
         work = torch.empty(floats, dtype=torch.float32)
         position = int(positions.reshape(-1)[0])
