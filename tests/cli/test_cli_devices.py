@@ -111,3 +111,33 @@ def test_selftest(mimo):
     report = json.loads(proc.stdout)
     assert report["status"] == "ok" and report["seconds"] == report["frames"] * 960 / 24000
     assert 0.5 <= report["seconds"] <= 60 and report["peak"] > 1e-3
+
+
+def test_checkpoints_are_found_in_the_hugging_face_cache(mimo, tmp_path, tiny_cache):
+    """Repo ids resolve through the HF cache layout (refs/main -> snapshots/<commit>) offline;
+    a synth from there records the snapshot's commit, and a missing revision is reported."""
+    import shutil
+
+    hub, commit = tmp_path / "hf" / "hub", "0123456789abcdef0123456789abcdef01234567"
+    for repo, part in (("org/tiny-lm", "lm"), ("org/tiny-tok", "tokenizer")):
+        root = hub / f"models--{repo.replace('/', '--')}"
+        shutil.copytree(next(tiny_cache.glob(f"presets/*/{part}")), root / "snapshots" / commit)
+        (root / "refs").mkdir()
+        (root / "refs" / "main").write_text(commit)
+    env = {"HF_HOME": str(tmp_path / "hf")}
+    proc = mimo("devices", "--model", "org/tiny-lm", "--tokenizer", "org/tiny-tok", "--lm-device",
+                "cpu", "--tokenizer-device", "cpu", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr.decode()
+    report = json.loads(proc.stdout)
+    for role in ("model", "tokenizer"):
+        assert report["checkpoints"][role]["status"].startswith("present")
+    synth = mimo("synth", "--model", "org/tiny-lm", "--tokenizer", "org/tiny-tok", "--text", "Hi.",
+                 "--max-new-groups", "3", "--json", env=env)
+    assert synth.returncode == 0, synth.stderr.decode()
+    record = json.loads(synth.stdout)
+    sidecar = json.loads((tmp_path / record["path"]).with_suffix(".json").read_text())
+    assert sidecar["model"]["kind"] == "hf-cache" and sidecar["model"]["revision"] == commit
+    (hub / "models--org--tiny-tok" / "refs" / "main").unlink()
+    missing = mimo("devices", "--model", "org/tiny-lm", "--tokenizer", "org/tiny-tok", env=env)
+    assert missing.returncode == EXIT_CHECKPOINT
+    assert "org/tiny-tok is not in the local Hugging Face cache" in missing.stderr.decode()
