@@ -48,6 +48,22 @@ def greedy_options():
 
 
 @pytest.fixture(scope="session")
+def modes_agree(special, greedy_options):
+    """modes_agree(model, prompt, (reference, other), groups, atol): greedy generation in two
+    decode modes gives the same ids and step logits within `atol`."""
+    from mimo_tts.lm.generate import generate
+
+    def check(model, prompt, modes, groups: int, atol: float) -> None:
+        options = [greedy_options(max_new_groups=groups, keep_logits=True, decode_step=mode)
+                   for mode in modes]
+        want, got = (generate(model, [prompt], o, special)[0] for o in options)
+        assert torch.equal(got.new_ids, want.new_ids)
+        torch.testing.assert_close(got.step_logits, want.step_logits, atol=atol, rtol=0)
+
+    return check
+
+
+@pytest.fixture(scope="session")
 def gen_cases(cases, case_tensors):
     """Every generation case (lm_generate + voice_prompt): [(case, tensors), ...]."""
     out = []

@@ -66,15 +66,10 @@ def test_cuda_graph_padded_batch_matches_reference(lm_dir, special, cases, case_
                                    atol=1e-4, rtol=0)
 
 
-def test_cuda_graph_equals_eager_free_greedy(lm_dir, special, case_tensors, greedy_options):
+def test_cuda_graph_equals_eager_free_greedy(lm_dir, case_tensors, modes_agree):
     """A 54-group prompt and 20 free greedy groups: the backbone step moves from the
     64-group span bucket (and its graph) to the 128-group one."""
     model = load_lm(lm_dir, device="cuda", dtype=torch.float32)
     prompt = case_tensors("lm_generate")["gen_tts_en_forced.input_ids"]  # 54 groups
-    runs = {mode: generate(model, [prompt], greedy_options(max_new_groups=20, keep_logits=True,
-                                                           decode_step=mode), special)[0]
-            for mode in ("eager", "graph")}
-    assert torch.equal(runs["graph"].new_ids, runs["eager"].new_ids)
-    torch.testing.assert_close(runs["graph"].step_logits, runs["eager"].step_logits,
-                               atol=1e-4, rtol=0)
+    modes_agree(model, prompt, ("eager", "graph"), groups=20, atol=1e-4)
 

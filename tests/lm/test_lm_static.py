@@ -59,16 +59,11 @@ def test_static_padded_batch_matches_reference(lm, special, cases, case_tensors,
                                    atol=TOL, rtol=0)
 
 
-def test_static_equals_eager_across_span_buckets(lm, special, case_tensors, greedy_options):
+def test_static_equals_eager_across_span_buckets(lm, case_tensors, modes_agree):
     """A 54-group prompt run for 16 groups crosses the first span bucket (64)."""
     prompt = case_tensors("lm_generate")["gen_tts_en_forced.input_ids"]
     assert prompt.shape[1] // lm.cfg.group_size < SPAN_MIN < prompt.shape[1] // 4 + 16
-    runs = {mode: generate(lm, [prompt], greedy_options(max_new_groups=16, keep_logits=True,
-                                                        decode_step=mode), special)[0]
-            for mode in ("eager", "static")}
-    assert torch.equal(runs["static"].new_ids, runs["eager"].new_ids)
-    torch.testing.assert_close(runs["static"].step_logits, runs["eager"].step_logits,
-                               atol=1e-5, rtol=0)
+    modes_agree(lm, prompt, ("eager", "static"), groups=16, atol=1e-5)
 
 
 def test_static_sampling_follows_the_seed_like_eager(lm, special, case_tensors, forcing):
