@@ -182,7 +182,9 @@ class Engine:
                 lm = load_lm(lm_path, placement.lm_device.value, placement.lm_dtype.value)
             else:
                 stage0 = module.VLLMEngine(lm_path, module.VLLMOptions(**vllm))
-        log(f"LM loaded from {lm_path}" + ("" if stage0 is None else f" into vLLM {vllm}"))
+        kernel = lm is not None and lm.local_transformer.kernel is not None
+        log(f"LM loaded from {lm_path}" + ("" if stage0 is None else f" into vLLM {vllm}")
+            + (" (patch decoder in the fused CPU kernel)" if kernel else ""))
         try:
             codec = cls._load_codec(tok_path, placement, log)
             check_pairing((lm or stage0).cfg, codec.config, lm_path, tok_path)

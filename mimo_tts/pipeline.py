@@ -91,7 +91,11 @@ class Synthesizer:
     def engine_record(self, preflight: bool = False) -> dict:
         """The Stage-0 engine and its settings (sidecar, preflight); no vLLM import."""
         if self.options.engine != "vllm":
-            return {"name": "native"}
+            lm = getattr(self.engine, "lm", None)
+            if lm is None:  # preflight: nothing loaded yet
+                return {"name": "native"}
+            # bfloat16 sums round differently in the fused CPU kernel: record which path ran
+            return {"name": "native", "cpu_kernel": lm.local_transformer.kernel is not None}
         record: dict = {"name": "vllm"}
         try:
             record["settings"] = vllm_options(self.options, self.placement)

@@ -81,6 +81,22 @@ def test_manifest_and_sidecar(default_run, manifest):
     assert sidecar["effective_sampler"]["text"]["temperature"] == 0.6
     assert {"load_s", "generate_s", "decode_s"} <= set(sidecar["timings"])
     assert sidecar["result"]["key"] == line["key"]
+    assert sidecar["engine"] == {"name": "native", "cpu_kernel": False}  # float32 runs eagerly
+
+
+def test_bfloat16_lm_records_the_fused_cpu_kernel(invoke, tmp_path):
+    """A bfloat16 LM on CPU runs its patch decoder in the fused kernel where the CPU has
+    AVX512-BF16; the sidecar says which path ran, and the audio is finite either way."""
+    from mimo_tts.lm import cpu_kernel
+
+    result = invoke("synth", "--model", "tiny", "--text", "Kernel.", "--dtype", "bfloat16",
+                    "--max-new-groups", "4", "--json")
+    assert result.exit_code == 0, result.stderr
+    record = json.loads(result.stdout)
+    sidecar = json.loads((tmp_path / record["path"]).with_suffix(".json").read_text())
+    assert sidecar["engine"]["cpu_kernel"] == cpu_kernel.features()["avx512_bf16"]
+    audio, _ = sf.read(str(tmp_path / record["path"]), dtype="float32")
+    assert audio.size > 0 and np.isfinite(audio).all()
 
 
 def test_saved_codes_decode_to_the_same_audio(default_run, mimo):
