@@ -124,9 +124,8 @@ DEFAULT_MAX_CHUNK = {"official": 30, "incremental": 10}
 
 
 def chunk_cap(mode: str, first: int, most: int | None) -> int:
-    """The push cap the options ask for (`most`), or the mode's default."""
-    most = most if most is not None else DEFAULT_MAX_CHUNK.get(mode)
-    return max(first, most or first)
+    """The push cap the options ask for (`most`), or the mode's default; never below `first`."""
+    return max(first, DEFAULT_MAX_CHUNK[mode] if most is None else most)
 
 
 def chunk_schedule(first: int, most: int | None = None) -> Iterator[int]:
@@ -148,9 +147,8 @@ def stream_piece(engine, prompt, options, seed: int, sink, chunk_groups: int, lo
     is re-decoded from the extracted codes and a note is logged. `mode` picks the streaming
     decoder (`official` or `incremental`, see `StreamingDecoder`); pushes follow
     `chunk_schedule` from `chunk_groups` up to `max_chunk_groups` (None: the mode's default).
-    `Piece.timings` holds
-    `stage0_s` (generation), `stage1_s` (decode compute in the worker), `stage1_wait_s`
-    (waiting for the worker after generation), `first_audio_s` and `wall_s`.
+    `Piece.timings` holds `stage0_s` (generation), `stage1_s` (decode compute in the worker),
+    `stage1_wait_s` (waiting for the worker after generation), `first_audio_s` and `wall_s`.
     """
     import torch
 
