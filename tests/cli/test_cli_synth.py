@@ -99,6 +99,15 @@ def test_bfloat16_lm_records_the_fused_cpu_kernel(invoke, tmp_path):
     assert audio.size > 0 and np.isfinite(audio).all()
 
 
+def test_bad_cpu_kernel_setting_is_a_one_line_usage_error(invoke, tmp_path):
+    result = invoke("synth", "--model", "tiny", "--text", "Kernel.", "--dtype", "bfloat16",
+                    env={"MIMO_TTS_CPU_KERNEL": "fast"})
+    assert result.exit_code == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "MIMO_TTS_CPU_KERNEL='fast'" in lines[0]
+    assert not list(tmp_path.rglob("*.wav"))
+
+
 def test_saved_codes_decode_to_the_same_audio(default_run, mimo):
     cwd, _ = default_run
     task_dir = cwd / "output_audio" / "tts_sft"
