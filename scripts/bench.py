@@ -35,72 +35,17 @@ DEFAULT_OUT = REPO / ".bench" / "report.json"
 # --- what to run ---------------------------------------------------------------------------------
 
 
-def _help(script: str, python: str = sys.executable) -> str:
-    """The script's --help text ('' if it has none): flags are checked before they are passed."""
-    try:
-        done = subprocess.run([python, str(SCRIPTS / script), "--help"], capture_output=True,
-                              text=True, timeout=300, cwd=REPO)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return done.stdout if done.returncode == 0 else ""
-
-
-def _flag(help_text: str, flag: str) -> bool:
-    return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text) is not None
-
-
-def codec_runs(quick: bool) -> list[list[str]]:
-    help_text = _help("bench_codec.py")
-    args = ["--quick"] if quick and _flag(help_text, "--quick") else []
-    if _flag(help_text, "--stream"):  # the streaming decode (compute ratio, distances)
-        args.append("--stream")
-    return [args]
-
-
-def lm_runs(quick: bool) -> list[list[str]]:
-    """Batch 1, 4 and 8 in one call where --batch takes a list, else batch 1 beside 4 and 8."""
-    help_text = _help("bench_lm.py")
-    base = ["--quick"] if quick and _flag(help_text, "--quick") else []
-    if "comma-separated" in help_text:
-        return [base + ["--batch", "1,4,8"]]
-    return [base + ["--batch", "4"], base + ["--batch", "8"]]
-
-
-def vllm_runs(quick: bool) -> list[list[str]]:
-    """Defaults in full; in quick, fewer groups and one repeat (the flags it has)."""
-    help_text = _help("bench_vllm.py", str(VLLM_PYTHON))
-    if not quick:
-        return [[]]
-    argv = ["--quick"] if _flag(help_text, "--quick") else []
-    if not argv:
-        argv += ["--groups", "8"] if _flag(help_text, "--groups") else []
-        argv += ["--repeat", "1"] if _flag(help_text, "--repeat") else []
-    return [argv]
-
-
-def overlap_runs(quick: bool) -> list[list[str]]:
-    """The pipeline's default stream mode, and the incremental one where the script offers it."""
-    help_text = _help("bench_overlap.py")
-    base = ["--quick"] if quick and _flag(help_text, "--quick") else []
-    if "incremental" in help_text and _flag(help_text, "--stream-mode"):
-        return [base + ["--stream-mode", mode] for mode in ("official", "incremental")]
-    return [base]
-
-
-def quick_only(script: str):
-    def runs(quick: bool) -> list[list[str]]:
-        return [["--quick"] if quick and _flag(_help(script), "--quick") else []]
-
-    return runs
-
-
-# name: (script, interpreter, argv lists for (quick), timeout seconds (full, quick))
+# name: (script, interpreter, argv of each run, argv added by --quick, timeout s (full, quick))
 BENCHMARKS = {
-    "codec": ("bench_codec.py", sys.executable, codec_runs, (3600, 1200)),
-    "lm": ("bench_lm.py", sys.executable, lm_runs, (2400, 900)),
-    "overlap": ("bench_overlap.py", sys.executable, overlap_runs, (1800, 900)),
-    "startup": ("bench_startup.py", sys.executable, quick_only("bench_startup.py"), (1800, 900)),
-    "vllm": ("bench_vllm.py", str(VLLM_PYTHON), vllm_runs, (2400, 900)),
+    "codec": ("bench_codec.py", sys.executable, [[]], ["--quick"], (3600, 1200)),
+    "lm": ("bench_lm.py", sys.executable, [["--batch", "1,4,8"]], ["--quick"], (2400, 900)),
+    # --stream's default decoder and the official scheme, each against the stages alone
+    "overlap": ("bench_overlap.py", sys.executable,
+                [["--stream-mode", "official"], ["--stream-mode", "incremental"]], ["--quick"],
+                (1800, 900)),
+    "startup": ("bench_startup.py", sys.executable, [[]], ["--quick"], (1800, 900)),
+    "vllm": ("bench_vllm.py", str(VLLM_PYTHON), [[]], ["--groups", "8", "--repeat", "1"],
+             (2400, 900)),
 }
 
 
@@ -172,7 +117,7 @@ def wait_quiet(max_busy: float | None, patience_s: float) -> dict:
 
 
 def run_benchmark(name: str, quick: bool) -> dict:
-    script, python, runs, timeouts = BENCHMARKS[name]
+    script, python, runs, quick_argv, timeouts = BENCHMARKS[name]
     if not (SCRIPTS / script).is_file():
         return {"status": "skipped", "reason": f"scripts/{script} does not exist"}
     if name == "vllm":
@@ -180,7 +125,8 @@ def run_benchmark(name: str, quick: bool) -> dict:
             return {"status": "skipped", "reason": f"no vLLM venv at {VLLM_PYTHON.parent.parent}"
                     " (scripts/setup_vllm_venv.sh)"}
     timeout = timeouts[1] if quick else timeouts[0]
-    results = [run_one(script, python, argv, timeout) for argv in runs(quick)]
+    extra = quick_argv if quick else []
+    results = [run_one(script, python, extra + argv, timeout) for argv in runs]
     if len(results) == 1:
         return results[0]
     status = "ok" if all(r["status"] == "ok" for r in results) else "failed"

@@ -28,7 +28,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import fields
 from pathlib import Path
 
 TARGET = 1.15
@@ -205,21 +204,14 @@ def child_stage1(args) -> dict:
 
 
 def child_stream(args) -> dict:
-    """`--stream` end to end with a thread budget per stage (when the pipeline offers them)."""
-    import torch
+    """`--stream` end to end with a thread budget per stage."""
+    from mimo_tts.pipeline import Synthesizer
 
-    from mimo_tts.pipeline import Synthesizer, SynthOptions
-
-    names = {f.name for f in fields(SynthOptions)}
-    budgets = {"lm_threads": args.lm_threads, "tokenizer_threads": args.tokenizer_threads}
-    supported = set(budgets) <= names
-    if not supported:  # fall back to one shared pool of both budgets' threads
-        torch.set_num_threads(args.lm_threads + args.tokenizer_threads)
-    mode = {"stream_mode": args.stream_mode} if "stream_mode" in names else {}
-    synth = Synthesizer(_options(args, name="stream", stream=True, **mode,
+    synth = Synthesizer(_options(args, name="stream", stream=True, stream_mode=args.stream_mode,
                                  stream_chunk_groups=args.chunk_groups,
                                  stream_max_chunk_groups=args.max_chunk_groups,
-                                 **(budgets if supported else {})))
+                                 lm_threads=args.lm_threads,
+                                 tokenizer_threads=args.tokenizer_threads))
     synth.load()
 
     def sink_factory():
@@ -232,11 +224,11 @@ def child_stream(args) -> dict:
     return {"seconds": best["wall_s"], "cpu_s": timings["cpu_s"],
             "other_processes_cores": timings["other_cores"],
             "audio_s": best["result"].seconds,
-            "first_audio_s": best["first_audio_s"], "thread_budgets": supported,
-            "threads": getattr(synth, "threads", None),
+            "first_audio_s": best["first_audio_s"],
+            "threads": synth.threads,
             "chunk_groups": [synth.options.stream_chunk_groups,
                              synth.options.stream_max_chunk_groups],
-            "stream_mode": getattr(synth.options, "stream_mode", "official"),
+            "stream_mode": synth.options.stream_mode,
             **{f"pipeline_{k}": v for k, v in timings.items()
                if k in ("stage0_s", "stage1_s", "stage1_wait_s", "first_audio_s")}}
 
