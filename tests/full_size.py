@@ -95,3 +95,23 @@ def _bytes(entry) -> int:
     for dim in shape:
         count *= dim
     return count * SIZE[code]
+
+
+def lm_config_cut(config: dict, **dims) -> dict:
+    """The published LM config with some dimensions changed (e.g. a 2-layer cut)."""
+    return {**config, **dims}
+
+
+def write_random_lm(directory: Path, config: dict, seed: int = 0) -> int:
+    """A real (random) LM checkpoint with the published names in config's torch_dtype; bytes."""
+    import torch
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    dtype = getattr(torch, config.get("torch_dtype", "bfloat16"))
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {name: (torch.randn(shape, generator=gen) * 0.02).to(dtype)
+               for name, (shape, _) in _lm_shapes(config, "float32").items()}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return sum(t.numel() * t.element_size() for t in tensors.values())
