@@ -158,18 +158,25 @@ def parse_size(text: str, source: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-def stated_available(device: str, env: Mapping[str, str]) -> int | None:
-    """The available memory `MIMO_TTS_AVAILABLE_MEMORY` states for `device`, if it does."""
+def stated(env: Mapping[str, str]) -> dict[str, int]:
+    """`MIMO_TTS_AVAILABLE_MEMORY` parsed: {"*": bytes} or {device: bytes}; {} when unset."""
     value = (env.get(AVAILABLE_ENV) or "").strip()
+    source = f"env {AVAILABLE_ENV}"
     if not value:
-        return None
+        return {}
     if "=" not in value:
-        return parse_size(value, f"env {AVAILABLE_ENV}")
+        return {"*": parse_size(value, source)}
+    found = {}
     for part in value.split(","):
         name, _, size = part.partition("=")
-        if name.strip().lower() == device:
-            return parse_size(size, f"env {AVAILABLE_ENV}")
-    return None
+        found[name.strip().lower()] = parse_size(size, source)
+    return found
+
+
+def stated_available(device: str, env: Mapping[str, str]) -> int | None:
+    """The available memory `MIMO_TTS_AVAILABLE_MEMORY` states for `device`, if it does."""
+    found = stated(env)
+    return found.get(device, found.get("*"))
 
 
 def _meminfo_available(meminfo: str = "/proc/meminfo") -> int | None:
@@ -215,6 +222,8 @@ def available(device: str, env: Mapping[str, str] | None = None) -> tuple[int | 
 
 def plan(needs: list[StageNeed], env: Mapping[str, str] | None = None) -> list[dict]:
     """Per device: the stages on it, their parts, the total need and the availability."""
+    env = os.environ if env is None else env
+    stated(env)  # a malformed value is a usage error even when nothing needs checking
     devices: dict[str, list[StageNeed]] = {}
     for need in needs:
         devices.setdefault(need.device, []).append(need)

@@ -130,7 +130,7 @@ class Synthesizer:
             memory.check(needs, self.lengths, self.env)
         except DeviceError as exc:  # the run would be refused: the CLI exits 4
             report["memory_error"] = str(exc)
-        except MimoTTSError as exc:
+        except CheckpointError as exc:  # the checkpoint entries report the cause
             report["memory"] = {"error": str(exc)}
         report["engine"] = self.engine_record(preflight=True)
         return report

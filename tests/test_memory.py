@@ -154,6 +154,13 @@ def test_dry_run_and_devices_report_the_plan(full_size, tmp_path):
     assert forced.returncode == EXIT_OK
 
 
+def test_bad_stated_memory_is_a_usage_error(tmp_path):
+    for command in (["devices", "--model", "tiny"], ["synth", "--model", "tiny", "--text", "x"]):
+        run = _cli(command, {memory.AVAILABLE_ENV: "plenty"}, tmp_path)
+        assert run.returncode == 2, run.stderr
+        assert f"invalid memory size 'plenty' (from env {memory.AVAILABLE_ENV})" in run.stderr
+
+
 def test_no_memory_check_still_runs(tmp_path):
     args = ["synth", "--model", "tiny", "--text", "Hello", "-o", str(tmp_path / "a.wav")]
     refused = _cli(args, {memory.AVAILABLE_ENV: "64M"}, tmp_path)
