@@ -308,9 +308,10 @@ def _preflight(reporter: Reporter, flags: dict, config: str | None) -> int:
         reporter.data(report)
     else:  # the report is the command's data: pretty JSON on stdout
         Console(highlight=False).print_json(data=report)
-    missing = [c for c in report["checkpoints"].values() if c["status"].startswith("missing")]
+    missing = [c for c in report["checkpoints"].values()
+               if c["status"].startswith(("missing", "broken"))]
     for entry in missing:
-        reporter.error(entry["status"].removeprefix("missing: "))
+        reporter.error(entry["status"].split(": ", 1)[-1])
     if missing:
         return EXIT_CHECKPOINT
     if report.get("memory_error") and not flags.get("no_memory_check"):

@@ -78,12 +78,11 @@ class StageNeed:
 
 def header_numel(path: Path) -> dict[str, tuple[int, str]]:
     """name -> (elements, safetensors dtype) for every tensor of a checkpoint (headers only)."""
-    from mimo_tts.models import _safetensors_header
-    from mimo_tts.weights import weight_files
+    from mimo_tts.weights import read_header, weight_files
 
     out: dict[str, tuple[int, str]] = {}
     for file in weight_files(path):
-        for name, info in _safetensors_header(file).items():
+        for name, info in read_header(file).items():
             if name == "__metadata__" or not isinstance(info, dict):
                 continue
             count = 1

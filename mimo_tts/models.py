@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +24,6 @@ CACHE_ENV = "MIMO_TTS_CACHE"
 TINY = "tiny"
 TINY_PRESET_VERSION = 1
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2,
-                "I8": 1, "U8": 1, "BOOL": 1}
 
 
 @dataclass(frozen=True)
@@ -202,22 +199,13 @@ def locate(name: str, source: str, role: str, env=None) -> tuple[Path | None, st
         ref = resolve(name, source, role, allow_download=False, env=env)
     except CheckpointError as exc:
         return None, f"missing: {exc}"
+    from mimo_tts.weights import check_files
+
+    try:  # what a load would refuse before reading a weight: config, headers, sizes, index
+        check_files(ref.path, role)
+    except CheckpointError as exc:
+        return ref.path, f"broken: {exc}"
     return ref.path, "present"
-
-
-def _safetensors_header(path: Path) -> dict:
-    """The JSON header of a safetensors file: an 8-byte little-endian length, then JSON."""
-    try:
-        with open(path, "rb") as handle:
-            (size,) = struct.unpack("<Q", handle.read(8))
-            if size > min(100_000_000, path.stat().st_size - 8):
-                raise ValueError(f"header length {size} does not fit the file")
-            header = json.loads(handle.read(size))
-    except (struct.error, ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"corrupt safetensors header in {path}: {exc}") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"corrupt safetensors header in {path}: not a JSON object")
-    return header
 
 
 def checkpoint_dtype(name: str, source: str, role: str, env=None) -> str | None:

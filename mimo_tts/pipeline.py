@@ -24,7 +24,7 @@ from pathlib import Path
 from mimo_tts import __version__, memory, models
 from mimo_tts import io as mio
 from mimo_tts.devices import Placement, resolve_placement
-from mimo_tts.engine import Engine, Piece, import_vllm_engine, vllm_options
+from mimo_tts.engine import Engine, Piece, import_vllm_engine, oom_advice, vllm_options
 from mimo_tts.errors import (
     CheckpointError,
     DeviceError,
@@ -396,10 +396,11 @@ class Synthesizer:
                                     strict=True):
                 piece.audio = audio
             result.timings["decode_s"] = time.perf_counter() - start
-        audio = join_pieces([p.audio for p in pieces], PAUSE_FRAMES,
-                            self.engine.samples_per_frame)
-        check_audio(audio, item.id)
-        samples = mio.resample(audio, mio.SAMPLE_RATE, o.sample_rate)
+        with oom_advice("joining the audio", "cpu"):  # the pieces are joined on the CPU
+            audio = join_pieces([p.audio for p in pieces], PAUSE_FRAMES,
+                                self.engine.samples_per_frame)
+            check_audio(audio, item.id)
+            samples = mio.resample(audio, mio.SAMPLE_RATE, o.sample_rate)
         result.seconds = len(samples) / o.sample_rate
         busy = sum(v for k, v in result.timings.items() if k in BUSY_TIMINGS)
         result.timings["total_s"] = busy

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -57,6 +58,70 @@ def weight_files(directory: str | Path) -> list[Path]:
     if missing:
         raise CheckpointError(f"{indexes[0].name} names missing shard(s): {', '.join(missing)}")
     return files
+
+
+_ELEMENT_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8,
+                  "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def read_header(path: Path) -> dict:
+    """The JSON header of a safetensors file (an 8-byte little-endian length, then JSON),
+    checked against the file: a truncated file or a tensor past its end is a CheckpointError."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length > min(100_000_000, size - 8):
+                raise ValueError(f"header length {length} does not fit the file")
+            header = json.loads(handle.read(length))
+        if not isinstance(header, dict):
+            raise ValueError("not a JSON object")
+        end = 0
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            start, stop = info["data_offsets"]
+            count = 1
+            for dim in info["shape"]:
+                count *= int(dim)
+            if stop - start != count * _ELEMENT_BYTES.get(info["dtype"], 0) or start < 0:
+                raise ValueError(f"tensor {name} does not match its shape and dtype")
+            end = max(end, stop)
+    except (struct.error, ValueError, UnicodeDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"corrupt or truncated safetensors file {path}: {exc}") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if 8 + length + end > size:
+        raise CheckpointError(f"corrupt or truncated safetensors file {path}: {size} bytes, "
+                              f"its header needs {8 + length + end}")
+    return header
+
+
+def check_files(directory: str | Path, role: str) -> None:
+    """What loading checks before reading any weight, torch-free: config.json for the role
+    ("model" or "tokenizer"), every safetensors header and file size, and that a sharded
+    index's tensors are in the shards it names."""
+    directory = Path(directory)
+    config = read_config(directory)
+    if role == "model":
+        from mimo_tts.lm.config import LMConfig
+
+        LMConfig.from_json(config)
+    else:
+        from mimo_tts.codec.config import CodecConfig
+
+        CodecConfig.from_json(config)
+    files = weight_files(directory)
+    found: dict[str, str] = {}
+    for path in files:
+        found.update((k, path.name) for k in read_header(path) if k != "__metadata__")
+    index = sorted(directory.glob("*.safetensors.index.json"))
+    if index and not (directory / SINGLE_FILE).is_file():
+        weight_map = json.loads(index[0].read_text(encoding="utf-8"))["weight_map"]
+        absent = sorted(k for k, f in weight_map.items() if found.get(k) != f)
+        if absent:
+            raise CheckpointError(f"{index[0]} names tensor(s) its shards lack: "
+                                  f"{_summary(absent, 4)}")
 
 
 def load_tensors(directory: str | Path, device: str = "cpu") -> dict:

@@ -13,15 +13,19 @@ ENV_DEVICE = "MIMO_AUDIO_TOKENIZER_DEVICE"
 
 
 def test_devices_preflight_reads_only_headers(mimo, tmp_path, tiny_cache):
-    """The LM weights are cut after the safetensors header: loading would fail, preflight not."""
+    """The LM weights are holes after the safetensors header (a sparse file of the right
+    size): loading would read zeros, preflight reads nothing past the headers."""
     source = next(tiny_cache.glob("presets/*/lm"))
     headers_only = tmp_path / "lm"
     headers_only.mkdir()
     for f in source.iterdir():
         (headers_only / f.name).write_bytes(f.read_bytes())
+    size = (source / "model.safetensors").stat().st_size
     data = (source / "model.safetensors").read_bytes()
     header_len = 8 + int.from_bytes(data[:8], "little")
-    (headers_only / "model.safetensors").write_bytes(data[:header_len])
+    with open(headers_only / "model.safetensors", "wb") as handle:
+        handle.write(data[:header_len])
+        handle.truncate(size)
     proc = mimo("devices", "--model", headers_only, "--tokenizer", "tiny", "--tokenizer-device",
                 "cpu", "--lm-device", "cpu", "--json")
     assert proc.returncode == 0, proc.stderr.decode()
@@ -37,6 +41,50 @@ def test_devices_preflight_reads_only_headers(mimo, tmp_path, tiny_cache):
     (plan,) = report["memory"]  # both stages on the CPU: one device, added up
     assert plan["device"] == "cpu" and plan["fits"] and plan["need_bytes"] > 0
     assert plan["stages"]["LM"]["kv_cache"] > 0 and "kv_cache" not in plan["stages"]["tokenizer"]
+
+
+def _truncate(d):
+    path = d / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def _drop_shard(d):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(d / "model.safetensors"))
+    names = sorted(tensors)
+    (d / "model.safetensors").unlink()
+    save_file({k: tensors[k] for k in names[:10]}, str(d / "model-00001-of-00002.safetensors"))
+    index = {"weight_map": {k: f"model-0000{1 + (i >= 10)}-of-00002.safetensors"
+                            for i, k in enumerate(names)}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _index_lies(d):
+    _drop_shard(d)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(d / "model-00001-of-00002.safetensors"))
+    save_file(dict(list(tensors.items())[:5]), str(d / "model-00002-of-00002.safetensors"))
+
+
+@pytest.mark.parametrize(("build", "message"), [
+    (_truncate, "corrupt or truncated safetensors file"),
+    (_drop_shard, "names missing shard(s): model-00002-of-00002.safetensors"),
+    (_index_lies, "names tensor(s) its shards lack"),
+])
+@pytest.mark.parametrize("command", [["devices"], ["synth", "--text", "x", "--dry-run"]])
+def test_preflight_refuses_what_a_run_would(mimo, tmp_path, tiny_cache, build, message,
+                                            command):
+    """Issue 13 item 8: no false green for a truncated file or a partial snapshot."""
+    import shutil
+
+    broken = tmp_path / "lm"
+    shutil.copytree(next(tiny_cache.glob("presets/*/lm")), broken)
+    build(broken)
+    proc = mimo(*command, "--model", broken, "--tokenizer", "tiny")
+    assert proc.returncode == EXIT_CHECKPOINT, proc.stderr.decode()
+    assert message in proc.stderr.decode()
 
 
 def test_tokenizer_device_env_var_wins_over_profile(invoke, tmp_path):

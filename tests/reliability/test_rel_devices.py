@@ -35,7 +35,9 @@ def test_a_real_cpu_allocation_failure_is_recognised():
 
 
 def test_out_of_memory_in_a_run_gives_advice(limited, tmp_path, rel):
-    """2048 pieces in one batch need a 4 GiB KV cache; the child may map only 6 GiB in all."""
+    """2048 pieces in one batch, the child may map only 6 GiB in all: whichever stage runs out
+    first (the KV cache grows with the run, so today it is joining the 2048 pieces' audio), the
+    item fails with exit 4 and the advice."""
     text = " ".join(["Go."] * 2048)
     proc = limited("synth", "--model", "tiny", "--text", text, "--max-chars", "3",
                    "--batch-size", "2048", "--lm-device", "cpu", "--tokenizer-device", "cpu",
@@ -43,7 +45,7 @@ def test_out_of_memory_in_a_run_gives_advice(limited, tmp_path, rel):
     assert proc.returncode == EXIT_DEVICE, proc.stderr.decode()
     record = json.loads(proc.stdout)
     assert record["status"] == "error" and record["exit_code"] == EXIT_DEVICE
-    assert "out of memory on cpu during Stage-0 generation" in record["error"]
+    assert "out of memory on cpu during " in record["error"]
     assert OOM_ADVICE in record["error"]
     task_dir = tmp_path / "output_audio" / "tts_sft"
     assert not rel.audio_files(task_dir) and not rel.temp_files(task_dir)
