@@ -152,6 +152,14 @@ def vllm_options(o, placement) -> dict:
             **{k: v for k, v in given.items() if v is not None}}
 
 
+def _kernel_words(lm) -> str:
+    """Whether the LM's decode steps run in the fused CPU kernel, and why (not)."""
+    from mimo_tts.lm.cpu_kernel import choose
+
+    choice = choose(lm)
+    return ("on, " if choice.active else "off, ") + choice.reason
+
+
 class Engine:
     """The loaded LM (native, or a `VLLMEngine` as `stage0`), text tokenizer and audio
     tokenizer, with the glue between them."""
@@ -182,9 +190,8 @@ class Engine:
                 lm = load_lm(lm_path, placement.lm_device.value, placement.lm_dtype.value)
             else:
                 stage0 = module.VLLMEngine(lm_path, module.VLLMOptions(**vllm))
-        kernel = lm is not None and lm.local_transformer.kernel is not None
         log(f"LM loaded from {lm_path}" + ("" if stage0 is None else f" into vLLM {vllm}")
-            + (" (patch decoder in the fused CPU kernel)" if kernel else ""))
+            + ("" if lm is None else f" (CPU kernel: {_kernel_words(lm)})"))
         try:
             codec = cls._load_codec(tok_path, placement, log)
             check_pairing((lm or stage0).cfg, codec.config, lm_path, tok_path)

@@ -95,7 +95,11 @@ class Synthesizer:
             if lm is None:  # preflight: nothing loaded yet
                 return {"name": "native"}
             # bfloat16 sums round differently in the fused CPU kernel: record which path ran
-            return {"name": "native", "cpu_kernel": lm.local_transformer.kernel is not None}
+            from mimo_tts.lm.cpu_kernel import choose
+
+            choice = choose(lm)
+            return {"name": "native", "cpu_kernel": choice.active,
+                    "cpu_kernel_reason": choice.reason}
         record: dict = {"name": "vllm"}
         try:
             record["settings"] = vllm_options(self.options, self.placement)

@@ -8,7 +8,7 @@ import torch
 
 from mimo_tts.errors import CheckpointError, DeviceError
 from mimo_tts.lm.config import LMConfig
-from mimo_tts.lm.cpu_kernel import mode_from_env
+from mimo_tts.lm.cpu_kernel import check_mode, mode_from_env
 from mimo_tts.lm.model import MiMoAudioLM
 from mimo_tts.weights import load_module_weights, read_config
 
@@ -23,12 +23,14 @@ def load_config(path: str | Path) -> LMConfig:
 
 
 def load_lm(path: str | Path, device: str | torch.device = "cpu",
-            dtype: torch.dtype | str = torch.float32, *, fuse: bool = True,
+            dtype: torch.dtype | str = torch.float32, *,
             cpu_kernel: str | None = None) -> MiMoAudioLM:
     """Build the LM on the meta device, load it strictly, move it to `device` in `dtype`,
-    then (`fuse`) fuse q/k/v, gate/up and the channel heads in place (no extra memory) and,
-    on CPU, run the patch decoder's steps through the fused C kernel (mimo_tts/lm/cpu_kernel.py)
-    as `cpu_kernel` says: "auto", "on" or "off" (None: MIMO_TTS_CPU_KERNEL, else "auto")."""
+    then fuse q/k/v, gate/up and the channel heads in place (no extra memory). On CPU the
+    decode steps run through the fused C kernel (mimo_tts/lm/cpu_kernel.py) as `cpu_kernel`
+    says: "auto", "on" or "off" (None: MIMO_TTS_CPU_KERNEL, else "auto");
+    `cpu_kernel.choose(model)` tells whether it does, and why (not)."""
+    mode = check_mode(cpu_kernel or mode_from_env())
     dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if dtype not in DTYPES.values():
         raise CheckpointError(f"unsupported LM dtype {dtype}: use float32, bfloat16 or float16")
@@ -41,9 +43,8 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu",
         # Derived buffers are still meta here: rebuild them first, then move the weights.
         model.build_buffers(torch.device(device))
         model = model.to(device=device)
-        if fuse:
-            model.fuse_weights()
-            model.use_cpu_kernel(cpu_kernel or mode_from_env())
+        model.fuse_weights()
     except (RuntimeError, AssertionError) as exc:  # bad index, OOM, CUDA unavailable
         raise DeviceError(f"cannot place the LM on {device}: {exc}") from None
+    model.cpu_kernel = mode
     return model.eval().requires_grad_(False)

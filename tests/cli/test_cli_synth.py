@@ -81,7 +81,9 @@ def test_manifest_and_sidecar(default_run, manifest):
     assert sidecar["effective_sampler"]["text"]["temperature"] == 0.6
     assert {"load_s", "generate_s", "decode_s"} <= set(sidecar["timings"])
     assert sidecar["result"]["key"] == line["key"]
-    assert sidecar["engine"] == {"name": "native", "cpu_kernel": False}  # float32 runs eagerly
+    assert sidecar["engine"] == {"name": "native", "cpu_kernel": False,  # float32: eager
+                                 "cpu_kernel_reason": "auto: float32 weights run faster in "
+                                                      "eager PyTorch"}
 
 
 def test_bfloat16_lm_records_the_fused_cpu_kernel(invoke, tmp_path):
@@ -95,6 +97,7 @@ def test_bfloat16_lm_records_the_fused_cpu_kernel(invoke, tmp_path):
     record = json.loads(result.stdout)
     sidecar = json.loads((tmp_path / record["path"]).with_suffix(".json").read_text())
     assert sidecar["engine"]["cpu_kernel"] == cpu_kernel.features()["avx512_bf16"]
+    assert sidecar["engine"]["cpu_kernel_reason"].startswith("auto: ")
     audio, _ = sf.read(str(tmp_path / record["path"]), dtype="float32")
     assert audio.size > 0 and np.isfinite(audio).all()
 
