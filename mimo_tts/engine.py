@@ -177,8 +177,9 @@ class Engine:
 
     @classmethod
     def load(cls, lm_path: Path, tok_path: Path, placement, log,
-             vllm: dict | None = None) -> Engine:
-        """Load both stages; `vllm` (VLLMOptions keywords) runs Stage-0 on vLLM instead."""
+             vllm: dict | None = None, quant: str | None = None) -> Engine:
+        """Load both stages; `vllm` (VLLMOptions keywords) runs Stage-0 on vLLM instead;
+        `quant`: the LM's opt-in weight quantization (load_lm)."""
         from mimo_tts.lm.load import load_lm
         from mimo_tts.lm.text import TextTokenizer
 
@@ -187,10 +188,12 @@ class Engine:
         lm = stage0 = None
         with _naming(lm_path), oom_advice("LM loading", placement.lm_device.value):
             if module is None:
-                lm = load_lm(lm_path, placement.lm_device.value, placement.lm_dtype.value)
+                lm = load_lm(lm_path, placement.lm_device.value, placement.lm_dtype.value,
+                             quant=quant)
             else:
                 stage0 = module.VLLMEngine(lm_path, module.VLLMOptions(**vllm))
         log(f"LM loaded from {lm_path}" + ("" if stage0 is None else f" into vLLM {vllm}")
+            + ("" if lm is None or lm.quant is None else f" ({lm.quant} weights)")
             + ("" if lm is None else f" (CPU kernel: {_kernel_words(lm)})"))
         try:
             codec = cls._load_codec(tok_path, placement, log)

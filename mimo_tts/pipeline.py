@@ -99,7 +99,8 @@ class Synthesizer:
 
             choice = choose(lm)
             return {"name": "native", "cpu_kernel": choice.active,
-                    "cpu_kernel_reason": choice.reason}
+                    "cpu_kernel_reason": choice.reason,
+                    **({} if lm.quant is None else {"lm_quant": lm.quant})}
         record: dict = {"name": "vllm"}
         try:
             record["settings"] = vllm_options(self.options, self.placement)
@@ -129,7 +130,7 @@ class Synthesizer:
         vllm = (vllm_options(self.options, self.placement)
                 if self.options.engine == "vllm" else None)
         self.engine = Engine.load(self.lm_ref.path, self.tok_ref.path, self.placement, self.log,
-                                  vllm=vllm)
+                                  vllm=vllm, quant=self.options.lm_quant)
         self.timings["load_s"] = time.perf_counter() - start
         self.threads = self.thread_budgets()
         self.engine.lm_threads = self.threads["lm"]

@@ -49,7 +49,8 @@ from mimo_tts.lm.step import EagerStep
 SOURCE = files("mimo_tts.lm") / "cpu_kernel.c"
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-LAYER_FIELDS = ("in_norm", "qkv_w", "qkv_b", "o_w", "post_norm", "gate_up_w", "down_w")
+LAYER_FIELDS = ("in_norm", "qkv_w", "qkv_b", "o_w", "post_norm", "gate_up_w", "down_w",
+                "qkv_s", "o_s", "gate_up_s", "down_s")
 MAX_ROWS = 16  # rows a product takes through the kernel; more go to PyTorch's GEMM
 DTYPES = (torch.bfloat16, torch.float32)
 
@@ -70,7 +71,7 @@ class _Step(ctypes.Structure):
 
 
 class _Gemv(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in ("w", "b", "x", "y", "work")] + [
+    _fields_ = [(name, ctypes.c_void_p) for name in ("w", "b", "x", "scale", "y", "work")] + [
         ("inputs", ctypes.c_long), ("outputs", ctypes.c_long),
         ("rows", ctypes.c_int), ("threads", ctypes.c_int),
     ]
@@ -178,12 +179,13 @@ def _ptr(t: Tensor | None) -> int | None:
 
 def _gemv(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Tensor | None,
           threads: int) -> Tensor:
-    """x [rows, in] (contiguous) . weight[out, in]^T + bias -> [rows, out], weight's dtype."""
+    """x [rows, in] (contiguous) . weight[out, in]^T + bias -> [rows, out] in x's dtype;
+    an int8 weight brings its row scales (mimo_tts/lm/quant.py)."""
     rows, out = x.shape[0], weight.shape[0]
-    y = torch.empty(rows, out, dtype=weight.dtype)
-    call = _Gemv(_ptr(weight), _ptr(bias), _ptr(x), _ptr(y), None, weight.shape[1], out,
-                 rows, threads)
-    bf16 = weight.dtype == torch.bfloat16
+    y = torch.empty(rows, out, dtype=x.dtype)
+    call = _Gemv(_ptr(weight), _ptr(bias), _ptr(x), _ptr(getattr(weight, "scale", None)),
+                 _ptr(y), None, weight.shape[1], out, rows, threads)
+    bf16 = x.dtype == torch.bfloat16
     if bf16:
         work = torch.empty(lib.gemv_work_floats(ctypes.byref(call)), dtype=torch.float32)
         call.work = work.data_ptr()
@@ -193,15 +195,16 @@ def _gemv(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Tensor | None,
 
 class Products:
     """`matmul` (mimo_tts.lm.model.Matmul) through the kernel for 1-16 rows of a contiguous
-    CPU weight of the kernel's dtypes; anything else goes to `linear`."""
+    CPU weight of the kernel's dtypes (or int8 with scales); anything else goes to `linear`."""
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         rows = x.numel() // weight.shape[1] if weight.shape[1] else 0
-        if not (0 < rows <= MAX_ROWS and x.device.type == "cpu" and weight.dtype in DTYPES
-                and x.dtype == weight.dtype and weight.is_contiguous()
+        int8 = weight.dtype == torch.int8 and hasattr(weight, "scale")
+        if not (0 < rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype in DTYPES
+                and (x.dtype == weight.dtype or int8) and weight.is_contiguous()
                 and (bias is None or bias.is_contiguous())):
             return linear(x, weight, bias)
         flat = x.reshape(rows, weight.shape[1]).contiguous()
@@ -232,9 +235,12 @@ class LocalStepKernel:
         out = []
         for layer in self.stack.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            weights = (attn.qkv_weight, attn.o_proj.weight, mlp.gate_up_weight,
+                       mlp.down_proj.weight)
             out.append((layer.input_layernorm.weight, attn.qkv_weight, attn.qkv_bias,
                         attn.o_proj.weight, layer.post_attention_layernorm.weight,
-                        mlp.gate_up_weight, mlp.down_proj.weight))
+                        mlp.gate_up_weight, mlp.down_proj.weight,
+                        *(getattr(w, "scale", None) for w in weights)))
         return out + [(self.stack.norm.weight,)]
 
     def __call__(self, x: Tensor, position: int, cache: KVCache, slot: int) -> Tensor:

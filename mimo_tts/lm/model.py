@@ -62,7 +62,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     A decode step multiplies 1-8 rows by each weight. On CPU, F.linear sends that to a GEMM
     that streams bf16 weights well below the memory bandwidth; `mv`/`mm` with the weight as
     the left operand reach it ("Stage-0" in docs/performance.md, scripts/bench_lm.py).
+    An int8 weight (mimo_tts/lm/quant.py) is dequantized to x's dtype first.
     """
+    if weight.dtype == torch.int8:
+        from mimo_tts.lm.quant import dequantize
+
+        weight = dequantize(weight, x.dtype)
     rows = x.numel() // weight.shape[1]
     if x.device.type != "cpu" or rows > SMALL_ROWS or rows == 0:
         return F.linear(x, weight, bias)
@@ -310,6 +315,7 @@ class MiMoAudioLM(nn.Module):
         # Mode of the fused CPU kernel ("auto", "on", "off"; set by load_lm): the decode step
         # asks mimo_tts.lm.cpu_kernel.choose(model) whether, and why (not), it runs.
         self.cpu_kernel = "off"
+        self.quant: str | None = None  # "int8" after mimo_tts.lm.quant.quantize_lm
 
     def build_buffers(self, device) -> None:
         """(Re)build derived, non-checkpoint tensors on a real device after loading."""
