@@ -42,6 +42,7 @@ from mimo_tts.lm import cpu_kernel
 from mimo_tts.lm.config import LMConfig
 from mimo_tts.lm.generate import GenerationOptions, decode_patch, prefill, stream
 from mimo_tts.lm.model import KVCache, MiMoAudioLM
+from mimo_tts.lm.quant import matrices, quantize_lm
 from mimo_tts.lm.sampling import GREEDY
 from mimo_tts.lm.step import EagerStep
 from mimo_tts.lm.text import SpecialTokens
@@ -193,8 +194,26 @@ def audio_prompt(model: MiMoAudioLM, groups: int, seed: int) -> torch.Tensor:
     return ids
 
 
-STEPS = {"eager": EagerStep, "kernel": cpu_kernel.CpuKernelStep}
-DECODE_STEP = {"eager": "eager", "kernel": "auto"}  # GenerationOptions.decode_step of each
+STEPS = {"eager": EagerStep, "kernel": cpu_kernel.CpuKernelStep,
+         "kernel_int8": cpu_kernel.CpuKernelStep}
+DECODE_STEP = {"eager": "eager", "kernel": "auto", "kernel_int8": "auto"}
+
+
+class Int8Swap:
+    """The model's large matrices in both forms (--quant int8): `use(True)` points the blocks
+    at the int8 ones, `use(False)` back at the model dtype's, so both run from one model."""
+
+    def __init__(self, model: MiMoAudioLM):
+        self.model = model
+        self.dense = [getattr(m, n) for m, n in matrices(model)]
+        quantize_lm(model, "int8")
+        self.int8 = [getattr(m, n) for m, n in matrices(model)]
+        self.use(False)
+
+    def use(self, int8: bool) -> None:
+        for (module, name), t in zip(matrices(self.model), self.int8 if int8 else self.dense,
+                                     strict=True):
+            setattr(module, name, t)
 
 
 @torch.inference_mode()
@@ -267,14 +286,20 @@ def run(args) -> dict:
     model = build_model(layers, args.device, getattr(torch, args.dtype), kernel=args.kernel)
     choice = cpu_kernel.choose(model)
     kinds = ["eager", "kernel"] if choice.active else ["eager"]
+    weights = weight_bytes_per_step(model)  # before Int8Swap points the parts at int8 rows
+    swap = None
+    if args.quant == "int8" and choice.active:
+        swap = Int8Swap(model)
+        kinds.append("kernel_int8")
     bandwidth = Bandwidth(args.device, args.bandwidth_mib)
-    weights = weight_bytes_per_step(model)
     parts = {k: {b: {} for b in batches} for k in kinds}
     steps_s = {k: {b: [] for b in batches} for k in kinds}
     for b in batches:
         for _ in range(args.rounds):  # the kinds alternate: noise hits both alike
             for kind in kinds:
                 bandwidth.sample()
+                if swap is not None:
+                    swap.use(kind == "kernel_int8")
                 for part, times in component_times(model, b, repeats, args.device,
                                                    kind).items():
                     parts[kind][b].setdefault(part, []).extend(times)
@@ -315,6 +340,9 @@ def run(args) -> dict:
         **({"kernel_speedup_step": {b: round(best["eager"][b] / s, 2)
                                     for b, s in best["kernel"].items()}}
            if "kernel" in best else {}),
+        **({"int8_over_bf16_step": {b: round(s / best["kernel"][b], 2)
+                                    for b, s in best["kernel_int8"].items()}}
+           if "kernel_int8" in best else {}),
     }
 
 
@@ -347,6 +375,8 @@ def main() -> None:
     parser.add_argument("--kernel", choices=("auto", "on", "off"), default="auto",
                         help="the fused CPU kernel step beside the eager one: where load_lm "
                              "would use it (auto), always (on), or never (off)")
+    parser.add_argument("--quant", choices=("int8",), default=None,
+                        help="also time the kernel step with int8 weights (mimo_tts/lm/quant.py)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="alternating rounds of eager and kernel measurements")
     parser.add_argument("--bandwidth-mib", type=int, default=512,

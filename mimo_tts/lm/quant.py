@@ -20,11 +20,18 @@ from mimo_tts.errors import UsageError
 from mimo_tts.lm.config import LM_QUANTS as QUANTS
 
 
+CHUNK = 4096  # rows quantized at a time: bounds the float32 copy (lm_head: 2.5 GB whole)
+
+
 def quantize_rows(weight: Tensor) -> Tensor:
     """weight [out, in] -> int8 [out, in] with `.scale` float32 [out] (symmetric, per row)."""
-    w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    for start in range(0, weight.shape[0], CHUNK):
+        w = weight.detach()[start : start + CHUNK].float()
+        s = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        q[start : start + CHUNK] = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
+        scale[start : start + CHUNK] = s
     q.scale = scale
     return q
 
@@ -49,19 +56,30 @@ def _split(q: Tensor, parts: tuple[nn.Linear, ...]) -> None:
         start = end
 
 
+def matrices(model) -> list[tuple[nn.Module, str]]:
+    """(module, attribute) of every matrix `quantize_lm` quantizes, as the blocks read them."""
+    out: list[tuple[nn.Module, str]] = []
+    for stack in (model.model, model.local_transformer):
+        for layer in stack.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            out += [(attn, "qkv_weight"), (attn.o_proj, "weight"), (mlp, "gate_up_weight"),
+                    (mlp.down_proj, "weight")]
+    return out + [(model.lm_head, "weight")]
+
+
 def quantize_lm(model, quant: str) -> None:
     """Quantize the model's large matrices in place (see the module docstring)."""
     if quant not in QUANTS:
         raise UsageError(f"LM quantization must be one of {', '.join(QUANTS)}, got {quant!r}")
     with torch.no_grad():
+        for module, name in matrices(model):
+            q = quantize_rows(getattr(module, name))
+            if isinstance(getattr(module, name), nn.Parameter):
+                q = _parameter(q)
+            setattr(module, name, q)
         for stack in (model.model, model.local_transformer):
             for layer in stack.layers:
                 attn, mlp = layer.self_attn, layer.mlp
-                attn.qkv_weight = quantize_rows(attn.qkv_weight)
                 _split(attn.qkv_weight, (attn.q_proj, attn.k_proj, attn.v_proj))
-                attn.o_proj.weight = _parameter(quantize_rows(attn.o_proj.weight))
-                mlp.gate_up_weight = quantize_rows(mlp.gate_up_weight)
                 _split(mlp.gate_up_weight, (mlp.gate_proj, mlp.up_proj))
-                mlp.down_proj.weight = _parameter(quantize_rows(mlp.down_proj.weight))
-        model.lm_head.weight = _parameter(quantize_rows(model.lm_head.weight))
     model.quant = quant
