@@ -19,7 +19,6 @@ from torch import Tensor, nn
 from mimo_tts.errors import UsageError
 from mimo_tts.lm.config import LM_QUANTS as QUANTS
 
-
 CHUNK = 4096  # rows quantized at a time: bounds the float32 copy (lm_head: 2.5 GB whole)
 
 
