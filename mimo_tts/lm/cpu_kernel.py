@@ -173,6 +173,30 @@ def _measure_amx_rows(lib: ctypes.CDLL) -> int:
     return MAX_ROWS + 1
 
 
+@functools.cache
+def products_faster() -> tuple[bool, float, float]:
+    """Whether the kernel's one-row bfloat16 product streams a weight faster than PyTorch's
+    on this machine: (faster, kernel GB/s, PyTorch GB/s), best of 3 alternating rounds over
+    two 64 MiB matrices (together past the last-level cache), measured once per process."""
+    lib = library()
+    mats = [torch.full((8192, 4096), 0.01, dtype=torch.bfloat16) for _ in range(2)]
+    x = torch.full((1, 4096), 0.5, dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    best = {"kernel": float("inf"), "torch": float("inf")}
+    for _ in range(3):
+        for name, mat in (("kernel", mats[0]), ("torch", mats[1]), ("torch", mats[0]),
+                          ("kernel", mats[1])):
+            start = time.perf_counter()
+            if name == "kernel":
+                _gemv(lib, x, mat, None, threads)
+            else:
+                torch.mv(mat, x[0])
+            best[name] = min(best[name], time.perf_counter() - start)
+    nbytes = mats[0].numel() * 2
+    return (best["kernel"] < best["torch"], round(nbytes / best["kernel"] / 1e9, 1),
+            round(nbytes / best["torch"] / 1e9, 1))
+
+
 def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -195,16 +219,18 @@ def _gemv(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Tensor | None,
 
 class Products:
     """`matmul` (mimo_tts.lm.model.Matmul) through the kernel for 1-16 rows of a contiguous
-    CPU weight of the kernel's dtypes (or int8 with scales); anything else goes to `linear`."""
+    CPU weight: int8 ones (with scales) always, those of the kernel's dtypes when `dense`;
+    anything else goes to `linear`."""
 
-    def __init__(self, lib: ctypes.CDLL):
-        self.lib = lib
+    def __init__(self, lib: ctypes.CDLL, dense: bool = True):
+        self.lib, self.dense = lib, dense
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         rows = x.numel() // weight.shape[1] if weight.shape[1] else 0
         int8 = weight.dtype == torch.int8 and hasattr(weight, "scale")
         if not (0 < rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype in DTYPES
-                and (x.dtype == weight.dtype or int8) and weight.is_contiguous()
+                and ((self.dense and x.dtype == weight.dtype) or int8)
+                and weight.is_contiguous()
                 and (bias is None or bias.is_contiguous())):
             return linear(x, weight, bias)
         flat = x.reshape(rows, weight.shape[1]).contiguous()
@@ -262,15 +288,17 @@ class LocalStepKernel:
 
 
 class CpuKernelStep(EagerStep):
-    """The decode step with every product of 1-16 rows in the kernel and the patch decoder's
-    positions in one kernel call each; built by `generate.decode_step` when `choose` agrees."""
+    """The decode step with the patch decoder's positions in one kernel call each and the
+    products of 1-16 rows in the kernel: int8 ones always, the others where `choose` found
+    them faster than PyTorch's (or mode "on"); built by `generate.decode_step`."""
 
     def __init__(self, model: MiMoAudioLM, cache: KVCache | None, local_cache: KVCache,
                  valid: Tensor | None = None):
         lib = library()
         if lib is None:
             raise RuntimeError(f"the CPU kernel cannot run: {_build()[1]}")
-        super().__init__(model, cache, local_cache, valid, Products(lib))
+        dense = model.cpu_kernel == "on" or products_faster()[0]
+        super().__init__(model, cache, local_cache, valid, Products(lib, dense))
         self.local = LocalStepKernel(model.local_transformer, lib)
 
     def local_logits(self, x: Tensor, step: int, channels: Sequence[int]) -> list[Tensor]:
@@ -341,4 +369,9 @@ def choose(model: MiMoAudioLM) -> Choice:
     how = "AVX512-BF16 dot products" if isa["avx512_bf16"] else "scalar loops"
     if isa["amx"] and isa["amx_min_rows"] <= MAX_ROWS:
         how += f", AMX tiles from {isa['amx_min_rows']} rows"
-    return Choice(True, f"{mode}: {how}")
+    if mode == "on":
+        return Choice(True, f"on: {how}; every product of <= {MAX_ROWS} rows")
+    faster, kernel_gbps, torch_gbps = products_faster()
+    where = "in the kernel" if faster else "in PyTorch (its GEMV was faster here)"
+    return Choice(True, f"auto: {how}; patch decoder steps in the kernel, backbone products "
+                        f"{where}: {kernel_gbps} vs {torch_gbps} GB/s")
