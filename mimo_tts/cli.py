@@ -224,6 +224,9 @@ def synth(
     tokenizer_dtype: TokDtype = None,
     cuda_graph: Graph = None,
     no_memory_check: NoMemoryCheck = None,
+    lm_quant: Annotated[str | None, typer.Option(rich_help_panel=DEV,
+        help="Opt-in int8 weight-only LM on CPU (faster, slightly less exact; "
+             "default off).")] = None,
     lm_threads: LmThreads = None,
     tokenizer_threads: TokThreads = None,
     seed: Annotated[int | None, typer.Option(rich_help_panel=GEN,

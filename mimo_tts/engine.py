@@ -152,6 +152,14 @@ def vllm_options(o, placement) -> dict:
             **{k: v for k, v in given.items() if v is not None}}
 
 
+def _kernel_words(lm) -> str:
+    """Whether the LM's decode steps run in the fused CPU kernel, and why (not)."""
+    from mimo_tts.lm.cpu_kernel import choose
+
+    choice = choose(lm)
+    return ("on, " if choice.active else "off, ") + choice.reason
+
+
 class Engine:
     """The loaded LM (native, or a `VLLMEngine` as `stage0`), text tokenizer and audio
     tokenizer, with the glue between them."""
@@ -169,8 +177,9 @@ class Engine:
 
     @classmethod
     def load(cls, lm_path: Path, tok_path: Path, placement, log,
-             vllm: dict | None = None) -> Engine:
-        """Load both stages; `vllm` (VLLMOptions keywords) runs Stage-0 on vLLM instead."""
+             vllm: dict | None = None, quant: str | None = None) -> Engine:
+        """Load both stages; `vllm` (VLLMOptions keywords) runs Stage-0 on vLLM instead;
+        `quant`: the LM's opt-in weight quantization (load_lm)."""
         from mimo_tts.lm.load import load_lm
         from mimo_tts.lm.text import TextTokenizer
 
@@ -179,12 +188,13 @@ class Engine:
         lm = stage0 = None
         with _naming(lm_path), oom_advice("LM loading", placement.lm_device.value):
             if module is None:
-                lm = load_lm(lm_path, placement.lm_device.value, placement.lm_dtype.value)
+                lm = load_lm(lm_path, placement.lm_device.value, placement.lm_dtype.value,
+                             quant=quant)
             else:
                 stage0 = module.VLLMEngine(lm_path, module.VLLMOptions(**vllm))
-        kernel = lm is not None and lm.local_transformer.kernel is not None
         log(f"LM loaded from {lm_path}" + ("" if stage0 is None else f" into vLLM {vllm}")
-            + (" (patch decoder in the fused CPU kernel)" if kernel else ""))
+            + ("" if lm is None or lm.quant is None else f" ({lm.quant} weights)")
+            + ("" if lm is None else f" (CPU kernel: {_kernel_words(lm)})"))
         try:
             codec = cls._load_codec(tok_path, placement, log)
             check_pairing((lm or stage0).cfg, codec.config, lm_path, tok_path)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from mimo_tts.errors import UsageError
 from mimo_tts.io import FORMATS, SAMPLE_RATE
-from mimo_tts.lm.config import MAX_GROUPS
+from mimo_tts.lm.config import LM_QUANTS, MAX_GROUPS
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 # Resolved downstream with their env vars (devices.py, models.py), so the profile is not merged
@@ -48,6 +48,7 @@ class SynthOptions:
     # Skip the memory preflight (mimo_tts.memory) that refuses, with exit 4, a run whose
     # estimate exceeds the available memory.
     no_memory_check: bool = False
+    lm_quant: str | None = None  # opt-in int8 weight-only LM on CPU (mimo_tts/lm/quant.py)
     # CPU threads per stage (torch intra-op threads, set per thread): None leaves torch's
     # default, except that --stream with both stages on the CPU splits the cores between them.
     lm_threads: int | None = None
@@ -101,6 +102,10 @@ class SynthOptions:
         _check(self.stream_max_chunk_groups is None
                or self.stream_max_chunk_groups >= self.stream_chunk_groups,
                "stream_max_chunk_groups must be >= stream_chunk_groups")
+        _check(self.lm_quant is None or self.lm_quant in LM_QUANTS,
+               f"--lm-quant must be one of {', '.join(LM_QUANTS)}")
+        _check(self.lm_quant is None or self.engine == "native",
+               "--lm-quant applies to the native engine only")
         _check(self.stream_mode in STREAM_MODES,
                f"--stream-mode must be one of {', '.join(STREAM_MODES)}")
         for name in ("temperature", "audio_temperature"):

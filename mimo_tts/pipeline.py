@@ -142,7 +142,12 @@ class Synthesizer:
             if lm is None:  # preflight: nothing loaded yet
                 return {"name": "native"}
             # bfloat16 sums round differently in the fused CPU kernel: record which path ran
-            return {"name": "native", "cpu_kernel": lm.local_transformer.kernel is not None}
+            from mimo_tts.lm.cpu_kernel import choose
+
+            choice = choose(lm)
+            return {"name": "native", "cpu_kernel": choice.active,
+                    "cpu_kernel_reason": choice.reason,
+                    **({} if lm.quant is None else {"lm_quant": lm.quant})}
         record: dict = {"name": "vllm"}
         try:
             record["settings"] = vllm_options(self.options, self.placement)
@@ -179,7 +184,7 @@ class Synthesizer:
         vllm = (vllm_options(self.options, self.placement)
                 if self.options.engine == "vllm" else None)
         self.engine = Engine.load(self.lm_ref.path, self.tok_ref.path, self.placement, self.log,
-                                  vllm=vllm)
+                                  vllm=vllm, quant=self.options.lm_quant)
         self.timings["load_s"] = time.perf_counter() - start
         self.threads = self.thread_budgets()
         self.engine.lm_threads = self.threads["lm"]

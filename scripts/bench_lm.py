@@ -2,17 +2,21 @@
 
 The backbone keeps the real width (hidden 4096, 32/8 heads, ffn 11008, vocab 151680) but
 fewer layers (--layers) so it fits in memory; the patch encoder (6 layers) and decoder
-(16 layers, 11 steps per group) are full size. Weights are fused and the patch decoder's
-steps run through the fused CPU kernel (mimo_tts/lm/cpu_kernel.py) where `load_lm` would use
-it (--no-fuse, --kernel off to compare).
+(16 layers, 11 steps per group) are full size (the token embedding, of which a step reads a
+few rows, is one row repeated, to save 1.2 GB). Weights are fused. Each decode step is
+measured both ways, back to back and alternating: "eager" (mimo_tts.lm.step.EagerStep) and
+"kernel" (cpu_kernel.CpuKernelStep: every product of <= 16 rows and the patch decoder's
+positions in the fused C kernel), the latter where `--kernel` (auto: as `load_lm` decides;
+on; off: eager only) lets it run.
 
 Reported, all from one run:
 - ms per group step split into backbone (+ lm_head), patch decoder (11 steps) and patch
-  encoder, and the whole step through `stream`, for each batch size (default 1, 4, 8);
+  encoder, each beside its bandwidth floor, and the whole step through `stream`, for each
+  batch size (default 1, 4, 8) and each step kind;
 - groups/s per batch size and the batch-B / batch-1 throughput ratios;
 - the memory-bandwidth floor of a batch-1 step: the weight bytes one step must read divided
   by the read bandwidth: the best bytes per second of two large read-only operations (a sum
-  and a bf16 matrix-vector product, each over 1 GiB, far more than the last-level cache),
+  and a bf16 matrix-vector product, each over --bandwidth-mib, far more than the last-level cache),
   best of several; the tensor copy bandwidth (read + write bytes) is reported for reference.
 
 The CPU is shared with other jobs, so every time is the best of N after a warm-up (others
@@ -38,7 +42,9 @@ from mimo_tts.lm import cpu_kernel
 from mimo_tts.lm.config import LMConfig
 from mimo_tts.lm.generate import GenerationOptions, decode_patch, prefill, stream
 from mimo_tts.lm.model import KVCache, MiMoAudioLM
+from mimo_tts.lm.quant import matrices, quantize_lm
 from mimo_tts.lm.sampling import GREEDY
+from mimo_tts.lm.step import EagerStep
 from mimo_tts.lm.text import SpecialTokens
 
 FIXTURES = Path(os.environ.get("MIMO_TTS_FIXTURES",
@@ -51,10 +57,10 @@ SPECIAL = SpecialTokens(endoftext=151643, im_start=151644, im_end=151645, sosp=1
 PROMPT_GROUPS = 48
 
 
-def build_model(layers: int, device: str, dtype: torch.dtype, fuse: bool = True,
+def build_model(layers: int, device: str, dtype: torch.dtype,
                 kernel: str = "auto") -> MiMoAudioLM:
     """The full-size architecture with `layers` backbone layers and random weights, fused and
-    with the CPU patch-decoder kernel as `load_lm` sets them up."""
+    with the CPU kernel mode `kernel`, as `load_lm` sets them up."""
     cfg = json.loads(FULL_CONFIG.read_text())
     cfg["num_hidden_layers"] = layers
     with torch.device("meta"):
@@ -65,12 +71,15 @@ def build_model(layers: int, device: str, dtype: torch.dtype, fuse: bool = True,
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.fill_(1.0)
-            else:  # uniform with std 0.02: fast to draw, keeps activations sane
+            elif name != "model.embed_tokens.weight":  # uniform, std 0.02: keeps sane values
                 p.uniform_(-0.0346, 0.0346, generator=gen)
+        row = torch.empty(1, model.cfg.hidden, dtype=dtype, device=device)
+        model.model.embed_tokens.weight = torch.nn.Parameter(
+            row.uniform_(-0.0346, 0.0346, generator=gen).expand(model.cfg.vocab_size, -1),
+            requires_grad=False)
     model.build_buffers(torch.device(device))
-    if fuse:
-        model.fuse_weights()
-        model.use_cpu_kernel(kernel)
+    model.fuse_weights()
+    model.cpu_kernel = kernel
     return model.eval().requires_grad_(False)
 
 
@@ -129,7 +138,7 @@ class Bandwidth:
     sum over an int64 tensor and its matrix-vector product with a bfloat16 matrix (the
     kernel the eager path uses), each over `mib` MiB, far more than the last-level cache."""
 
-    OPS = ("sum of a 1 GiB int64 tensor", "torch.mv of a 1 GiB bfloat16 matrix")
+    OPS = ("sum of an int64 tensor", "torch.mv of a bfloat16 matrix")
 
     def __init__(self, device: str, mib: int):
         self.device = device
@@ -185,35 +194,59 @@ def audio_prompt(model: MiMoAudioLM, groups: int, seed: int) -> torch.Tensor:
     return ids
 
 
+STEPS = {"eager": EagerStep, "kernel": cpu_kernel.CpuKernelStep,
+         "kernel_int8": cpu_kernel.CpuKernelStep}
+DECODE_STEP = {"eager": "eager", "kernel": "auto", "kernel_int8": "auto"}
+
+
+class Int8Swap:
+    """The model's large matrices in both forms (--quant int8): `use(True)` points the blocks
+    at the int8 ones, `use(False)` back at the model dtype's, so both run from one model."""
+
+    def __init__(self, model: MiMoAudioLM):
+        self.model = model
+        self.dense = [getattr(m, n) for m, n in matrices(model)]
+        quantize_lm(model, "int8")
+        self.int8 = [getattr(m, n) for m, n in matrices(model)]
+        self.use(False)
+
+    def use(self, int8: bool) -> None:
+        for (module, name), t in zip(matrices(self.model), self.int8 if int8 else self.dense,
+                                     strict=True):
+            setattr(module, name, t)
+
+
 @torch.inference_mode()
-def component_times(model, batch: int, repeats: int, device: str) -> dict[str, list[float]]:
-    """Seconds per group (each repeat) for each part of one decode step at this batch size."""
+def component_times(model, batch: int, repeats: int, device: str,
+                    kind: str) -> dict[str, list[float]]:
+    """Seconds per group (each repeat) for each part of one decode step at this batch size,
+    run by the step `kind` ("eager" or "kernel")."""
     cfg = model.cfg
     prompts = [audio_prompt(model, PROMPT_GROUPS, seed) for seed in range(batch)]
     options = GenerationOptions(text_sampler=GREEDY, audio_sampler=GREEDY, max_new_groups=64)
     state = prefill(model, prompts, options, SPECIAL)
+    local = KVCache(cfg.patch_decoder, batch, cfg.local_steps, dtype=state.hidden.dtype,
+                    device=device)
+    step = STEPS[kind](model, state.cache, local, state.valid)
     slot = state.prompt_len
     embeds = state.hidden.unsqueeze(1)
-    positions = state.lengths
 
     def backbone():
-        hidden = model.backbone(embeds, positions, state.cache, slot, slot + 1)[:, -1]
-        return model.text_logits(hidden)
+        return step.text_logits(step.backbone(embeds, state.lengths, slot))
 
     local_in = model.hidden_states_downcast(state.hidden)
-    local = KVCache(cfg.patch_decoder, batch, cfg.local_steps, dtype=embeds.dtype, device=device)
-    codes = decode_patch(model, local_in, GREEDY, None, local)
-    tokens = torch.full((batch, 1), SPECIAL.empty, device=device)
+    codes = decode_patch(model, local_in, GREEDY, None, step)
+    tokens = torch.full((batch,), SPECIAL.empty, device=device)
     return {
         "backbone": timed(backbone, repeats, device),
-        "patch_decoder": timed(lambda: decode_patch(model, local_in, GREEDY, None, local),
+        "patch_decoder": timed(lambda: decode_patch(model, local_in, GREEDY, None, step),
                                repeats, device),
-        "patch_encoder": timed(lambda: model.embed_groups(tokens, codes[:, None], SPECIAL.empty),
+        "patch_encoder": timed(lambda: step.embed(tokens, codes, SPECIAL.empty),
                                repeats, device),
     }
 
 
-def step_times(model, batch: int, steps: int, device: str) -> list[float]:
+def step_times(model, batch: int, steps: int, device: str, kind: str) -> list[float]:
     """Seconds between consecutive groups yielded by `stream`, every group an audio group."""
     prompts = [audio_prompt(model, PROMPT_GROUPS, seed) for seed in range(batch)]
 
@@ -223,7 +256,8 @@ def step_times(model, batch: int, steps: int, device: str) -> list[float]:
         return logits
 
     options = GenerationOptions(text_sampler=GREEDY, audio_sampler=GREEDY,
-                                max_new_groups=steps + 2, text_logits_processor=force_empty)
+                                max_new_groups=steps + 2, text_logits_processor=force_empty,
+                                decode_step=DECODE_STEP[kind])
     gaps, last = [], None
     for out in stream(model, prompts, options, SPECIAL):
         if out.index == 0:
@@ -249,27 +283,39 @@ def run(args) -> dict:
     if 1 not in batches:
         batches.insert(0, 1)
     load_before = os.getloadavg()
-    model = build_model(layers, args.device, getattr(torch, args.dtype), fuse=not args.no_fuse,
-                        kernel=args.kernel)
-    bandwidth = Bandwidth(args.device, 1024)
-    weights = weight_bytes_per_step(model)
-    parts, steps_s = {}, {}
+    model = build_model(layers, args.device, getattr(torch, args.dtype), kernel=args.kernel)
+    choice = cpu_kernel.choose(model)
+    kinds = ["eager", "kernel"] if choice.active else ["eager"]
+    weights = weight_bytes_per_step(model)  # before Int8Swap points the parts at int8 rows
+    swap = None
+    if args.quant == "int8" and choice.active:
+        swap = Int8Swap(model)
+        kinds.append("kernel_int8")
+    bandwidth = Bandwidth(args.device, args.bandwidth_mib)
+    parts = {k: {b: {} for b in batches} for k in kinds}
+    steps_s = {k: {b: [] for b in batches} for k in kinds}
     for b in batches:
-        bandwidth.sample()
-        parts[b] = component_times(model, b, repeats, args.device)
-        bandwidth.sample()
-        steps_s[b] = step_times(model, b, steps, args.device)
+        for _ in range(args.rounds):  # the kinds alternate: noise hits both alike
+            for kind in kinds:
+                bandwidth.sample()
+                if swap is not None:
+                    swap.use(kind == "kernel_int8")
+                for part, times in component_times(model, b, repeats, args.device,
+                                                   kind).items():
+                    parts[kind][b].setdefault(part, []).extend(times)
+                steps_s[kind][b] += step_times(model, b, steps, args.device, kind)
     bandwidth.sample()
     read_bw = bandwidth.best()
     floor = sum(weights.values()) / read_bw
-    best = {b: min(s) for b, s in steps_s.items()}
+    floor_parts = {k: v / read_bw for k, v in weights.items()}
+    best = {k: {b: min(s) for b, s in per.items()} for k, per in steps_s.items()}
     return {
         "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+        "cpu": _cpu_name(), "cpu_count": os.cpu_count(),
         "load_average_start_end": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "timed_calls_without_quiet_cpu": f"{QUIET.noisy} of {QUIET.calls}",
-        "backbone_layers": layers, "fused_weights": not args.no_fuse,
-        "cpu_kernel": {"active": model.local_transformer.kernel is not None,
+        "backbone_layers": layers,
+        "cpu_kernel": {"mode": args.kernel, "active": choice.active, "reason": choice.reason,
                        **cpu_kernel.features()},
         "weight_gib_per_step": {k: round(v / 2**30, 3) for k, v in weights.items()},
         "read_bandwidth_gbps": {
@@ -278,13 +324,38 @@ def run(args) -> dict:
         "floor_bandwidth_gbps": round(read_bw / 1e9, 2),
         "copy_bandwidth_gbps_read_plus_write": round(bandwidth.copy(3) / 1e9, 2),
         "floor_ms_per_group": round(1e3 * floor, 1),
-        "floor_ms_parts": {k: round(1e3 * v / read_bw, 1) for k, v in weights.items()},
-        "ms_per_group_parts": {b: {k: _ms(v) for k, v in p.items()} for b, p in parts.items()},
-        "ms_per_group_step": {b: _ms(s) for b, s in steps_s.items()},
-        "groups_per_s": {b: round(b / s, 2) for b, s in best.items()},
-        "throughput_over_batch1": {b: round(b * best[1] / s, 2) for b, s in best.items()},
-        "batch1_over_floor": round(best[1] / floor, 2),
+        "floor_ms_parts": {k: round(1e3 * v, 1) for k, v in floor_parts.items()},
+        "ms_per_group_parts": {k: {b: {p: _ms(v) for p, v in per.items()}
+                                   for b, per in by.items()} for k, by in parts.items()},
+        "batch1_parts_over_floor": {
+            k: {p: round(min(v) / floor_parts[p], 2) for p, v in by[1].items()}
+            for k, by in parts.items()},
+        "ms_per_group_step": {k: {b: _ms(s) for b, s in per.items()}
+                              for k, per in steps_s.items()},
+        "groups_per_s": {k: {b: round(b / s, 2) for b, s in per.items()}
+                         for k, per in best.items()},
+        "throughput_over_batch1": {k: {b: round(b * per[1] / s, 2) for b, s in per.items()}
+                                   for k, per in best.items()},
+        "batch1_over_floor": {k: round(per[1] / floor, 2) for k, per in best.items()},
+        **({"kernel_speedup_step": {b: round(best["eager"][b] / s, 2)
+                                    for b, s in best["kernel"].items()}}
+           if "kernel" in best else {}),
+        **({"int8_over_bf16_step": {b: round(s / best["kernel"][b], 2)
+                                    for b, s in best["kernel_int8"].items()}}
+           if "kernel_int8" in best else {}),
     }
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def main() -> None:
@@ -301,11 +372,15 @@ def main() -> None:
                              "(0: never wait)")
     parser.add_argument("--quiet-busy", type=float, default=0.1,
                         help="CPU use by other processes (0-1) below which the CPU is quiet")
-    parser.add_argument("--no-fuse", action="store_true",
-                        help="keep q/k/v, gate/up and the channel heads as separate matmuls")
     parser.add_argument("--kernel", choices=("auto", "on", "off"), default="auto",
-                        help="the fused CPU patch-decoder kernel: where faster (auto), always, "
-                             "or never (eager steps)")
+                        help="the fused CPU kernel step beside the eager one: where load_lm "
+                             "would use it (auto), always (on), or never (off)")
+    parser.add_argument("--quant", choices=("int8",), default=None,
+                        help="also time the kernel step with int8 weights (mimo_tts/lm/quant.py)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="alternating rounds of eager and kernel measurements")
+    parser.add_argument("--bandwidth-mib", type=int, default=512,
+                        help="size of each bandwidth probe (far above the last-level cache)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     QUIET.wait, QUIET.busy = args.quiet_wait, args.quiet_busy

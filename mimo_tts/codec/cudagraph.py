@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mimo_tts.cudagraph import capture
+
 # Spec §7.8: bucket sizes in code frames (the largest is 10.24 s).
 BUCKETS = (4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
 WARMUP_RUNS = 2
@@ -81,17 +83,11 @@ class GraphDecoder:
         hidden = torch.zeros(1, bucket, like.shape[1], device=self.device, dtype=dtype)
         lengths = torch.full((1,), bucket, dtype=torch.long, device=self.device)
         with torch.cuda.device(self.device):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(WARMUP_RUNS):  # builds RoPE tables, cuFFT plans, kernels
-                    self.decoder(hidden, lengths)
-            torch.cuda.current_stream().wait_stream(side)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                wave = self.decoder(hidden, lengths)
+            # the warm-up runs build RoPE tables, cuFFT plans and kernels
+            graph, wave = capture(lambda: self.decoder(hidden, lengths), warmup=WARMUP_RUNS,
+                                  pool=self._pool)
         entry = _Graph(graph, hidden, lengths, wave)
         self._graphs[bucket] = entry
         return entry

@@ -13,6 +13,7 @@ from mimo_tts.errors import CheckpointError
 
 # Positions the LM may ever hold, prompt included (spec §4.7: GenerationConfig.max_length).
 MAX_GROUPS = 8192
+LM_QUANTS = ("int8",)  # opt-in weight-only quantizations of the LM (mimo_tts/lm/quant.py)
 
 
 def _field(cfg: dict, name: str, kind=int):

@@ -19,6 +19,8 @@
 
 typedef uint16_t bf16;
 
+#define MAX_HEAD_DIM 256  /* per-head scratch of attend_*; Python asks max_head_dim() */
+
 static inline float bf2f(bf16 v) {
     union { uint32_t u; float f; } c;
     c.u = (uint32_t)v << 16;
@@ -35,6 +37,7 @@ static inline bf16 f2bf(float f) {
 
 typedef struct {
     const void *in_norm, *qkv_w, *qkv_b, *o_w, *post_norm, *gate_up_w, *down_w;
+    const float *qkv_s, *o_s, *gate_up_s, *down_s;  /* int8 weights' row scales, else NULL */
 } Layer;
 
 typedef struct {
@@ -130,6 +133,8 @@ typedef struct {
 } TileConfig;
 
 static int amx_state = -1;  /* -1 unknown, 0 unavailable, 1 granted to this process */
+static int amx_from = 2;  /* fewest rows that use the tiles (17: never; set by Python) */
+static inline int use_amx(int n) { return amx_state == 1 && n >= amx_from && n <= 16; }
 
 int amx_enable(void) {
     if (amx_state < 0)  /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA (Linux >= 5.16) */
@@ -176,38 +181,88 @@ static void amx_rows(const bf16 *w, const bf16 *b, long in, long r0, long r1, co
 static void amx_release(void) { _tile_release(); }
 #else
 static int amx_state = 0;
+static int amx_from = 17;
+static inline int use_amx(int n) { (void)n; return 0; }
 int amx_enable(void) { return 0; }
 static void amx_configure(int n) { (void)n; }
 static void amx_release(void) {}
 #endif
 
-/* Called by every thread of the team; ends in a barrier. `xp` scratch holds n * in. */
-static void gemv_bf16(const Step *s, const void *w, const void *b, long in, long out,
-                      const bf16 *x, float *y, bf16 *xp) {
+/* ---- int8 weights with one float scale per row (weight-only quantization) --------------
+ * y[j * ldy + r] = scale[r] * (W[r] . x[j]) + b[r], rounded to bfloat16 when `bf` (then the
+ * bias is bfloat16, else float); x is float. */
+static void rows_i8(const int8_t *w, const float *scale, const void *b, int bf, long in,
+                    long r0, long r1, const float *x, int n, float *y, long ldy) {
+    for (long r = r0; r < r1; r++) {
+        const int8_t *row = w + r * in;
+        float bias = b ? (bf ? bf2f(((const bf16 *)b)[r]) : ((const float *)b)[r]) : 0.f;
+        for (int j0 = 0; j0 < n; j0 += 4) {
+            int m = n - j0 < 4 ? n - j0 : 4;
+            float sum[4] = {0.f, 0.f, 0.f, 0.f};
+            long i = 0;
+#if defined(__AVX512F__)
+            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                             _mm512_setzero_ps()};
+            for (; i + 16 <= in; i += 16) {
+                __m512 wv = _mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + i))));
+                for (int j = 0; j < m; j++)
+                    acc[j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + (long)(j0 + j) * in + i),
+                                             acc[j]);
+            }
+            for (int j = 0; j < m; j++) sum[j] = _mm512_reduce_add_ps(acc[j]);
+#endif
+            for (int j = 0; j < m; j++) {
+                float s = sum[j];
+                for (long t = i; t < in; t++) s += row[t] * x[(long)(j0 + j) * in + t];
+                s = s * scale[r] + bias;
+                y[(long)(j0 + j) * ldy + r] = bf ? bf2f(f2bf(s)) : s;
+            }
+        }
+    }
+}
+
+/* Called by every thread of the team; ends in a barrier. `xp` scratch holds n * in floats.
+ * `scale`: W is int8 with these row scales (NULL: W is bfloat16). */
+static void gemv_bf16(int n, const void *w, const float *scale, const void *b, long in,
+                      long out, const bf16 *x, float *y, bf16 *xp) {
     long r0, r1;
     share(out, &r0, &r1);
-#if HAVE_AMX
-    if (s->rows > 1 && s->rows <= 16 && amx_state == 1 && in % 32 == 0 && out % 16 == 0) {
+    if (scale) {
+        float *xf = (float *)xp;
         #pragma omp single
-        amx_pack(x, s->rows, in, xp);
-        amx_rows((const bf16 *)w, (const bf16 *)b, in, r0, r1, xp, s->rows, y, out);
+        for (long i = 0; i < (long)n * in; i++) xf[i] = bf2f(x[i]);
+        rows_i8((const int8_t *)w, scale, b, 1, in, r0, r1, xf, n, y, out);
+        #pragma omp barrier
+        return;
+    }
+#if HAVE_AMX
+    if (use_amx(n) && in % 32 == 0 && out % 16 == 0) {
+        #pragma omp single
+        amx_pack(x, n, in, xp);
+        amx_rows((const bf16 *)w, (const bf16 *)b, in, r0, r1, xp, n, y, out);
         #pragma omp barrier
         return;
     }
 #endif
     (void)xp;
-    rows_bf16((const bf16 *)w, (const bf16 *)b, in, r0, r1, x, s->rows, y, out);
+    rows_bf16((const bf16 *)w, (const bf16 *)b, in, r0, r1, x, n, y, out);
     #pragma omp barrier
 }
 
-static void gemv_f32(const Step *s, const void *w, const void *b, long in, long out,
-                     const float *x, float *y, float *xp) {
+static void gemv_f32(int n, const void *w, const float *scale, const void *b, long in,
+                     long out, const float *x, float *y, float *xp) {
     long r0, r1;
     (void)xp;
     share(out, &r0, &r1);
+    if (scale) {
+        rows_i8((const int8_t *)w, scale, b, 0, in, r0, r1, x, n, y, out);
+        #pragma omp barrier
+        return;
+    }
     for (long r = r0; r < r1; r++) {
         const float *row = (const float *)w + r * in;
-        for (int j = 0; j < s->rows; j++) {
+        for (int j = 0; j < n; j++) {
             float acc = 0.f;
             for (long i = 0; i < in; i++) acc += row[i] * x[(long)j * in + i];
             y[(long)j * out + r] = acc + (b ? ((const float *)b)[r] : 0.f);
@@ -304,7 +359,7 @@ static void attend_##SFX(const Step *s, int layer, int j, int h, const float *qk
     const float *k = q + D, *v = q + 2 * D;                                                  \
     long base = (((long)layer * s->cache_rows + j) * s->heads + h) * s->cache_len * hd;      \
     T *kc = (T *)s->k + base, *vc = (T *)s->v + base;                                        \
-    float qr[256], acc[256];                                                                 \
+    float qr[MAX_HEAD_DIM], acc[MAX_HEAD_DIM];                                               \
     for (int d = 0; d < hd; d++) {                                                           \
         float c = LOAD_##SFX(s->cos, d), sn = LOAD_##SFX(s->sin, d);                         \
         float qo = d < half ? -q[d + half] : q[d - half];                                    \
@@ -345,29 +400,29 @@ int step_##SFX(const Step *s) {                                                 
     for (long i = 0; i < (long)n * D; i++) x[i] = LOAD_##SFX(s->x, i);                       \
     _Pragma("omp parallel num_threads(s->threads)")                                          \
     {                                                                                        \
-        float *sc = scores + (long)omp_get_thread_num() * s->cache_len;                     \
-        int amx = sizeof(T) == 2 && n > 1 && n <= 16 && amx_state == 1;                      \
+        float *sc = scores + (long)omp_get_thread_num() * s->cache_len;                      \
+        int amx = sizeof(T) == 2 && use_amx(n);                                              \
         if (amx) amx_configure(n);                                                           \
         for (int l = 0; l < s->layers; l++) {                                                \
             const Layer *L = s->layer + l;                                                   \
             _Pragma("omp single")                                                            \
             norm_##SFX(x, L->in_norm, h, n, D, s->eps);                                      \
-            gemv_##SFX(s, L->qkv_w, L->qkv_b, D, 3 * D, h, qkv, xp);                         \
+            gemv_##SFX(n, L->qkv_w, L->qkv_s, L->qkv_b, D, 3 * D, h, qkv, xp);               \
             _Pragma("omp for schedule(static)")                                              \
             for (int jh = 0; jh < n * H; jh++)                                               \
                 attend_##SFX(s, l, jh / H, jh % H, qkv, att, sc);                            \
-            gemv_##SFX(s, L->o_w, NULL, D, D, att, o, xp);                                   \
+            gemv_##SFX(n, L->o_w, L->o_s, NULL, D, D, att, o, xp);                           \
             _Pragma("omp single")                                                            \
             {                                                                                \
                 for (long i = 0; i < (long)n * D; i++) x[i] = ROUND_##SFX(x[i] + o[i]);      \
                 norm_##SFX(x, L->post_norm, h, n, D, s->eps);                                \
             }                                                                                \
-            gemv_##SFX(s, L->gate_up_w, NULL, D, 2 * F, h, gu, xp);                          \
+            gemv_##SFX(n, L->gate_up_w, L->gate_up_s, NULL, D, 2 * F, h, gu, xp);            \
             long i0, i1;                                                                     \
             share((long)n * F, &i0, &i1);                                                    \
             act_##SFX(gu, h, n, F, i0, i1);                                                  \
             _Pragma("omp barrier")                                                           \
-            gemv_##SFX(s, L->down_w, NULL, F, D, h, o, xp);                                  \
+            gemv_##SFX(n, L->down_w, L->down_s, NULL, F, D, h, o, xp);                       \
             _Pragma("omp single")                                                            \
             for (long i = 0; i < (long)n * D; i++) x[i] = ROUND_##SFX(x[i] + o[i]);          \
         }                                                                                    \
@@ -379,6 +434,62 @@ int step_##SFX(const Step *s) {                                                 
 
 DEFINE_STEP(bf16, bf16)
 DEFINE_STEP(float, f32)
+
+/* Floats of scratch a step needs (Step.work): float32 buffers, then three of the model dtype
+ * (sized as floats, so either dtype fits). Python allocates what this says. */
+long step_work_floats(const Step *s) {
+    long n = s->rows, D = s->dim, F = s->ffn, wide = D > F ? D : F;
+    return n * (5 * D + 2 * F) + (long)s->threads * s->cache_len + n * (2 * wide + D);
+}
+
+int max_head_dim(void) { return MAX_HEAD_DIM; }
+
+/* AMX tiles for `rows` >= this (2-16); 17 turns them off (the AVX512-BF16 path runs). */
+void set_amx_min_rows(int rows) { amx_from = rows; }
+int amx_min_rows(void) { return amx_from; }
+
+/* ---- one matrix product y [rows, out] = x [rows, in] . W[out, in]^T (+ b), model dtype -- */
+typedef struct {
+    const void *w, *b, *x;   /* W [out, in], bias [out] or NULL, x [rows, in] */
+    const float *scale;      /* int8 W's row scales [out], or NULL */
+    void *y;                 /* [rows, out] */
+    float *work;             /* gemv_work_floats() floats */
+    long in, out;
+    int rows, threads;
+} Gemv;
+
+long gemv_work_floats(const Gemv *g) { return (long)g->rows * (g->out + g->in); }
+
+int gemv_bf16_call(const Gemv *g) {
+    int n = g->rows;
+    float *y = g->work;
+    bf16 *xp = (bf16 *)(y + (long)n * g->out), *out = (bf16 *)g->y;
+    long total = (long)n * g->out;
+    _Pragma("omp parallel num_threads(g->threads)")
+    {
+        int amx = use_amx(n);
+        if (amx) amx_configure(n);
+        gemv_bf16(n, g->w, g->scale, g->b, g->in, g->out, (const bf16 *)g->x, y, xp);
+        if (amx) amx_release();
+        long i0, i1;
+        share(total, &i0, &i1);
+        long i = i0;
+#if defined(__AVX512BF16__)
+        for (; i + 16 <= i1; i += 16)
+            _mm256_storeu_si256((__m256i *)(out + i),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(y + i)));
+#endif
+        for (; i < i1; i++) out[i] = f2bf(y[i]);
+    }
+    return 0;
+}
+
+int gemv_f32_call(const Gemv *g) {
+    _Pragma("omp parallel num_threads(g->threads)")
+    gemv_f32(g->rows, g->w, g->scale, g->b, g->in, g->out, (const float *)g->x,
+             (float *)g->y, NULL);
+    return 0;
+}
 
 /* 1: AVX512-BF16 dot products compiled in; 2: AMX tiles compiled in and granted. */
 int features(void) {

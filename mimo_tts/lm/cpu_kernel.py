@@ -1,21 +1,26 @@
-"""A fused CPU kernel for one decode position of the patch decoder, all layers in one call.
+"""The fused CPU kernel: Stage-0's decode-step products, and the patch decoder's whole
+one-position step, in C (`CpuKernelStep`, one implementation of mimo_tts.lm.step.DecodeStep).
 
-The patch decoder runs 16 small layers 11 times per group; in eager PyTorch each of those
-layer steps is some 40 operator calls whose fixed costs (dispatch, oneDNN set-up, a thread
-fork/join per matmul) add up to about a fifth of the step, and its 2-16 MB matrix-vector
-products run well below the memory bandwidth. This kernel does a whole position in one call
-with one thread team: matrix-vector products that stream each weight once for all rows
-(AVX512-BF16 dot products where the CPU has them), RMSNorm, RoPE, the KV-cache write and
-attention, SwiGLU and the residuals. It rounds to bfloat16 wherever the PyTorch modules
-produce a bfloat16 tensor, so it tracks the eager path (float32 models match the reference
-fixtures); accumulation order differs from oneDNN's, so bfloat16 outputs may differ from the
-eager ones in the last bit.
+Two entry points of cpu_kernel.c (beside this file):
+- `gemv_*_call`: one product of 1-16 rows by a weight, streaming the weight once for all rows
+  (AVX512-BF16 dot products, or AMX tiles for several rows where the CPU has them and they
+  measured faster), the bias added and the result rounded to the model dtype. The backbone's
+  fused q/k/v, o_proj, gate/up and down_proj, lm_head, the patch encoder and the channel
+  heads multiply through it; attention, norms and the rest stay PyTorch.
+- `step_*`: the patch decoder (16 small layers, 11 positions per group), every layer of one
+  position in one call with one thread team: in eager PyTorch each layer step is some 40
+  operator calls whose fixed costs add up to a fifth of the step.
+Both round to bfloat16 wherever the PyTorch modules produce a bfloat16 tensor, so they track
+the eager path (float32 models match the reference fixtures); accumulation order differs
+from oneDNN's, so bfloat16 outputs may differ from the eager ones in the last bit.
 
-The C source (cpu_kernel.c, beside this file) is compiled once per machine with the system C
-compiler into the user cache directory (about 3 s, once) and loaded with ctypes. By default it
-runs only where it beats eager PyTorch (bfloat16 on AVX512-BF16 CPUs);
-`load_lm(..., cpu_kernel="on"/"off")` or MIMO_TTS_CPU_KERNEL=1/0 overrides that. Without a
-compiler the eager modules run. Shapes in the C source: n rows, D dim, F ffn dim, S cache length.
+The C source is compiled once per machine with the system C compiler (`-march=native`, about
+3 s) into the user cache directory and loaded with ctypes: no PyTorch headers or build
+toolchain (torch.utils.cpp_extension) at run time, and one small file to read. Loading asks
+Linux for AMX tile state for the whole process. By default (`auto`) the kernel runs only
+where it beats eager PyTorch (bfloat16 on AVX512-BF16 CPUs); `load_lm(..., cpu_kernel=
+"on"/"off")` or MIMO_TTS_CPU_KERNEL=1/0 overrides that, and `choose(model)` says whether it
+runs and why (not). Shapes in the C source: n rows, D dim, F ffn dim, S cache length.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ import platform
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 
@@ -35,12 +43,16 @@ import torch
 from torch import Tensor
 
 from mimo_tts.errors import UsageError
+from mimo_tts.lm.model import KVCache, MiMoAudioLM, linear
+from mimo_tts.lm.step import EagerStep
 
 SOURCE = files("mimo_tts.lm") / "cpu_kernel.c"
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-LAYER_FIELDS = ("in_norm", "qkv_w", "qkv_b", "o_w", "post_norm", "gate_up_w", "down_w")
-MAX_HEAD_DIM = 256  # the kernel's per-head scratch arrays
+LAYER_FIELDS = ("in_norm", "qkv_w", "qkv_b", "o_w", "post_norm", "gate_up_w", "down_w",
+                "qkv_s", "o_s", "gate_up_s", "down_s")
+MAX_ROWS = 16  # rows a product takes through the kernel; more go to PyTorch's GEMM
+DTYPES = (torch.bfloat16, torch.float32)
 
 
 class _Layer(ctypes.Structure):
@@ -55,6 +67,13 @@ class _Step(ctypes.Structure):
         ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
         ("cache_rows", ctypes.c_long), ("cache_len", ctypes.c_long),
         ("x", ctypes.c_void_p), ("out", ctypes.c_void_p), ("work", ctypes.c_void_p),
+    ]
+
+
+class _Gemv(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("w", "b", "x", "scale", "y", "work")] + [
+        ("inputs", ctypes.c_long), ("outputs", ctypes.c_long),
+        ("rows", ctypes.c_int), ("threads", ctypes.c_int),
     ]
 
 
@@ -73,14 +92,15 @@ def _cpu_flags() -> str:
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The compiled kernel (built on first use, cached per source and machine), or None."""
+def _build() -> tuple[ctypes.CDLL | None, str]:
+    """(the compiled kernel, "") or (None, why not); built on first use, cached per source
+    and machine."""
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return None
+        return None, f"needs Linux on x86-64, this is {sys.platform} on {platform.machine()}"
     try:
         source_text = SOURCE.read_text(encoding="utf-8")
-    except OSError:  # an install without the C file: the eager modules run
-        return None
+    except OSError:
+        return None, "this install has no cpu_kernel.c"
     key = hashlib.sha256((source_text + " ".join(FLAGS) + _cpu_flags()).encode()).hexdigest()
     target = _cache_dir() / f"lm_step_{key[:16]}.so"
     try:
@@ -91,39 +111,143 @@ def library() -> ctypes.CDLL | None:
                 source.write_text(source_text)
                 built = Path(tmp) / target.name
                 subprocess.run(["cc", *FLAGS, str(source), "-o", str(built), "-lm"],
-                               check=True, capture_output=True, timeout=120)
+                               check=True, capture_output=True, text=True, timeout=120)
                 os.replace(built, target)  # atomic: concurrent builders never see half a file
         lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError):
-        return None
-    for name in ("step_bf16", "step_f32"):
+    except subprocess.CalledProcessError as exc:
+        lines = (exc.stderr or "").strip().splitlines()
+        return None, f"cc failed: {lines[-1] if lines else f'exit {exc.returncode}'}"
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"cannot build or load it ({exc})"
+    for name in ("step_bf16", "step_f32", "step_work_floats"):
         getattr(lib, name).argtypes = [ctypes.POINTER(_Step)]
-        getattr(lib, name).restype = ctypes.c_int
+    for name in ("gemv_bf16_call", "gemv_f32_call", "gemv_work_floats"):
+        getattr(lib, name).argtypes = [ctypes.POINTER(_Gemv)]
+    lib.step_work_floats.restype = lib.gemv_work_floats.restype = ctypes.c_long
     lib.amx_enable()  # AMX tiles for several rows, where the CPU and kernel allow them
-    return lib
+    if lib.features() & 2:
+        lib.set_amx_min_rows(_measure_amx_rows(lib))
+    return lib, ""
 
 
-def features() -> dict[str, bool]:
-    """What the compiled kernel uses on this machine (all False when it cannot be built)."""
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, or None where it cannot be built (`_build` says why)."""
+    return _build()[0]
+
+
+def features() -> dict[str, bool | int]:
+    """What the compiled kernel uses on this machine (all False when it cannot be built);
+    amx_min_rows: the fewest rows a product runs on AMX tiles (17: never)."""
     lib = library()
     bits = 0 if lib is None else lib.features()
-    return {"built": lib is not None, "avx512_bf16": bool(bits & 1), "amx": bool(bits & 2)}
+    return {"built": lib is not None, "avx512_bf16": bool(bits & 1), "amx": bool(bits & 2),
+            "amx_min_rows": lib.amx_min_rows() if lib is not None else MAX_ROWS + 1}
+
+
+def set_amx_min_rows(rows: int) -> None:
+    """Products of >= `rows` rows (2-16) use AMX tiles where granted; 17 never (tests force
+    the AVX512-BF16 path of CPUs without AMX with it)."""
+    lib = library()
+    if lib is not None:
+        lib.set_amx_min_rows(rows)
+
+
+def _measure_amx_rows(lib: ctypes.CDLL) -> int:
+    """The fewest rows from which AMX tiles beat the dot products on this machine: each row
+    count from 2 up timed both ways (best of 3) on a 16 MiB weight, past the caches."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(8192, 1024, generator=gen).bfloat16()
+    for rows in (2, 4, 8, 16):
+        x = torch.randn(rows, 1024, generator=gen).bfloat16()
+        best = {}
+        for amx in (2, MAX_ROWS + 1):
+            lib.set_amx_min_rows(amx)
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                _gemv(lib, x, weight, None, 1)
+                times.append(time.perf_counter() - start)
+            best[amx] = min(times)
+        if best[2] < best[MAX_ROWS + 1]:
+            return rows
+    return MAX_ROWS + 1
+
+
+@functools.cache
+def products_faster() -> tuple[bool, float, float]:
+    """Whether the kernel's one-row bfloat16 product streams a weight faster than PyTorch's
+    on this machine: (faster, kernel GB/s, PyTorch GB/s), best of 3 alternating rounds over
+    two 64 MiB matrices (together past the last-level cache), measured once per process."""
+    lib = library()
+    mats = [torch.full((8192, 4096), 0.01, dtype=torch.bfloat16) for _ in range(2)]
+    x = torch.full((1, 4096), 0.5, dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    best = {"kernel": float("inf"), "torch": float("inf")}
+    for _ in range(3):
+        for name, mat in (("kernel", mats[0]), ("torch", mats[1]), ("torch", mats[0]),
+                          ("kernel", mats[1])):
+            start = time.perf_counter()
+            if name == "kernel":
+                _gemv(lib, x, mat, None, threads)
+            else:
+                torch.mv(mat, x[0])
+            best[name] = min(best[name], time.perf_counter() - start)
+    nbytes = mats[0].numel() * 2
+    return (best["kernel"] < best["torch"], round(nbytes / best["kernel"] / 1e9, 1),
+            round(nbytes / best["torch"] / 1e9, 1))
 
 
 def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _gemv(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Tensor | None,
+          threads: int) -> Tensor:
+    """x [rows, in] (contiguous) . weight[out, in]^T + bias -> [rows, out] in x's dtype;
+    an int8 weight brings its row scales (mimo_tts/lm/quant.py)."""
+    rows, out = x.shape[0], weight.shape[0]
+    y = torch.empty(rows, out, dtype=x.dtype)
+    call = _Gemv(_ptr(weight), _ptr(bias), _ptr(x), _ptr(getattr(weight, "scale", None)),
+                 _ptr(y), None, weight.shape[1], out, rows, threads)
+    bf16 = x.dtype == torch.bfloat16
+    if bf16:
+        work = torch.empty(lib.gemv_work_floats(ctypes.byref(call)), dtype=torch.float32)
+        call.work = work.data_ptr()
+    (lib.gemv_bf16_call if bf16 else lib.gemv_f32_call)(ctypes.byref(call))
+    return y
+
+
+class Products:
+    """`matmul` (mimo_tts.lm.model.Matmul) through the kernel for 1-16 rows of a contiguous
+    CPU weight: int8 ones (with scales) always, those of the kernel's dtypes when `dense`;
+    anything else goes to `linear`."""
+
+    def __init__(self, lib: ctypes.CDLL, dense: bool = True):
+        self.lib, self.dense = lib, dense
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        rows = x.numel() // weight.shape[1] if weight.shape[1] else 0
+        int8 = weight.dtype == torch.int8 and hasattr(weight, "scale")
+        if not (0 < rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype in DTYPES
+                and ((self.dense and x.dtype == weight.dtype) or int8)
+                and weight.is_contiguous()
+                and (bias is None or bias.is_contiguous())):
+            return linear(x, weight, bias)
+        flat = x.reshape(rows, weight.shape[1]).contiguous()
+        y = _gemv(self.lib, flat, weight, bias, torch.get_num_threads())
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+
 class LocalStepKernel:
     """One decode position of a fused Qwen2 stack (the patch decoder) through the C kernel.
 
-    Holds references to the weights it points at, so they outlive it; a `.to()` (any
-    `_apply`) of the stack drops the kernel and the eager modules run from then on.
+    Holds the tensors it points at (so they outlive it); build one per generation, after the
+    model has its final device and dtype.
     """
 
     def __init__(self, stack, lib: ctypes.CDLL):
         cfg = stack.cfg
-        self.stack, self.cfg = stack, cfg
+        self.stack, self.cfg, self.lib = stack, cfg, lib
         self.dtype = stack.norm.weight.dtype
         self.fn = lib.step_bf16 if self.dtype == torch.bfloat16 else lib.step_f32
         self.tensors = self._tensors()
@@ -137,36 +261,49 @@ class LocalStepKernel:
         out = []
         for layer in self.stack.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            weights = (attn.qkv_weight, attn.o_proj.weight, mlp.gate_up_weight,
+                       mlp.down_proj.weight)
             out.append((layer.input_layernorm.weight, attn.qkv_weight, attn.qkv_bias,
                         attn.o_proj.weight, layer.post_attention_layernorm.weight,
-                        mlp.gate_up_weight, mlp.down_proj.weight))
+                        mlp.gate_up_weight, mlp.down_proj.weight,
+                        *(getattr(w, "scale", None) for w in weights)))
         return out + [(self.stack.norm.weight,)]
 
-    def accepts(self, x: Tensor, positions: Tensor, cache, slot, span, mask) -> bool:
-        return (cache is not None and mask is None and isinstance(slot, int)
-                and span == slot + 1 and x.dim() == 3 and x.shape[1] == 1
-                and x.shape[0] <= cache.k.shape[1] and positions.numel() == 1
-                and x.dtype == self.dtype == cache.k.dtype and x.device.type == "cpu"
-                and not torch.is_grad_enabled())
-
-    def __call__(self, x: Tensor, positions: Tensor, cache, slot: int) -> Tensor:
-        """x [n, 1, D] at one position, written at cache `slot` -> normed hidden [n, 1, D]."""
+    def __call__(self, x: Tensor, position: int, cache: KVCache, slot: int) -> Tensor:
+        """x [n, 1, D] (n <= the cache's rows) at one position, written at cache `slot` ->
+        normed hidden [n, 1, D]."""
         cfg, n = self.cfg, x.shape[0]
-        threads = torch.get_num_threads()
         x = x.contiguous()
         out = torch.empty_like(x)
-        dim, ffn, length = cfg.dim, cfg.ffn_dim, cache.length
-        # float32 scratch, then three buffers of the model dtype (see step_* in cpu_kernel.c)
-        floats = n * (5 * dim + 2 * ffn) + threads * length + n * (2 * max(dim, ffn) + dim)
-        work = torch.empty(floats, dtype=torch.float32)
-        position = int(positions.reshape(-1)[0])
         rope = self.stack.rope_cos[position], self.stack.rope_sin[position]
-        step = _Step(cfg.layers, dim, cfg.heads, cfg.head_dim, ffn, n, slot, threads,
-                     cfg.eps, self.layers, _ptr(self.stack.norm.weight), _ptr(rope[0]),
-                     _ptr(rope[1]), _ptr(cache.k), _ptr(cache.v), cache.k.shape[1], length,
-                     _ptr(x), _ptr(out), _ptr(work))
+        step = _Step(cfg.layers, cfg.dim, cfg.heads, cfg.head_dim, cfg.ffn_dim, n, slot,
+                     torch.get_num_threads(), cfg.eps, self.layers,
+                     _ptr(self.stack.norm.weight), _ptr(rope[0]), _ptr(rope[1]),
+                     _ptr(cache.k), _ptr(cache.v), cache.k.shape[1], cache.length,
+                     _ptr(x), _ptr(out), None)
+        work = torch.empty(self.lib.step_work_floats(ctypes.byref(step)), dtype=torch.float32)
+        step.work = work.data_ptr()
         self.fn(ctypes.byref(step))
         return out
+
+
+class CpuKernelStep(EagerStep):
+    """The decode step with the patch decoder's positions in one kernel call each and the
+    products of 1-16 rows in the kernel: int8 ones always, the others where `choose` found
+    them faster than PyTorch's (or mode "on"); built by `generate.decode_step`."""
+
+    def __init__(self, model: MiMoAudioLM, cache: KVCache | None, local_cache: KVCache,
+                 valid: Tensor | None = None):
+        lib = library()
+        if lib is None:
+            raise RuntimeError(f"the CPU kernel cannot run: {_build()[1]}")
+        dense = model.cpu_kernel == "on" or products_faster()[0]
+        super().__init__(model, cache, local_cache, valid, Products(lib, dense))
+        self.local = LocalStepKernel(model.local_transformer, lib)
+
+    def local_logits(self, x: Tensor, step: int, channels: Sequence[int]) -> list[Tensor]:
+        hidden = self.local(x, step, self.local_cache, step)[:, 0]
+        return self.model.local_transformer_lm_heads.logits(channels, hidden, self.matmul)
 
 
 ENV = "MIMO_TTS_CPU_KERNEL"  # "auto" (default), "1" (wherever it can run) or "0" (never)
@@ -184,27 +321,57 @@ def mode_from_env() -> str:
     raise UsageError(f"{ENV}={os.environ[ENV]!r}: use auto, 1 (on) or 0 (off)")
 
 
-def local_step_kernel(stack, mode: str = "auto") -> LocalStepKernel | None:
-    """The kernel for a fused stack, or None for the eager modules.
-
-    "on": wherever it can run (CPU, bf16/f32, fused, equal q/kv heads); "auto": only where it
-    measured faster than eager PyTorch, i.e. bfloat16 weights on a CPU with AVX512-BF16 dot
-    products (its float32 and scalar bfloat16 loops are slower than oneDNN's); "off": never.
-    """
+def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise UsageError(f"cpu kernel mode must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Whether a model's decode steps run in the kernel, and why (or why not), in words."""
+
+    active: bool
+    reason: str
+
+
+def choose(model: MiMoAudioLM) -> Choice:
+    """The kernel decision for `model` as it is now, under its `cpu_kernel` mode.
+
+    "on": wherever it can run (CPU, bf16/f32, the patch decoder with equal q/kv heads and a
+    head size the kernel holds); "auto": only where it measured faster than eager PyTorch,
+    i.e. bfloat16 weights on a CPU with AVX512-BF16 dot products (its float32 and scalar
+    bfloat16 loops are slower than oneDNN's); "off": never.
+    """
+    mode = check_mode(model.cpu_kernel)
     if mode == "off":
-        return None
-    cfg = stack.cfg
-    weight = stack.norm.weight
-    fused = all(layer.self_attn.qkv_weight is not None and layer.mlp.gate_up_weight is not None
-                for layer in stack.layers)
-    if (weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32)
-            or not fused or cfg.kv_heads != cfg.heads or cfg.head_dim > MAX_HEAD_DIM
-            or cfg.head_dim % 2 or stack.rope_cos.dtype != weight.dtype):
-        return None
-    lib = library()
-    if lib is None or (mode == "auto" and not (weight.dtype == torch.bfloat16
-                                               and features()["avx512_bf16"])):
-        return None
-    return LocalStepKernel(stack, lib)
+        return Choice(False, "off (asked for)")
+    stack = model.local_transformer
+    cfg, weight = stack.cfg, stack.norm.weight
+    if weight.device.type != "cpu":
+        return Choice(False, f"the LM is on {weight.device}, not the CPU")
+    if weight.dtype not in DTYPES or stack.rope_cos.dtype != weight.dtype:
+        return Choice(False, f"{weight.dtype} weights: the kernel has bfloat16 and float32")
+    lib, why = _build()
+    if lib is None:
+        return Choice(False, why)
+    if cfg.kv_heads != cfg.heads:
+        return Choice(False, f"patch decoder has {cfg.kv_heads} kv heads for {cfg.heads} heads")
+    if cfg.head_dim > lib.max_head_dim() or cfg.head_dim % 2:
+        return Choice(False, f"patch decoder head size {cfg.head_dim}: the kernel holds even "
+                             f"sizes up to {lib.max_head_dim()}")
+    isa = features()
+    if mode == "auto" and weight.dtype != torch.bfloat16:
+        return Choice(False, f"auto: {str(weight.dtype).removeprefix('torch.')} weights run "
+                             "faster in eager PyTorch")
+    if mode == "auto" and not isa["avx512_bf16"]:
+        return Choice(False, "auto: this CPU has no AVX512-BF16 dot products")
+    how = "AVX512-BF16 dot products" if isa["avx512_bf16"] else "scalar loops"
+    if isa["amx"] and isa["amx_min_rows"] <= MAX_ROWS:
+        how += f", AMX tiles from {isa['amx_min_rows']} rows"
+    if mode == "on":
+        return Choice(True, f"on: {how}; every product of <= {MAX_ROWS} rows")
+    faster, kernel_gbps, torch_gbps = products_faster()
+    where = "in the kernel" if faster else "in PyTorch (its GEMV was faster here)"
+    return Choice(True, f"auto: {how}; patch decoder steps in the kernel, backbone products "
+                        f"{where}: {kernel_gbps} vs {torch_gbps} GB/s")

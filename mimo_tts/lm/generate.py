@@ -3,7 +3,9 @@
 A batch of prompts of different lengths runs together: prompts are left-padded, each row
 keeps its own RoPE positions (groups counted from its own start) and a key mask hides the
 padding, so a row's greedy output equals its single-prompt output. Rows stop independently
-(spec §4.5, §4.7). Shapes: B batch, G groups, F frames per group, K codebooks, H hidden.
+(spec §4.5, §4.7). Each group runs through one `DecodeStep` (mimo_tts/lm/step.py) that
+`decode_step` picks for the generation: eager, fixed-shape / CUDA graphs, or the CPU kernel.
+Shapes: B batch, G groups, F frames per group, K codebooks, H hidden.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import torch
 from torch import Tensor
 
 from mimo_tts.errors import InputError, UsageError
+from mimo_tts.lm import cpu_kernel
 from mimo_tts.lm.config import MAX_GROUPS
-from mimo_tts.lm.graph import StaticDecoder
+from mimo_tts.lm.graph import GraphStep
 from mimo_tts.lm.model import KVCache, MiMoAudioLM
 from mimo_tts.lm.sampling import TASK_SAMPLERS, SamplerConfig, sample, task_samplers
+from mimo_tts.lm.step import DecodeStep, EagerStep
 
 # Stop sets by SpecialTokens field name (spec §4.7).
 TASK_STOP_TOKENS: dict[str, tuple[str, ...]] = {
@@ -31,9 +35,7 @@ TASK_STOP_TOKENS: dict[str, tuple[str, ...]] = {
 }
 
 LogitsHook = Callable[[int, Tensor], Tensor]
-# step(x [n, 1, local_dim], step, channels) -> raw float32 logits [n, V_c] per channel.
-LocalLogits = Callable[[Tensor, int, Sequence[int]], list[Tensor]]
-# How decode steps run (GenerationOptions.decode_step); see mimo_tts/lm/graph.py.
+# How decode steps run (GenerationOptions.decode_step); see `decode_step` below.
 DECODE_STEPS = ("auto", "eager", "graph", "static")
 # Backbone cache slots a prefill allocates past the prompt (~41 s of audio); more on demand.
 FIRST_NEW_SLOTS = 256
@@ -53,9 +55,10 @@ class GenerationOptions:
     # min-length rule and the sampler (tests force a token script with it).
     text_logits_processor: LogitsHook | None = None
     keep_logits: bool = False  # return each step's raw text logits
-    # "auto": CUDA graphs on CUDA devices (eager if a capture fails), eager elsewhere;
-    # "eager": dynamic shapes; "graph": CUDA graphs, CUDA only; "static": the graphs'
-    # fixed-shape step run without capture, on any device (debugging, tests).
+    # "auto": CUDA graphs on CUDA devices (eager if a capture fails), on CPU the fused
+    # kernel where cpu_kernel.choose(model) agrees, else eager; "eager": the modules at
+    # dynamic shapes; "graph": CUDA graphs, CUDA only; "static": the graphs' fixed-shape
+    # step run without capture, on any device (debugging, tests).
     decode_step: str = "auto"
 
     def __post_init__(self):
@@ -186,32 +189,26 @@ def prefill(model: MiMoAudioLM, prompts: Sequence[Tensor], options: GenerationOp
 
 
 def decode_patch(model: MiMoAudioLM, local_in: Tensor, sampler: SamplerConfig,
-                 generator: torch.Generator | None, cache: KVCache,
-                 record: list[list[Tensor]] | None = None,
-                 step_logits: LocalLogits | None = None) -> Tensor:
-    """Patch decoder (spec §4.4): local_in [n, local_dim] -> codes [n, F, K], de-delayed.
+                 generator: torch.Generator | None, step: DecodeStep,
+                 record: list[list[Tensor]] | None = None) -> Tensor:
+    """Patch decoder (spec §4.4): local_in [n, local_dim] -> codes [n, F, K], de-delayed,
+    its positions run by `step.local_logits`.
 
-    `record[c]` collects channel c's raw logits per frame (before the empty id is masked);
-    `step_logits` replaces the eager transformer step + heads (StaticDecoder.local_logits).
+    `record[c]` collects channel c's raw logits per frame (before the empty id is masked).
     """
     cfg = model.cfg
     n, frames = local_in.shape[0], cfg.group_size
     codes = torch.empty(n, frames, cfg.audio_channels, dtype=torch.long, device=local_in.device)
     x = local_in.unsqueeze(1)  # [n, 1, local_dim]
-    for step, channels in enumerate(_schedule(cfg.delay_pattern, frames)):
-        if step_logits is None:
-            hidden = model.local_step(x, step, cache)
-            step_out = model.local_transformer_lm_heads.logits(channels, hidden)
-        else:
-            step_out = step_logits(x, step, channels)
+    for t, channels in enumerate(_schedule(cfg.delay_pattern, frames)):
         tokens = []
-        for c, logits in zip(channels, step_out, strict=True):
+        for c, logits in zip(channels, step.local_logits(x, t, channels), strict=True):
             if record is not None:
                 record[c].append(logits.clone())
             logits[:, cfg.speech_empty_ids[c]] = float("-inf")
             tokens.append(sample(logits, sampler, generator))
-            codes[:, step - cfg.delay_pattern[c], c] = tokens[-1]
-        if step + 1 < cfg.local_steps:
+            codes[:, t - cfg.delay_pattern[c], c] = tokens[-1]
+        if t + 1 < cfg.local_steps:
             x = model.embed_codes(channels, tokens)
     return codes
 
@@ -223,9 +220,9 @@ def _schedule(delays: Sequence[int], frames: int) -> list[list[int]]:
 
 
 def _sample_group(model, state: BatchState, step: int, options, special, generator,
-                  decoder: StaticDecoder | None):
+                  decoder: DecodeStep):
     """Sample each row's text token and, for <|empty|> rows, its codes -> ([B], [B, F, K])."""
-    logits = model.text_logits(state.hidden)  # [B, V]
+    logits = decoder.text_logits(state.hidden)  # [B, V]
     raw = logits.detach().to("cpu", copy=True) if options.keep_logits else None
     if options.text_logits_processor is not None:
         logits = options.text_logits_processor(step, logits)
@@ -238,41 +235,33 @@ def _sample_group(model, state: BatchState, step: int, options, special, generat
     rows = (tokens == special.empty).nonzero().squeeze(1)
     if rows.numel():
         local_in = model.hidden_states_downcast(state.hidden[rows])
-        codes[rows] = decode_patch(model, local_in, options.audio_sampler, generator,
-                                   state.local_cache,
-                                   step_logits=None if decoder is None else decoder.local_logits)
+        codes[rows] = decode_patch(model, local_in, options.audio_sampler, generator, decoder)
     return tokens, codes, raw
 
 
-def _advance(model, state: BatchState, step: int, tokens: Tensor, codes: Tensor, special,
-             decoder: StaticDecoder | None) -> None:
+def _advance(state: BatchState, step: int, tokens: Tensor, codes: Tensor, special,
+             decoder: DecodeStep) -> None:
     """Feed the new group of every row through one backbone step."""
-    embeds = model.embed_groups(tokens[:, None], codes[:, None], special.empty)  # [B, 1, H]
+    embeds = decoder.embed(tokens, codes, special.empty)  # [B, 1, H]
     slot = state.prompt_len + step
-    if decoder is not None:
-        state.hidden = decoder.backbone_step(embeds, state.lengths + step, slot)
-        return
-    mask = None
-    state.reserve(slot + 1)
-    if state.valid is not None:
-        state.valid[:, slot] = True
-        mask = state.valid[:, None, None, : slot + 1]  # [B, 1, 1, S]: a view, no copy
-    positions = state.lengths + step  # [B, 1]
-    state.hidden = model.backbone(embeds, positions, state.cache, slot, slot + 1, mask)[:, -1]
+    state.reserve(slot + 1)  # the cache grows with the run (a GraphStep reserved it in full)
+    state.hidden = decoder.backbone(embeds, state.lengths + step, slot)
 
 
-def _decoder(model, state: BatchState, options: GenerationOptions) -> StaticDecoder | None:
-    """The fixed-shape decoder the options ask for on this device, or None for eager."""
+def decode_step(model: MiMoAudioLM, state: BatchState, options: GenerationOptions) -> DecodeStep:
+    """The decode step the options ask for on the model's device (the one place that picks)."""
     cuda = state.hidden.device.type == "cuda"
     mode = options.decode_step
     if mode == "graph" and not cuda:
         raise UsageError(f"decode_step 'graph' needs a CUDA device, the LM is on "
                          f"{state.hidden.device}")
-    if mode == "eager" or (mode == "auto" and not cuda):
-        return None
-    state.reserve(state.limit)  # static shapes: the whole generation's cache, once
-    return StaticDecoder(model, state.cache, state.local_cache, state.valid, state.prompt_len,
+    if mode in ("graph", "static") or (mode == "auto" and cuda):
+        state.reserve(state.limit)  # static shapes: the whole generation's cache, once
+        return GraphStep(model, state.cache, state.local_cache, state.valid, state.prompt_len,
                          capture=mode != "static", strict=mode == "graph")
+    if mode == "auto" and cpu_kernel.choose(model).active:
+        return cpu_kernel.CpuKernelStep(model, state.cache, state.local_cache, state.valid)
+    return EagerStep(model, state.cache, state.local_cache, state.valid)
 
 
 def _generator(options: GenerationOptions, device) -> torch.Generator | None:
@@ -292,7 +281,7 @@ def stream(model: MiMoAudioLM, prompts: Sequence[Tensor], options: GenerationOpt
     """Yield each row's group as soon as it is sampled, until every row has stopped."""
     state = prefill(model, prompts, options, special)
     generator = _generator(options, state.hidden.device)
-    decoder = _decoder(model, state, options)
+    decoder = decode_step(model, state, options)
     done = [False] * len(state.budgets)
     stops = set(state.stop_ids)
     for step in range(max(state.budgets)):
@@ -308,7 +297,7 @@ def stream(model: MiMoAudioLM, prompts: Sequence[Tensor], options: GenerationOpt
                              done[row], None if raw is None else raw[row])
         if all(done):
             return
-        _advance(model, state, step, tokens, codes, special, decoder)
+        _advance(state, step, tokens, codes, special, decoder)
 
 
 def generate(model: MiMoAudioLM, prompts: Sequence[Tensor], options: GenerationOptions,

@@ -7,6 +7,7 @@ device index, and each of the patch decoder's steps runs all B rows. Those are t
 CUDA graph needs: each step is captured the first time it is used and replayed after.
 Sampling, the patch encoder and the rest of the glue stay eager. With capture=False the
 same formulation runs eagerly (any device), which is how it is tested without a GPU.
+`GraphStep` is one implementation of mimo_tts.lm.step.DecodeStep.
 Shapes: B batch, S cache length, H hidden, D local_dim, V_c channel vocab.
 """
 
@@ -19,6 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from mimo_tts.cudagraph import capture
 from mimo_tts.lm.model import KVCache, MiMoAudioLM
 
 SPAN_MIN = 64  # smallest attention span bucket of the backbone step, in groups
@@ -67,18 +69,10 @@ class CapturedStep:
         return self.out
 
     def _capture(self) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self.fn()
-        self.graph, self.out = graph, out
+        self.graph, self.out = capture(self.fn)
 
 
-class StaticDecoder:
+class GraphStep:
     """Backbone and patch-decoder steps of one generation over static buffers.
 
     `cache`/`local_cache` are the generation's preallocated caches, `valid` its key mask
@@ -107,7 +101,15 @@ class StaticDecoder:
     def _step(self, fn: Callable[[], object]) -> Callable[[], object]:
         return CapturedStep(fn, self.strict) if self.capture else fn
 
-    def backbone_step(self, embeds: Tensor, positions: Tensor, slot: int) -> Tensor:
+    def embed(self, tokens: Tensor, codes: Tensor, empty_token: int) -> Tensor:
+        """Eager: tokens [B], codes [B, F, K] -> [B, 1, H]."""
+        return self.model.embed_groups(tokens[:, None], codes[:, None], empty_token)
+
+    def text_logits(self, hidden: Tensor) -> Tensor:
+        """Eager: hidden [B, H] -> [B, V] float32."""
+        return self.model.text_logits(hidden)
+
+    def backbone(self, embeds: Tensor, positions: Tensor, slot: int) -> Tensor:
         """One backbone position for every row: embeds [B, 1, H], positions [B, 1] written
         at cache `slot` -> normed hidden [B, H] (a view of a static buffer)."""
         self.embeds.copy_(embeds)

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import torch
 
-from mimo_tts.errors import CheckpointError, DeviceError
+from mimo_tts.errors import CheckpointError, DeviceError, UsageError
 from mimo_tts.lm.config import LMConfig
-from mimo_tts.lm.cpu_kernel import mode_from_env
+from mimo_tts.lm.cpu_kernel import check_mode, mode_from_env
 from mimo_tts.lm.model import MiMoAudioLM
+from mimo_tts.lm.quant import QUANTS, quantize_lm
 from mimo_tts.weights import load_module_weights, read_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -23,12 +24,19 @@ def load_config(path: str | Path) -> LMConfig:
 
 
 def load_lm(path: str | Path, device: str | torch.device = "cpu",
-            dtype: torch.dtype | str = torch.float32, *, fuse: bool = True,
-            cpu_kernel: str | None = None) -> MiMoAudioLM:
+            dtype: torch.dtype | str = torch.float32, *,
+            cpu_kernel: str | None = None, quant: str | None = None) -> MiMoAudioLM:
     """Build the LM on the meta device, load it strictly, move it to `device` in `dtype`,
-    with (`fuse`) q/k/v, gate/up and the channel heads fused as they load (no extra memory)
-    and, on CPU, the patch decoder's steps in the fused C kernel (mimo_tts/lm/cpu_kernel.py)
-    as `cpu_kernel` says: "auto", "on" or "off" (None: MIMO_TTS_CPU_KERNEL, else "auto")."""
+    with q/k/v, gate/up and the channel heads fused as they load (no extra memory). On CPU the
+    decode steps run through the fused C kernel (mimo_tts/lm/cpu_kernel.py) as `cpu_kernel`
+    says: "auto", "on" or "off" (None: MIMO_TTS_CPU_KERNEL, else "auto");
+    `cpu_kernel.choose(model)` tells whether it does, and why (not). `quant="int8"`: int8
+    weight-only matrices (mimo_tts/lm/quant.py), CPU only, opt-in."""
+    mode = check_mode(cpu_kernel or mode_from_env())
+    if quant is not None and quant not in QUANTS:
+        raise UsageError(f"LM quantization must be one of {', '.join(QUANTS)}, got {quant!r}")
+    if quant is not None and torch.device(device).type != "cpu":
+        raise UsageError(f"--lm-quant {quant} runs on CPU only, the LM is placed on {device}")
     dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if dtype not in DTYPES.values():
         raise CheckpointError(f"unsupported LM dtype {dtype}: use float32, bfloat16 or float16")
@@ -36,20 +44,20 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu",
     with torch.device("meta"):
         model = MiMoAudioLM(cfg)
     model = model.to(dtype)  # the meta parameters carry the target dtype for the load below
-    groups = model.fusion_groups() if fuse else {}
+    groups = model.fusion_groups()
     stacked = [*groups, *(biases for _, biases in groups.values() if biases)]
     try:
         # q/k/v and gate/up are read straight into their fused tensors on the device; the rest
         # stays memory-mapped (zero-copy when the dtypes agree) until moved.
         stacks = load_module_weights(model, path, f"LM checkpoint {path}", ignore=IGNORED,
                                      stacked=stacked, device=device)
-        if fuse:
-            model.fuse_weights(stacks)
+        model.fuse_weights(stacks)
         # Derived buffers are still meta here: rebuild them first, then move the weights.
         model.build_buffers(torch.device(device))
         model = model.to(device=device)
-        if fuse:
-            model.use_cpu_kernel(cpu_kernel or mode_from_env())
+        if quant is not None:
+            quantize_lm(model, quant)
     except (RuntimeError, AssertionError) as exc:  # bad index, OOM, CUDA unavailable
         raise DeviceError(f"cannot place the LM on {device}: {exc}") from None
+    model.cpu_kernel = mode
     return model.eval().requires_grad_(False)

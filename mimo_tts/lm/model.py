@@ -3,14 +3,16 @@
 Module attribute names equal the checkpoint tensor names, so loading is a strict
 load_state_dict. After loading, `fuse_weights()` concatenates q/k/v, gate/up and the channel
 heads into single matrices and turns the checkpoint-named parameters into views of them: one
-matrix-vector pass per block instead of two or three, no extra memory. Shapes: B batch,
-G groups, L new positions, S cached positions, K codebooks (audio channels), F = group_size
-frames per group, H hidden.
+matrix-vector pass per block instead of two or three, no extra memory; the blocks compute
+only through the fused matrices. Every product by a weight goes through a `matmul` function
+the caller may pass (`linear` by default; mimo_tts/lm/cpu_kernel.py passes its own).
+Shapes: B batch, G groups, L new positions, S cached positions, K codebooks (audio channels),
+F = group_size frames per group, H hidden.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -59,8 +61,13 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
     A decode step multiplies 1-8 rows by each weight. On CPU, F.linear sends that to a GEMM
     that streams bf16 weights well below the memory bandwidth; `mv`/`mm` with the weight as
-    the left operand reach it (docs/perf-stage0.md, scripts/bench_lm.py).
+    the left operand reach it ("Stage-0" in docs/performance.md, scripts/bench_lm.py).
+    An int8 weight (mimo_tts/lm/quant.py) is dequantized to x's dtype first.
     """
+    if weight.dtype == torch.int8:
+        from mimo_tts.lm.quant import dequantize
+
+        weight = dequantize(weight, x.dtype)
     rows = x.numel() // weight.shape[1]
     if x.device.type != "cpu" or rows > SMALL_ROWS or rows == 0:
         return F.linear(x, weight, bias)
@@ -72,6 +79,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     else:
         out = torch.addmm(bias.unsqueeze(1), weight, flat.T).T
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+# matmul(x [..., in], weight [out, in], bias [out] | None) -> [..., out]: how a stack multiplies
+# by its weights (`linear`, or the CPU kernel's products, mimo_tts/lm/cpu_kernel.py).
+Matmul = Callable[[Tensor, Tensor, Tensor | None], Tensor]
 
 
 class Linear(nn.Linear):
@@ -171,13 +183,10 @@ class Attention(nn.Module):
             [getattr(self, name) for name in self.PARTS], weight, bias)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None,
-                slot: int | Tensor, span: int, mask: Tensor | None) -> Tensor:
+                slot: int | Tensor, span: int, mask: Tensor | None, matmul: Matmul) -> Tensor:
         b, length, _ = x.shape
         heads, kv = self.heads, self.kv_heads
-        if self.qkv_weight is not None:
-            qkv = linear(x, self.qkv_weight, self.qkv_bias)
-        else:
-            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+        qkv = matmul(x, self.qkv_weight, self.qkv_bias)
         qkv = qkv.view(b, length, heads + 2 * kv, self.head_dim)
         qk = apply_rope(qkv[:, :, : heads + kv].transpose(1, 2), cos, sin)  # [B, h+kv, L, D]
         q, k = qk[:, :heads], qk[:, heads:]
@@ -189,7 +198,7 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=heads != kv
         )
-        return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
+        return matmul(out.transpose(1, 2).reshape(b, length, -1), self.o_proj.weight, None)
 
 
 class MLP(nn.Module):
@@ -207,14 +216,14 @@ class MLP(nn.Module):
     def fuse(self, weight: Tensor | None = None, bias: Tensor | None = None) -> None:
         self.gate_up_weight, _ = fuse_linears([self.gate_proj, self.up_proj], weight)
 
-    def forward(self, x: Tensor) -> Tensor:
-        if self.gate_up_weight is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: Tensor, matmul: Matmul) -> Tensor:
+        gate, up = matmul(x, self.gate_up_weight, None).chunk(2, dim=-1)
+        return matmul(F.silu(gate) * up, self.down_proj.weight, None)
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm Qwen2 block: x + attention(norm(x)), then + MLP(norm(.))."""
+
     def __init__(self, cfg: TransformerConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.dim, cfg.eps)
@@ -222,9 +231,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.eps)
         self.mlp = MLP(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x, cos, sin, cache, slot, span, mask) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slot, span, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, cache, slot, span, mask, matmul: Matmul) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slot, span, mask,
+                               matmul)
+        return x + self.mlp(self.post_attention_layernorm(x), matmul)
 
 
 class Transformer(nn.Module):
@@ -240,7 +250,6 @@ class Transformer(nn.Module):
         # Derived tables: not in the checkpoint; rebuilt on a real device by build_rope().
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
-        self.kernel = None  # a fused one-position CPU step (cpu_kernel.py), when enabled
 
     def build_rope(self, device, dtype) -> None:
         """Compute the RoPE tables on CPU in float32, then move and cast them (HF casts too)."""
@@ -253,25 +262,18 @@ class Transformer(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
-    def _apply(self, fn, recurse=True):
-        # .to()/.float()/... replace the tensors the kernel points at: the eager modules run.
-        self.kernel = None
-        return super()._apply(fn, recurse)
-
     def forward(self, x: Tensor, positions: Tensor, cache: KVCache | None = None,
                 slot: int | Tensor = 0, span: int | None = None,
-                mask: Tensor | None = None) -> Tensor:
+                mask: Tensor | None = None, matmul: Matmul = linear) -> Tensor:
         """x [B, L, dim], positions [B or 1, L] -> normed hidden [B, L, dim].
 
         A tensor `slot` (the L cache positions written, on x's device) needs an explicit span.
         """
         span = slot + x.shape[1] if span is None else span
-        if self.kernel is not None and self.kernel.accepts(x, positions, cache, slot, span, mask):
-            return self.kernel(x, positions, cache, slot)
         cos = self.rope_cos[positions].unsqueeze(1)  # [B, 1, L, D]
         sin = self.rope_sin[positions].unsqueeze(1)
         for layer in self.layers:
-            x = layer(x, cos, sin, cache, slot, span, mask)
+            x = layer(x, cos, sin, cache, slot, span, mask, matmul)
         return self.norm(x)
 
 
@@ -288,14 +290,13 @@ class ChannelHeads(nn.ModuleList):
     def fuse(self, weight: Tensor | None = None, bias: Tensor | None = None) -> None:
         self.fused, _ = fuse_linears(list(self), weight)
 
-    def logits(self, channels: Sequence[int], hidden: Tensor) -> list[Tensor]:
+    def logits(self, channels: Sequence[int], hidden: Tensor,
+               matmul: Matmul = linear) -> list[Tensor]:
         """hidden [n, dim] -> raw float32 logits [n, V_c] for each channel, in order."""
-        if self.fused is None:
-            return [self[c](hidden).float() for c in channels]
         out: list[Tensor] = []
         for first, last in _runs(channels):
             rows = self.fused[self.offsets[first] : self.offsets[last + 1]]
-            out += linear(hidden, rows).float().split(self.sizes[first : last + 1], dim=-1)
+            out += matmul(hidden, rows, None).float().split(self.sizes[first : last + 1], dim=-1)
         return out
 
 
@@ -336,6 +337,10 @@ class MiMoAudioLM(nn.Module):
             self.speech_embeddings_to_local = None
         self.register_buffer("empty_ids", torch.empty(0, dtype=torch.long), persistent=False)
         self.local_positions: list[Tensor] = []
+        # Mode of the fused CPU kernel ("auto", "on", "off"; set by load_lm): the decode step
+        # asks mimo_tts.lm.cpu_kernel.choose(model) whether, and why (not), it runs.
+        self.cpu_kernel = "off"
+        self.quant: str | None = None  # "int8" after mimo_tts.lm.quant.quantize_lm
 
     def build_buffers(self, device) -> None:
         """(Re)build derived, non-checkpoint tensors on a real device after loading."""
@@ -378,18 +383,8 @@ class MiMoAudioLM(nn.Module):
             else:
                 module.fuse(stacks[weights], None if biases is None else stacks[biases])
 
-    def use_cpu_kernel(self, mode: str = "auto") -> bool:
-        """Run the patch decoder's one-position steps on CPU through the fused C kernel
-        (cpu_kernel.py): "auto" where it is faster, "on" wherever it can run, "off" never.
-        Returns whether it will."""
-        from mimo_tts.lm.cpu_kernel import local_step_kernel
-
-        stack = self.local_transformer
-        stack.kernel = local_step_kernel(stack, mode)
-        return stack.kernel is not None
-
     # -- patch encoder (§4.3) -------------------------------------------------------------
-    def encode_patches(self, codes: Tensor) -> Tensor:
+    def encode_patches(self, codes: Tensor, matmul: Matmul = linear) -> Tensor:
         """Audio groups' codes [N, F, K] -> backbone input [N, H]."""
         n, frames, _ = codes.shape
         speech = None
@@ -399,10 +394,12 @@ class MiMoAudioLM(nn.Module):
             keep = (ids != self.empty_ids[c]).unsqueeze(-1).to(table.weight.dtype)
             speech = table(ids) * keep if speech is None else speech + table(ids) * keep
         positions = torch.arange(frames, device=codes.device).unsqueeze(0)  # [1, F]
-        speech = self.input_local_transformer(speech, positions)  # [N, F, E]
-        return self.speech_group_downcast(speech.reshape(n, frames * speech.shape[-1]))
+        speech = self.input_local_transformer(speech, positions, matmul=matmul)  # [N, F, E]
+        return matmul(speech.reshape(n, frames * speech.shape[-1]),
+                      self.speech_group_downcast.weight, None)
 
-    def embed_groups(self, text_ids: Tensor, codes: Tensor, empty_token: int) -> Tensor:
+    def embed_groups(self, text_ids: Tensor, codes: Tensor, empty_token: int,
+                     matmul: Matmul = linear) -> Tensor:
         """Input embedding: text_ids [B, G], codes [B, G, F, K] -> [B, G, H].
 
         Text groups get their token embedding; `<|empty|>` groups get only the patch-encoded
@@ -413,25 +410,26 @@ class MiMoAudioLM(nn.Module):
             self.lm_head.weight.dtype
         )
         if bool(is_speech.any()):
-            embeds[is_speech] = self.encode_patches(codes[is_speech])
+            embeds[is_speech] = self.encode_patches(codes[is_speech], matmul)
         return embeds
 
     # -- backbone and heads ---------------------------------------------------------------
     def backbone(self, embeds: Tensor, positions: Tensor, cache: KVCache,
                  slot: int | Tensor, span: int | None = None,
-                 mask: Tensor | None = None) -> Tensor:
+                 mask: Tensor | None = None, matmul: Matmul = linear) -> Tensor:
         """embeds [B, L, H] at per-row positions [B, L] -> normed hidden [B, L, H]."""
-        return self.model(embeds, positions, cache, slot, span, mask)
+        return self.model(embeds, positions, cache, slot, span, mask, matmul)
 
-    def text_logits(self, hidden: Tensor) -> Tensor:
+    def text_logits(self, hidden: Tensor, matmul: Matmul = linear) -> Tensor:
         """hidden [B, H] -> text logits [B, V] in float32."""
-        return self.lm_head(hidden).float()
+        return matmul(hidden, self.lm_head.weight, None).float()
 
     # -- patch decoder (§4.4) -------------------------------------------------------------
-    def local_step(self, x: Tensor, step: int, cache: KVCache) -> Tensor:
+    def local_step(self, x: Tensor, step: int, cache: KVCache,
+                   matmul: Matmul = linear) -> Tensor:
         """One patch-decoder position: x [n, 1, local_dim] -> normed hidden [n, local_dim]."""
         positions = self.local_positions[step]
-        return self.local_transformer(x, positions, cache, slot=step)[:, 0]
+        return self.local_transformer(x, positions, cache, slot=step, matmul=matmul)[:, 0]
 
     def channel_logits(self, channel: int, hidden: Tensor) -> Tensor:
         """hidden [n, local_dim] -> raw logits [n, V_c] of one audio channel, float32."""

@@ -81,7 +81,9 @@ def test_manifest_and_sidecar(default_run, manifest):
     assert sidecar["effective_sampler"]["text"]["temperature"] == 0.6
     assert {"load_s", "generate_s", "decode_s"} <= set(sidecar["timings"])
     assert sidecar["result"]["key"] == line["key"]
-    assert sidecar["engine"] == {"name": "native", "cpu_kernel": False}  # float32 runs eagerly
+    assert sidecar["engine"] == {"name": "native", "cpu_kernel": False,  # float32: eager
+                                 "cpu_kernel_reason": "auto: float32 weights run faster in "
+                                                      "eager PyTorch"}
 
 
 def test_bfloat16_lm_records_the_fused_cpu_kernel(invoke, tmp_path):
@@ -95,6 +97,7 @@ def test_bfloat16_lm_records_the_fused_cpu_kernel(invoke, tmp_path):
     record = json.loads(result.stdout)
     sidecar = json.loads((tmp_path / record["path"]).with_suffix(".json").read_text())
     assert sidecar["engine"]["cpu_kernel"] == cpu_kernel.features()["avx512_bf16"]
+    assert sidecar["engine"]["cpu_kernel_reason"].startswith("auto: ")
     audio, _ = sf.read(str(tmp_path / record["path"]), dtype="float32")
     assert audio.size > 0 and np.isfinite(audio).all()
 
@@ -301,3 +304,17 @@ def test_stream_piece_matches_one_shot_codes(tiny_cache):
     assert streamed.shape == one_shot.shape == (SPF * reference.codes.shape[1],)
     assert torch.equal(streamed, piece.audio)
     assert (streamed - one_shot).abs().max() < 0.03 * one_shot.abs().max()  # as above
+
+
+def test_int8_lm_is_opt_in_and_recorded(invoke, tmp_path):
+    """--lm-quant int8 runs (finite audio) and the sidecar says so; a bad value is exit 2."""
+    result = invoke("synth", "--model", "tiny", "--text", "Quant.", "--dtype", "bfloat16",
+                    "--lm-quant", "int8", "--max-new-groups", "4", "--json")
+    assert result.exit_code == 0, result.stderr
+    record = json.loads(result.stdout)
+    sidecar = json.loads((tmp_path / record["path"]).with_suffix(".json").read_text())
+    assert sidecar["engine"]["lm_quant"] == "int8"
+    audio, _ = sf.read(str(tmp_path / record["path"]), dtype="float32")
+    assert audio.size > 0 and np.isfinite(audio).all()
+    bad = invoke("synth", "--model", "tiny", "--text", "Quant.", "--lm-quant", "int4")
+    assert bad.exit_code == 2 and "--lm-quant must be one of int8" in bad.stderr

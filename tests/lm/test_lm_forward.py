@@ -8,6 +8,7 @@ import torch
 from mimo_tts.lm.generate import decode_patch, split_prompt
 from mimo_tts.lm.model import KVCache
 from mimo_tts.lm.sampling import GREEDY
+from mimo_tts.lm.step import EagerStep
 
 TOL = 1e-4
 PREFILL = [
@@ -54,7 +55,8 @@ def test_patch_decoder_matches_reference(lm, case_tensors, group, name):
     cache = KVCache(cfg.patch_decoder, 1, cfg.local_steps, dtype=torch.float32, device="cpu")
     record = [[] for _ in range(cfg.audio_channels)]
     with torch.inference_mode():
-        codes = decode_patch(lm, t[f"{name}.local_hidden_last"][None], GREEDY, None, cache, record)
+        codes = decode_patch(lm, t[f"{name}.local_hidden_last"][None], GREEDY, None,
+                             EagerStep(lm, None, cache), record)
     assert codes.shape == (1, cfg.group_size, cfg.audio_channels)
     assert torch.equal(codes[0], t[f"{name}.local_greedy_tokens"].long())
     for c in range(cfg.audio_channels):
@@ -71,7 +73,8 @@ def test_fresh_local_cache_per_group_gives_same_codes(lm, case_tensors):
     cache = KVCache(cfg.patch_decoder, 1, cfg.local_steps, dtype=torch.float32, device="cpu")
     with torch.inference_mode():
         for name in ("prefill_tts_en", "prefill_tts_zh", "prefill_tts_en"):
-            codes = decode_patch(lm, t[f"{name}.local_hidden_last"][None], GREEDY, None, cache)
+            codes = decode_patch(lm, t[f"{name}.local_hidden_last"][None], GREEDY, None,
+                                 EagerStep(lm, None, cache))
             assert torch.equal(codes[0], t[f"{name}.local_greedy_tokens"].long())
 
 

@@ -1,5 +1,6 @@
-"""The fused CPU patch-decoder kernel (mimo_tts/lm/cpu_kernel.py): the reference fixtures in
-float32, the eager modules in both dtypes, and its fall-backs."""
+"""The fused CPU kernel (mimo_tts/lm/cpu_kernel.py): the reference fixtures in float32, the
+eager modules in both dtypes, on AMX tiles and on the AVX512-BF16 path of CPUs without
+them, its products, and its decision with the reason it gives."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from mimo_tts.errors import UsageError
 from mimo_tts.lm import cpu_kernel
@@ -18,15 +20,37 @@ from mimo_tts.lm.sampling import GREEDY
 TOL = 1e-4
 CASES = [("lm_forward", "prefill_tts_en"), ("lm_forward", "prefill_tts_instruct"),
          ("voice_prompt", "prefill_tts_voice")]
+GENERATE = ("gen_tts_en_forced", "gen_tts_instruct_forced", "gen_tts_en_free_greedy")
 needs_kernel = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
 
-def _steps(model, xs: torch.Tensor) -> torch.Tensor:
-    """Eleven patch-decoder positions of xs [11, n, 1, D] -> hidden [11, n, D] in float32."""
+@pytest.fixture(params=["amx", "no-amx"])
+def amx(request):
+    """Run the test with AMX tiles where the CPU has them, and with the AVX512-BF16 dot
+    products only (the code path of CPUs without AMX); restored after."""
+    before = cpu_kernel.features()["amx_min_rows"]
+    if request.param == "no-amx":
+        cpu_kernel.set_amx_min_rows(cpu_kernel.MAX_ROWS + 1)
+    elif not cpu_kernel.features()["amx"]:
+        pytest.skip("no AMX tiles on this CPU")
+    else:
+        cpu_kernel.set_amx_min_rows(2)
+    yield request.param
+    cpu_kernel.set_amx_min_rows(before)
+
+
+def _steps(model, xs: torch.Tensor, kernel: bool) -> torch.Tensor:
+    """Eleven patch-decoder positions of xs [11, n, 1, D] -> hidden [11, n, D] in float32,
+    through the kernel's one-position step or the eager modules."""
     cache = KVCache(model.cfg.patch_decoder, xs.shape[1], model.cfg.local_steps,
                     dtype=xs.dtype, device="cpu")
+    step = cpu_kernel.LocalStepKernel(model.local_transformer, cpu_kernel.library())
     with torch.inference_mode():
-        return torch.stack([model.local_step(x, t, cache) for t, x in enumerate(xs)]).float()
+        if kernel:
+            out = [step(x, t, cache, t)[:, 0] for t, x in enumerate(xs)]
+        else:
+            out = [model.local_step(x, t, cache) for t, x in enumerate(xs)]
+    return torch.stack(out).float()
 
 
 @pytest.fixture(scope="module")
@@ -35,22 +59,29 @@ def kernel_lm(lm_dir):
 
 
 @needs_kernel
-def test_kernel_is_built_and_used_where_it_is_faster(lm_dir, kernel_lm, monkeypatch):
+def test_kernel_is_chosen_where_it_is_faster_and_says_why(lm_dir, kernel_lm, monkeypatch):
     """auto: bfloat16 on AVX512-BF16 CPUs only; on: wherever it runs; off/env: never."""
     assert cpu_kernel.features()["built"]
-    assert kernel_lm.local_transformer.kernel is not None
-    assert kernel_lm.model.kernel is None and kernel_lm.input_local_transformer.kernel is None
-    assert load_lm(lm_dir).local_transformer.kernel is None  # float32: eager is faster
-    bf16 = load_lm(lm_dir, dtype=torch.bfloat16).local_transformer.kernel
-    assert (bf16 is not None) == cpu_kernel.features()["avx512_bf16"]
-    assert load_lm(lm_dir, dtype=torch.bfloat16, cpu_kernel="off").local_transformer.kernel is None
+    assert cpu_kernel.choose(kernel_lm) == cpu_kernel.Choice(True, cpu_kernel.choose(
+        kernel_lm).reason) and cpu_kernel.choose(kernel_lm).reason.startswith("on: ")
+    plain = cpu_kernel.choose(load_lm(lm_dir))
+    assert plain == cpu_kernel.Choice(False, "auto: float32 weights run faster in eager PyTorch")
+    bf16 = cpu_kernel.choose(load_lm(lm_dir, dtype=torch.bfloat16))
+    assert bf16.active == cpu_kernel.features()["avx512_bf16"]
+    assert bf16.reason.startswith("auto: ")
+    off = cpu_kernel.choose(load_lm(lm_dir, dtype=torch.bfloat16, cpu_kernel="off"))
+    assert off == cpu_kernel.Choice(False, "off (asked for)")
+    half = cpu_kernel.choose(load_lm(lm_dir, dtype=torch.float16, cpu_kernel="on"))
+    assert not half.active and "torch.float16 weights" in half.reason
     monkeypatch.setenv(cpu_kernel.ENV, "0")
-    assert load_lm(lm_dir, dtype=torch.bfloat16).local_transformer.kernel is None
+    assert not cpu_kernel.choose(load_lm(lm_dir, dtype=torch.bfloat16)).active
     monkeypatch.setenv(cpu_kernel.ENV, "1")
-    assert load_lm(lm_dir).local_transformer.kernel is not None
+    assert cpu_kernel.choose(load_lm(lm_dir)).active
     monkeypatch.setenv(cpu_kernel.ENV, "fast")
     with pytest.raises(UsageError, match=cpu_kernel.ENV):
         load_lm(lm_dir)
+    with pytest.raises(UsageError, match="cpu kernel mode"):
+        load_lm(lm_dir, cpu_kernel="fast")
 
 
 @needs_kernel
@@ -61,8 +92,8 @@ def test_kernel_patch_decoder_matches_reference(kernel_lm, case_tensors, group, 
     cache = KVCache(cfg.patch_decoder, 1, cfg.local_steps, dtype=torch.float32, device="cpu")
     record = [[] for _ in range(cfg.audio_channels)]
     with torch.inference_mode():
-        codes = decode_patch(lm, t[f"{name}.local_hidden_last"][None], GREEDY, None, cache,
-                             record)
+        codes = decode_patch(lm, t[f"{name}.local_hidden_last"][None], GREEDY, None,
+                             cpu_kernel.CpuKernelStep(lm, None, cache), record)
     assert torch.equal(codes[0], t[f"{name}.local_greedy_tokens"].long())
     for c in range(cfg.audio_channels):
         torch.testing.assert_close(torch.cat(record[c]), t[f"{name}.local_logits_ch{c}"],
@@ -70,75 +101,83 @@ def test_kernel_patch_decoder_matches_reference(kernel_lm, case_tensors, group, 
 
 
 @needs_kernel
+def test_kernel_generation_matches_reference(kernel_lm, special, cases, case_tensors,
+                                             forcing, greedy_options):
+    """Whole generations with every decode step in the kernel (backbone products, lm_head,
+    patch encoder and decoder), float32: the reference ids and step logits."""
+    t = case_tensors("lm_generate")
+    for name in GENERATE:
+        case = next(c for c in cases["groups"]["lm_generate"]["cases"] if c["name"] == name)
+        script = case["params"]["forced_script_ids"]
+        options = greedy_options(max_new_groups=case["params"]["max_new_groups"],
+                                 keep_logits=True,
+                                 text_logits_processor=forcing([script]) if script else None)
+        result = generate(kernel_lm, [t[f"{name}.input_ids"]], options, special)[0]
+        assert torch.equal(result.new_ids, t[f"{name}.new_ids"].long()), name
+        torch.testing.assert_close(result.step_logits, t[f"{name}.step_text_logits"],
+                                   atol=TOL, rtol=0)
+
+
+@needs_kernel
 @pytest.mark.parametrize("rows", [1, 3, 6])
-def test_kernel_equals_eager_float32(lm_dir, rows):
-    kernel, eager = load_lm(lm_dir, cpu_kernel="on"), load_lm(lm_dir, cpu_kernel="off")
-    assert eager.local_transformer.kernel is None
-    xs = torch.randn(11, rows, 1, kernel.cfg.local_dim, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(_steps(kernel, xs), _steps(eager, xs), atol=1e-5, rtol=0)
+def test_kernel_equals_eager_float32(kernel_lm, rows):
+    xs = torch.randn(11, rows, 1, kernel_lm.cfg.local_dim,
+                     generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(_steps(kernel_lm, xs, True), _steps(kernel_lm, xs, False),
+                               atol=1e-5, rtol=0)
 
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 5])
-def test_kernel_bfloat16_tracks_float32_like_eager(lm_dir, rows):
-    """bfloat16 rounding makes both paths drift from float32; the kernel's drift (rows > 1
-    run on AMX tiles where the CPU has them) must be no worse than the eager modules'."""
-    reference = load_lm(lm_dir, cpu_kernel="off")
-    kernel = load_lm(lm_dir, dtype=torch.bfloat16, cpu_kernel="on")
-    eager = load_lm(lm_dir, dtype=torch.bfloat16, cpu_kernel="off")
-    assert kernel.local_transformer.kernel is not None
-    xs = torch.randn(11, rows, 1, kernel.cfg.local_dim, generator=torch.Generator().manual_seed(2))
-    want = _steps(reference, xs)
+def test_kernel_bfloat16_tracks_float32_like_eager(lm_dir, kernel_lm, rows, amx):
+    """bfloat16 rounding makes both paths drift from float32; the kernel's drift must be no
+    worse than the eager modules', on AMX tiles and on the dot-product path alike."""
+    model = load_lm(lm_dir, dtype=torch.bfloat16, cpu_kernel="on")
+    xs = torch.randn(11, rows, 1, model.cfg.local_dim, generator=torch.Generator().manual_seed(2))
+    want = _steps(kernel_lm, xs, False)
     scale = want.abs().amax()
-    err_kernel = ((_steps(kernel, xs.bfloat16()) - want).abs().amax() / scale).item()
-    err_eager = ((_steps(eager, xs.bfloat16()) - want).abs().amax() / scale).item()
+    err_kernel = ((_steps(model, xs.bfloat16(), True) - want).abs().amax() / scale).item()
+    err_eager = ((_steps(model, xs.bfloat16(), False) - want).abs().amax() / scale).item()
     assert err_kernel < 0.05 and err_kernel <= 1.5 * err_eager + 1e-3
 
 
 @needs_kernel
-def test_kernel_batch_rows_are_independent(lm_dir):
+def test_kernel_batch_rows_are_independent(lm_dir, amx):
     """Each row's result is the same alone or in a batch (bfloat16, 4 rows vs 1)."""
     model = load_lm(lm_dir, dtype=torch.bfloat16, cpu_kernel="on")
     xs = torch.randn(11, 4, 1, model.cfg.local_dim,
                      generator=torch.Generator().manual_seed(3)).bfloat16()
-    together = _steps(model, xs)
+    together = _steps(model, xs, True)
     for row in range(4):
-        assert torch.equal(_steps(model, xs[:, row : row + 1])[:, 0], together[:, row])
+        assert torch.equal(_steps(model, xs[:, row : row + 1], True)[:, 0], together[:, row])
 
 
 @needs_kernel
-def test_replaced_weights_fall_back_to_eager(lm_dir, special, case_tensors, greedy_options):
-    """After `.to()` the kernel's pointers are stale: the eager modules must run instead."""
-    model = load_lm(lm_dir, dtype=torch.bfloat16, cpu_kernel="on")
-    assert model.local_transformer.kernel is not None
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 17])
+def test_products_equal_f_linear(dtype, rows, amx):
+    """The kernel's matrix products (with and without bias, every row count it takes, and
+    17 rows, which go to PyTorch) equal F.linear within one bfloat16 rounding."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 1, 96, generator=gen).to(dtype)
+    weight = torch.randn(80, 96, generator=gen).to(dtype)
+    bias = torch.randn(80, generator=gen).to(dtype)
+    products = cpu_kernel.Products(cpu_kernel.library())
+    for b in (None, bias):
+        got = products(x, weight, b)
+        assert got.shape == (rows, 1, 80) and got.dtype == dtype
+        want = F.linear(x.float(), weight.float(), None if b is None else b.float())
+        tol = 1e-4 if dtype == torch.float32 else 2 ** -7 * want.abs().amax().item()
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=0)
+
+
+@needs_kernel
+def test_converted_model_is_chosen_again(lm_dir, special, case_tensors, greedy_options):
+    """The decision is taken per generation on the model as it is: a bfloat16 model made
+    float32 runs eagerly under auto (no stale pointers), and still generates."""
+    model = load_lm(lm_dir, dtype=torch.bfloat16)
     model = model.float()
-    assert model.local_transformer.kernel is None
-    reference = load_lm(lm_dir, cpu_kernel="off")
+    assert cpu_kernel.choose(model) == cpu_kernel.Choice(
+        False, "auto: float32 weights run faster in eager PyTorch")
     prompt = case_tensors("lm_generate")["gen_tts_en_forced.input_ids"]
-    xs = torch.randn(11, 1, 1, model.cfg.local_dim, generator=torch.Generator().manual_seed(4))
-    # bf16 weights made float32: close to, not equal to, the float32 checkpoint
-    assert (_steps(model, xs) - _steps(reference, xs)).abs().amax() < 0.1
     assert generate(model, [prompt], greedy_options(max_new_groups=2), special)
-
-
-def test_kernel_is_skipped_where_it_cannot_run(kernel_lm):
-    kernel = kernel_lm.local_transformer.kernel
-    if kernel is None:
-        pytest.skip("no kernel on this machine")
-    lm, cfg = kernel_lm, kernel_lm.cfg
-    cache = KVCache(cfg.patch_decoder, 2, cfg.local_steps, dtype=torch.float32, device="cpu")
-    x = torch.zeros(2, 1, cfg.local_dim)
-    position = lm.local_positions[0]
-    assert not kernel.accepts(x, position, cache, 0, 1, None)  # autograd on: eager
-    with torch.inference_mode():
-        _accepts_only_one_decode_position(kernel, x, position, cache, cfg)
-
-
-def _accepts_only_one_decode_position(kernel, x, position, cache, cfg):
-    assert kernel.accepts(x, position, cache, 0, 1, None)
-    assert not kernel.accepts(x, position, cache, 0, 1, torch.ones(2, 1, 1, 1, dtype=torch.bool))
-    assert not kernel.accepts(x, position, None, 0, 1, None)  # no cache: a prefill
-    assert not kernel.accepts(torch.zeros(2, 3, cfg.local_dim), position, cache, 0, 3, None)
-    assert not kernel.accepts(torch.zeros(3, 1, cfg.local_dim), position, cache, 0, 1, None)
-    assert not kernel.accepts(x.bfloat16(), position, cache, 0, 1, None)
-    assert not kernel.accepts(x, position, cache, torch.tensor([0]), 1, None)

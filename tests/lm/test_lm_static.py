@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from mimo_tts.errors import UsageError
 from mimo_tts.lm.generate import GenerationOptions, generate
 from mimo_tts.lm.graph import SPAN_MIN, span_buckets
-from mimo_tts.lm.load import load_lm
 from mimo_tts.lm.model import SMALL_ROWS, linear
 from mimo_tts.weights import load_tensors
 
@@ -77,14 +76,17 @@ def test_static_sampling_follows_the_seed_like_eager(lm, special, case_tensors, 
     assert torch.equal(runs[0], runs[1])
 
 
-def test_decoder_choice_by_option_and_device(lm, special, case_tensors, greedy_options):
-    from mimo_tts.lm.generate import _decoder, prefill
+def test_decode_step_choice_by_option_and_device(lm, special, case_tensors, greedy_options):
+    from mimo_tts.lm.generate import decode_step, prefill
+    from mimo_tts.lm.graph import GraphStep
+    from mimo_tts.lm.step import EagerStep
 
     prompt = case_tensors("lm_generate")["gen_tts_en_forced.input_ids"]
     state = prefill(lm, [prompt], greedy_options(max_new_groups=4), special)
-    for mode in ("auto", "eager"):  # on CPU: eager, the fused kernel where it applies
-        assert _decoder(lm, state, GenerationOptions(decode_step=mode)) is None
-    static = _decoder(lm, state, GenerationOptions(decode_step="static"))
+    for mode in ("auto", "eager"):  # on CPU, float32: eager (the kernel is slower there)
+        assert type(decode_step(lm, state, GenerationOptions(decode_step=mode))) is EagerStep
+    static = decode_step(lm, state, GenerationOptions(decode_step="static"))
+    assert isinstance(static, GraphStep)
     assert not static.capture and static.spans == [state.cache.length]
     assert static.valid.shape == (1, state.cache.length)
     width = state.prompt_len
@@ -129,16 +131,19 @@ def test_fused_parameters_keep_checkpoint_names_and_share_memory(lm, lm_dir):
     assert heads[7].weight.untyped_storage().data_ptr() == heads.fused.untyped_storage().data_ptr()
 
 
-def test_unfused_model_computes_the_same(lm_dir, lm, special, case_tensors, greedy_options):
-    """The eager modules also run unfused (how another engine may adopt them)."""
-    plain = load_lm(lm_dir, fuse=False)
-    assert plain.model.layers[0].self_attn.qkv_weight is None
-    assert plain.local_transformer_lm_heads.fused is None
-    prompt = case_tensors("voice_prompt")["gen_tts_voice_free_greedy.input_ids"]
-    options = greedy_options(max_new_groups=3, keep_logits=True)
-    a, b = (generate(m, [prompt], options, special)[0] for m in (plain, lm))
-    assert torch.equal(a.new_ids, b.new_ids)
-    torch.testing.assert_close(a.step_logits, b.step_logits, atol=1e-5, rtol=0)
+def test_fused_blocks_equal_their_checkpoint_parts(lm):
+    """The fused matrices compute what the separate checkpoint layers would (the only path
+    the blocks have): one layer's q/k/v and gate/up outputs, split back."""
+    layer = lm.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    x = torch.randn(3, 1, lm.cfg.hidden, generator=torch.Generator().manual_seed(0))
+    qkv = linear(x, attn.qkv_weight, attn.qkv_bias)
+    parts = torch.cat([F.linear(x, p.weight, p.bias)
+                       for p in (attn.q_proj, attn.k_proj, attn.v_proj)], dim=-1)
+    torch.testing.assert_close(qkv, parts, atol=1e-5, rtol=0)
+    gate_up = linear(x, mlp.gate_up_weight)
+    parts = torch.cat([F.linear(x, p.weight) for p in (mlp.gate_proj, mlp.up_proj)], dim=-1)
+    torch.testing.assert_close(gate_up, parts, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("rows", [1, 2, SMALL_ROWS, SMALL_ROWS + 1])

@@ -56,7 +56,7 @@ def _same_outputs(native: dict, vllm: dict) -> None:
         assert wav == want_wav, item_id
         ids = [p["generated_text_ids"] for p in sidecar["pieces"]]
         assert ids == [p["generated_text_ids"] for p in want["pieces"]] and ids[0], item_id
-        assert want["engine"] == {"name": "native", "cpu_kernel": False}  # float32: eager
+        assert want["engine"]["cpu_kernel"] is False  # float32: eager
         assert sidecar["engine"]["name"] == "vllm"
 
 

@@ -30,6 +30,7 @@ from mimo_tts.lm.generate import decode_patch
 from mimo_tts.lm.load import load_config
 from mimo_tts.lm.model import KVCache, MiMoAudioLM
 from mimo_tts.lm.sampling import GREEDY
+from mimo_tts.lm.step import EagerStep
 from mimo_tts.lm.vllm.state import RequestAudio, batch_rows, row_of
 
 IGNORED_PREFIXES = ("mel_transform.",)  # checkpoint tensors inference does not use (spec §4.9)
@@ -156,14 +157,15 @@ class MiMoAudioForVLLM(nn.Module):
         greedy = [i for i, s in enumerate(states) if s.sampler.greedy]
         if greedy:
             cache = self.local_cache(len(greedy))
-            codes = decode_patch(self, local_in[greedy], GREEDY, None, cache)
+            codes = decode_patch(self, local_in[greedy], GREEDY, None,
+                                 EagerStep(self, None, cache))
             for i, c in zip(greedy, codes.cpu(), strict=True):
                 states[i].store(positions[i], c)
         for i, state in enumerate(states):
             if not state.sampler.greedy:
                 generator = state.generator(local_in.device)
                 codes = decode_patch(self, local_in[i : i + 1], state.sampler, generator,
-                                     self.local_cache(1))
+                                     EagerStep(self, None, self.local_cache(1)))
                 state.store(positions[i], codes[0].cpu())
 
     def local_cache(self, rows: int) -> KVCache:
