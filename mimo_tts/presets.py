@@ -465,6 +465,7 @@ def _publish(tmp: Path, path: Path) -> None:
 
 ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 WRITE_CHUNK = 1 << 24  # values cast and written at a time
+INDEX_FILE = "model.safetensors.index.json"
 
 
 class SafetensorsFile:
@@ -539,7 +540,11 @@ def write_tensors(folder: Path, tensors: Callable[[torch.Generator | None], Tens
         raise
     if shards > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(where.items()))}
-        _write_atomic(folder / "model.safetensors.index.json", _json_bytes(index))
+        _write_atomic(folder / INDEX_FILE, _json_bytes(index))
+    keep = set(files) | ({INDEX_FILE} if shards > 1 else set())
+    for old in [*folder.glob("model*.safetensors"), folder / INDEX_FILE]:
+        if old.name not in keep:
+            old.unlink(missing_ok=True)  # another layout written here before
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
