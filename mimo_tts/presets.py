@@ -532,6 +532,7 @@ def write_tensors(folder: Path, tensors: Callable[[torch.Generator | None], Tens
                                                           if where[n] == file}, dtype)
         for name, tensor in tensors(torch.Generator().manual_seed(seed)):
             files[where[name]].put(name, tensor)
+            del tensor  # freed before the next one is made: one tensor at a time
         for f in files.values():
             f.commit()
     except BaseException:
