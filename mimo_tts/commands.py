@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mimo_tts import io as mio
-from mimo_tts import models
+from mimo_tts import memory, models
 from mimo_tts.devices import resolve_placement
 from mimo_tts.errors import AudioCheckError, MimoTTSError, OutputError, UsageError
 from mimo_tts.inputs import Item, read_items
@@ -95,7 +95,12 @@ def summary(results: list[ItemResult], synth: Synthesizer, elapsed: float) -> st
 def preflight(flags: Mapping[str, object], config: str | None) -> dict:
     profile = load_profile(config)
     options = build_options(option_flags(flags), profile)
-    return Synthesizer(options, profile).preflight()
+    synth = Synthesizer(options, profile)
+    texts = [t for t in flags.get("text") or [] if t != "-"]
+    if texts:
+        synth.lengths = memory.Lengths.for_run(texts, options.batch_size, options.max_chars,
+                                               options.max_new_groups)
+    return synth.preflight()
 
 
 # --- decode -------------------------------------------------------------------------------------

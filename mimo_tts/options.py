@@ -45,6 +45,9 @@ class SynthOptions:
     dtype: str | None = None
     tokenizer_dtype: str | None = None
     cuda_graph: bool | None = None
+    # Skip the memory preflight (mimo_tts.memory) that refuses, with exit 4, a run whose
+    # estimate exceeds the available memory.
+    no_memory_check: bool = False
     # CPU threads per stage (torch intra-op threads, set per thread): None leaves torch's
     # default, except that --stream with both stages on the CPU splits the cores between them.
     lm_threads: int | None = None

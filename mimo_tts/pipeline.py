@@ -21,11 +21,18 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from mimo_tts import __version__, models
+from mimo_tts import __version__, memory, models
 from mimo_tts import io as mio
 from mimo_tts.devices import Placement, resolve_placement
 from mimo_tts.engine import Engine, Piece, import_vllm_engine, vllm_options
-from mimo_tts.errors import MimoTTSError, NoAudioError, OutputError, UsageError
+from mimo_tts.errors import (
+    CheckpointError,
+    DeviceError,
+    MimoTTSError,
+    NoAudioError,
+    OutputError,
+    UsageError,
+)
 from mimo_tts.inputs import Item, split_text
 from mimo_tts.options import SynthOptions, build_options, load_profile, replace_options
 from mimo_tts.outputs import OutputDir
@@ -59,11 +66,47 @@ class Synthesizer:
         self.log = log or (lambda message: None)
         self.placement: Placement = resolve_placement(
             options.lm_device, options.tokenizer_device, options.dtype, options.tokenizer_dtype,
-            options.cuda_graph, profile=self.profile, env=self.env, probe=probe)
+            options.cuda_graph, profile=self.profile, env=self.env, probe=probe,
+            checkpoint_dtypes=self._checkpoint_dtypes())
+        self.lengths = memory.Lengths.for_run([], options.batch_size, options.max_chars,
+                                              options.max_new_groups)
         self.lm_ref = self.tok_ref = None
         self.engine = None
         self.timings: dict[str, float] = {}
         self.threads: dict = {}
+
+    def _checkpoint_dtypes(self) -> tuple[str | None, str | None]:
+        """The checkpoints' own torch_dtype (config.json), which `--dtype auto` follows."""
+        try:
+            (lm, lm_src), (tok, tok_src) = models.pick_names(
+                self.options.model, self.options.tokenizer, self.profile, self.env)
+        except MimoTTSError:  # reported by resolve() / preflight() with its own message
+            return None, None
+        return (models.checkpoint_dtype(lm, lm_src, "model", self.env),
+                models.checkpoint_dtype(tok, tok_src, "tokenizer", self.env))
+
+    def memory_needs(self, lm_path: Path | None, tok_path: Path | None) -> list:
+        """Per-stage memory estimates (mimo_tts.memory) for this run's placement and lengths."""
+        p, needs = self.placement, []
+        if lm_path is not None and self.options.engine == "native":  # vLLM sizes its own
+            needs.append(memory.lm_need(lm_path, p.lm_device.value, p.lm_dtype.value,
+                                        self.lengths))
+        if tok_path is not None:
+            needs.append(memory.tokenizer_need(tok_path, p.tokenizer_device.value,
+                                               p.tokenizer_dtype.value, self.lengths))
+        return needs
+
+    def check_memory(self) -> list[dict]:
+        """Refuse (DeviceError, exit 4) before loading when the run cannot fit."""
+        self.resolve()
+        try:
+            needs = self.memory_needs(self.lm_ref.path, self.tok_ref.path)
+        except CheckpointError as exc:  # loading reports it, with the file at fault
+            self.log(f"memory preflight skipped: {exc}")
+            return []
+        if self.options.no_memory_check:
+            return memory.plan(needs, self.env)
+        return memory.check(needs, self.lengths, self.env)
 
     def preflight(self) -> dict:
         """Placement with sources, CUDA facts, checkpoint presence and memory estimates."""
@@ -76,15 +119,19 @@ class Synthesizer:
                   "cuda": {"available": probe.cuda_count > 0, "device_count": probe.cuda_count,
                            "current": probe.cuda_current if probe.cuda_count else None},
                   "mps": probe.mps, "checkpoints": {}}
-        for role, name, src, dtype in (("model", lm, lm_src, self.placement.lm_dtype.value),
-                                       ("tokenizer", tok, tok_src,
-                                        self.placement.tokenizer_dtype.value)):
+        for role, name, src in (("model", lm, lm_src), ("tokenizer", tok, tok_src)):
             path, status = models.locate(name, src, role, self.env)
-            entry = {"name": name, "source": src, "path": str(path) if path else None,
-                     "status": status}
-            if path is not None:
-                entry["memory"] = _safe_estimate(path, dtype)
-            report["checkpoints"][role] = entry
+            report["checkpoints"][role] = {"name": name, "source": src, "status": status,
+                                           "path": str(path) if path else None}
+        paths = [report["checkpoints"][r]["path"] for r in ("model", "tokenizer")]
+        try:
+            needs = self.memory_needs(*(Path(x) if x else None for x in paths))
+            report["memory"] = memory.plan(needs, self.env)
+            memory.check(needs, self.lengths, self.env)
+        except DeviceError as exc:  # the run would be refused: the CLI exits 4
+            report["memory_error"] = str(exc)
+        except CheckpointError as exc:  # the checkpoint entries report the cause
+            report["memory"] = {"error": str(exc)}
         report["engine"] = self.engine_record(preflight=True)
         return report
 
@@ -121,6 +168,13 @@ class Synthesizer:
         if self.engine is not None:
             return
         self.resolve()
+        plan = self.check_memory()
+        p = self.placement
+        self.log(f"LM dtype {p.lm_dtype.value} ({p.lm_dtype.source}); tokenizer dtype "
+                 f"{p.tokenizer_dtype.value} ({p.tokenizer_dtype.source})")
+        for entry in plan:
+            self.log(f"memory on {entry['device']}: need ~{entry['need_gib']} GiB, available "
+                     f"{entry['available_gib']} GiB ({entry['available_source']})")
         start = time.perf_counter()
         vllm = (vllm_options(self.options, self.placement)
                 if self.options.engine == "vllm" else None)
@@ -205,6 +259,10 @@ class Synthesizer:
         are not per-item: they end the run (raised). With `out=None` and no `output` option,
         nothing is written: each result carries its audio (`ItemResult.audio`).
         """
+        o, items = self.options, list(items)
+        self.lengths = memory.Lengths.for_run(
+            [i.text for i in items if isinstance(i.text, str)],
+            1 if o.stream else self.batch_window(), o.max_chars, o.max_new_groups)
         window: list[ItemResult] = []
         for item in items:
             window.append(self._prepare(item, out))
@@ -437,10 +495,3 @@ def _file_stamp(path: str | None) -> dict | None:
     except OSError:
         return {"path": path}
     return {"path": str(Path(path).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-
-
-def _safe_estimate(path: Path, dtype: str) -> dict:
-    try:
-        return models.estimate_memory(path, {"float32": 4}.get(dtype, 2))
-    except (MimoTTSError, OSError, ValueError, KeyError) as exc:
-        return {"error": str(exc)}
