@@ -24,12 +24,12 @@ from pathlib import Path
 
 from mimo_tts.presets import WRITER_VERSION, write_full_size_preset
 
-EMA_BUFFERS = ("embed_avg", "cluster_size", "inited")  # training state, not parameters
+CODEBOOK = "._codebook."  # RVQ buffers (embed + EMA state): values, not parameters (spec §3.7)
 
 
 def checkpoint_summary(folder: Path) -> dict:
-    """Tensors, parameters (EMA buffers apart), bytes and files of one checkpoint folder."""
-    params = ema = size = count = 0
+    """Tensors, parameters (RVQ buffers apart), bytes and files of one checkpoint folder."""
+    params = buffers = size = count = 0
     files = sorted(folder.glob("*.safetensors"))
     for path in files:
         with open(path, "rb") as f:
@@ -41,12 +41,12 @@ def checkpoint_summary(folder: Path) -> dict:
                 n *= dim
             count += 1
             size += entry["data_offsets"][1] - entry["data_offsets"][0]
-            if name.rsplit(".", 1)[-1] in EMA_BUFFERS:
-                ema += n
+            if CODEBOOK in name:
+                buffers += n
             else:
                 params += n
     return {"files": [p.name for p in sorted(folder.iterdir())], "tensors": count,
-            "parameters": params, "ema_buffer_values": ema, "tensor_bytes": size,
+            "parameters": params, "codebook_buffer_values": buffers, "tensor_bytes": size,
             "disk_bytes": sum(p.stat().st_size for p in folder.iterdir())}
 
 
