@@ -1,7 +1,7 @@
 """End to end on the full-size preset: the user's own `mimo-tts synth`, as subprocesses; JSON.
 
     flock /work/notes/bigmem.lock .venv/bin/python scripts/bench_e2e.py [--preset DIR]
-        [--quick] [--dtype D] [--out FILE]
+        [--quick] [--dtype D] [--tokenizer-dtype D] [--out FILE]
 
 The preset is scripts/make_full_size.py's (default .bench/full-size: 8.0 B LM in bfloat16, 1.3 B
 tokenizer in float32; random weights whose control circuit speaks a few seconds and stops).
@@ -140,6 +140,7 @@ def main() -> None:
     ap.add_argument("--preset", default=".bench/full-size")
     ap.add_argument("--quick", action="store_true", help="8 groups per item, a batch of 2")
     ap.add_argument("--dtype", default=None, help="pass --dtype to synth (default: its own)")
+    ap.add_argument("--tokenizer-dtype", default=None, help="pass --tokenizer-dtype to synth")
     ap.add_argument("--runs", default="batch1,stream,instruct,batch",
                     help="comma-separated: batch1, stream, instruct, batch")
     ap.add_argument("--out", default=None, help="also write the JSON here")
@@ -149,6 +150,7 @@ def main() -> None:
         sys.exit(f"bench_e2e: no complete preset at {preset}: run scripts/make_full_size.py")
     common = ["--model", str(preset / "lm"), "--tokenizer", str(preset / "tokenizer")]
     common += ["--dtype", args.dtype] if args.dtype else []
+    common += ["--tokenizer-dtype", args.tokenizer_dtype] if args.tokenizer_dtype else []
     common += ["--max-new-groups", "8"] if args.quick else []
     batch = 2 if args.quick else 8
     weights = weights_by_dtype(preset)

@@ -18,13 +18,13 @@ from mimo_tts.presets import (
     RESERVED,
     SPECIAL_TOKENS,
     TINY_LM,
-    SafetensorsFile,
     build_text_tokenizer,
     codec_config,
     codec_tensors,
     lm_tensors,
     write_random_checkpoint,
 )
+from mimo_tts.safetensors_writer import SafetensorsFile
 
 # Intermediate dims: 16x the tiny width and 4x its depth, real head_dim 64 and GQA 4:1.
 MID_LM = dict(TINY_LM) | {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
