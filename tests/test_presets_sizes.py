@@ -135,7 +135,7 @@ def mid(tmp_path_factory):
     return load_lm(lm_dir, dtype="bfloat16"), TextTokenizer.from_dir(lm_dir)
 
 
-def _speak(mid, task: str, **kw) -> list[int]:
+def _speak(mid, task: str, **kw):
     from mimo_tts.lm.generate import GenerationOptions, generate
     from mimo_tts.tasks import TASKS, build_prompt
 
@@ -143,7 +143,7 @@ def _speak(mid, task: str, **kw) -> list[int]:
     prompt = build_prompt(task, "Hello world, this is a test.", tok,
                           list(model.cfg.speech_empty_ids), seed=0, **kw)
     options = GenerationOptions.for_task(TASKS[task].sampler, seed=0, max_new_groups=80)
-    return generate(model, [prompt.input_ids], options, tok.special)[0].text_tokens
+    return generate(model, [prompt.input_ids], options, tok.special)[0]
 
 
 @pytest.mark.parametrize(("task", "kw", "bounds"), [
@@ -152,8 +152,9 @@ def _speak(mid, task: str, **kw) -> list[int]:
 ])
 def test_circuit_speaks_then_stops_at_mid_size(mid, task, kw, bounds):
     """16x wider, 4x deeper than tiny, in bf16: audio groups, then <|eostm|>, as at tiny."""
-    tokens = _speak(mid, task, **kw)
-    special = mid[1].special
+    generation = _speak(mid, task, **kw)
+    tokens, special = generation.text_tokens, mid[1].special
+    assert 0 < generation.prefill_s < 60  # timed for the sidecar's pieces[].timings
     assert tokens[-1] == special.eostm and set(tokens[:-1]) == {special.empty}
     assert bounds[0] <= len(tokens) - 1 <= bounds[1]
 
