@@ -34,7 +34,7 @@ class Piece:
     codes: object | None  # [8, T] int64, None when no audio was generated
     audio: object | None = None  # [960 T] float32 once decoded
     note: str | None = None
-    timings: dict = field(default_factory=dict)  # streaming: per-stage seconds
+    timings: dict = field(default_factory=dict)  # prefill_s; streaming: per-stage seconds
 
 
 # Messages of allocation failures: CUDA ("CUDA out of memory"), the CPU allocator ("can't
@@ -289,8 +289,9 @@ class Engine:
                 outs = self._generate([p.input_ids for p in batch], options)
             for prompt, out in zip(batch, outs, strict=True):
                 found = extract(out.new_ids, self.text, self.empty_ids, self.group_size)
+                timings = {} if out.prefill_s is None else {"prefill_s": out.prefill_s}
                 pieces.append(Piece(prompt, seed, list(found.text_tokens), found.text,
-                                    found.codes))
+                                    found.codes, timings=timings))
         return pieces
 
     def _generate(self, ids: list, options) -> list:

@@ -1,11 +1,16 @@
-"""The `tiny` preset: small random checkpoints, in the official on-disk layout, that really speak.
+"""Random checkpoints in the official on-disk layout that really speak: `tiny` and full size.
 
-`write_tiny_preset(dir, seed)` writes `dir/lm` (Qwen2-type MiMo-Audio LM + text tokenizer) and
-`dir/tokenizer` (MiMo audio tokenizer) with the published file names, config fields and tensor
-names (spec §2, §3.7, §4.9), so they load through the same strict path as the real checkpoints.
+`write_random_checkpoint(dir, lm_dims, codec_dims, seed, ...)` writes `dir/lm` (Qwen2-type
+MiMo-Audio LM + text tokenizer) and `dir/tokenizer` (MiMo audio tokenizer) with the published
+file names, config fields and tensor names (spec §2, §3.7, §4.9), so they load through the same
+strict path as the real checkpoints. `write_tiny_preset` is its tiny call; `write_full_size_preset`
+writes the published dimensions (FULL_LM, FULL_CODEC, vocab 151680) the way the official
+repositories ship them: the LM in bfloat16 as four shards plus `model.safetensors.index.json`,
+the audio tokenizer in float32 with its EMA buffers. Tensors are made one at a time and written
+at their offsets (mimo_tts/safetensors_writer.py): one tensor in memory, whatever the size.
 
 Random weights alone never emit `<|empty|>` then `<|eostm|>`, so the backbone carries a small
-hand-built control circuit on four reserved residual dimensions (no layer writes them otherwise):
+hand-built control circuit on seven reserved residual dimensions (no layer writes them otherwise):
 - BIAS: a constant on every group (text embeddings; audio groups via a constant patch-encoder
   feature, the reserved patch dimension E0 that every speech embedding sets and no layer writes);
 - AUDIO: set on audio groups only; MARK: set on `<|im_start|>` only;
@@ -19,6 +24,9 @@ hand-built control circuit on four reserved residual dimensions (no layer writes
 `lm_head` reads only BIAS and STOP: `<|empty|>` wins until the fraction nears 1/2, then
 `<|eostm|>` takes over within a few groups (plain prompt: ~13-24 groups, 2-4 s; the instruct and
 natural layouts hold three `<|im_start|>`: ~23-33 groups); every other token is far below.
+The designed heads read RMS-normed residuals, so the random parts' norms must stay those of the
+tiny model the constants were tuned at (REFERENCE): their stds shrink as sqrt(width) and, for
+stacked layers, as sqrt(depth) grow (`_shrink`; 1 at the tiny dims).
 Codes come from the random patch decoder (the empty id is masked, so codes stay in range) and
 decode through the random codec to noise at a moderate level.
 """
@@ -27,26 +35,45 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
+from mimo_tts.safetensors_writer import Tensors, json_bytes, write_atomic, write_tensors
 from mimo_tts.tasks import SYS_ZH, SYS_ZH_CLONE, TTS_EN_TEMPLATES, TTS_ZH_TEMPLATES
 
-TINY_LM = {  # backbone head_dim 32 (2 heads) keeps it usable for fused-attention engines
+TINY_LM = MappingProxyType({  # backbone head_dim 32 (2 heads): usable for fused-attention engines
     "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
     "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 128,
     "local_dim": 32, "local_layers": 2, "local_attn_heads": 4, "local_ffn_dim": 64,
     "input_local_dim": 32, "input_local_layers": 1,
-}
-TINY_CODEC = {
+})
+TINY_CODEC = MappingProxyType({
     "d_model": 64, "encoder_layers": 4, "encoder_attention_heads": 4, "encoder_ffn_dim": 128,
     "decoder_layers": 2, "decoder_attention_heads": 4, "decoder_ffn_dim": 128,
     "vocoder_dim": 32, "vocoder_num_layers": 2, "vocoder_attention_heads": 4,
     "vocoder_intermediate_dim": 64,
-}
+})
+# The published dimensions (spec §2.1, §2.2; /work/shared/fixtures/full-size/*-config.json).
+FULL_LM = MappingProxyType({
+    "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 11008,
+    "local_dim": 1024, "local_layers": 16, "local_attn_heads": 64, "local_ffn_dim": 4096,
+    "input_local_dim": 1024, "input_local_layers": 6,
+})
+FULL_CODEC = MappingProxyType({
+    "d_model": 1280, "encoder_layers": 32, "encoder_attention_heads": 20, "encoder_ffn_dim": 5120,
+    "decoder_layers": 32, "decoder_attention_heads": 20, "decoder_ffn_dim": 5120,
+    "vocoder_dim": 256, "vocoder_num_layers": 16, "vocoder_attention_heads": 16,
+    "vocoder_intermediate_dim": 1024,
+})
+FULL_VOCAB = 151680
+FULL_SHARDS = 4
+# Bumped whenever the weights written for some dims change (cache keys of written checkpoints).
+WRITER_VERSION = 2
+REFERENCE = TINY_LM  # the dims the circuit's constants were tuned at
 SPEECH_VOCAB = (1025, 1025, 129, 129, 129, 129, 129, 129)  # spec §2.2 (real values)
 SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|sosp|>", "<|eosp|>", "<|empty|>",
@@ -84,21 +111,32 @@ EMPTY_LOGIT_SCALE, OTHER_LOGIT_SCALE = 2.0, -2.0
 LOG_MAG = 1.0  # vocoder log-magnitude bias: decoded noise at roughly 0.1 RMS
 
 
-def _randn(gen: torch.Generator, *shape: int, std: float) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen) * std
+def _randn(gen: torch.Generator | None, *shape: int, std: float) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).mul_(std)
 
 
-def _norm_weight(gen: torch.Generator, dim: int) -> torch.Tensor:
+def _norm_weight(gen, dim: int) -> torch.Tensor:
     return 1.0 + _randn(gen, dim, std=0.05)
 
 
+def _shrink(dims: Mapping, width: str, depth: str | None = None) -> float:
+    """Std factor (1 at REFERENCE) that keeps a random part's norm as at REFERENCE: a random
+    vector's norm grows as sqrt(width), a sum of stacked layers' outputs as sqrt(depth)."""
+    ratio = REFERENCE[width] / dims[width]
+    if depth is not None:
+        ratio *= REFERENCE[depth] / dims[depth]
+    return math.sqrt(ratio)
+
+
 def _stack(gen, prefix: str, layers: int, dim: int, heads: int, kv: int, ffn: int,
-           reserved: tuple[int, ...] = (), out_std: float = 0.5, hd: int | None = None) -> dict:
-    """Random Qwen2-style layers (spec §4.9 names); rows `reserved` of every writer are zero."""
+           reserved: tuple[int, ...] = (), out_std: float = 0.5, hd: int | None = None,
+           design: Callable[[int, dict], None] | None = None) -> Tensors:
+    """Random Qwen2-style layers (spec §4.9 names), layer by layer; rows `reserved` of every
+    writer are zero, then `design(i, tensors)` edits layer i."""
     hd = hd or dim // heads  # the local stacks' head_dim is dim / heads (spec §2.2)
-    w: dict[str, torch.Tensor] = {}
     for i in range(layers):
         p = f"{prefix}layers.{i}."
+        w: dict[str, torch.Tensor] = {}
         for name, rows in (("q_proj", heads * hd), ("k_proj", kv * hd), ("v_proj", kv * hd)):
             w[p + f"self_attn.{name}.weight"] = _randn(gen, rows, dim, std=dim**-0.5)
             w[p + f"self_attn.{name}.bias"] = _randn(gen, rows, std=0.02)
@@ -112,23 +150,26 @@ def _stack(gen, prefix: str, layers: int, dim: int, heads: int, kv: int, ffn: in
         for writer in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
             w[p + writer][list(reserved)] = 0.0
         w[p + "input_layernorm.weight"][list(reserved)] = 1.0
-    w[prefix + "norm.weight"] = _norm_weight(gen, dim)
-    w[prefix + "norm.weight"][list(reserved)] = 1.0
-    return w
+        if design is not None:
+            design(i, w)
+        yield from w.items()
+    norm = _norm_weight(gen, dim)
+    norm[list(reserved)] = 1.0
+    yield prefix + "norm.weight", norm
 
 
-def _designed_head(w: dict, layer: int, key: dict[int, float], value: dict[int, float],
-                   out: tuple[int, float]) -> None:
+def _designed_head(w: dict, dims: Mapping, layer: int, key: dict[int, float],
+                   value: dict[int, float], out: tuple[int, float]) -> None:
     """Make head 0 of `layer` attend by `key` (coefficients on the normed residual) alone.
 
     Its query is a constant on the lowest-frequency RoPE pair (~0.03 rad over 8192 positions at
     theta 640000), so the scores ignore position; no other head reads that pair. Value row 0
     reads `value`, and o_proj copies it into residual dim out[0] with gain out[1].
     """
-    hd = TINY_LM["head_dim"]
+    hd = dims["head_dim"]
     p = f"model.layers.{layer}.self_attn."
     rot = [hd // 2 - 1, hd - 1]
-    for head in range(TINY_LM["num_attention_heads"]):
+    for head in range(dims["num_attention_heads"]):
         w[p + "q_proj.weight"][[head * hd + j for j in rot]] = 0.0
         w[p + "q_proj.bias"][[head * hd + j for j in rot]] = 0.0
     w[p + "q_proj.weight"][:hd] = 0.0
@@ -143,31 +184,32 @@ def _designed_head(w: dict, layer: int, key: dict[int, float], value: dict[int, 
     w[p + "o_proj.weight"][out[0], 0] = out[1]
 
 
-def _control_heads(w: dict) -> None:
+def _control_heads(w: dict, layer: int, dims: Mapping, sink_k: float) -> None:
     """Layer 0: the voice-prompt bracket -> INSIDE. Last layer: the audio fraction -> STOP.
 
     An RMSNorm input x reads x * sqrt(H) / |x|; the coefficients divide that back out for the
     nominal |x| of each kind of group, so scores and values come out as named constants.
     """
-    root_h = math.sqrt(TINY_LM["hidden_size"])
+    root_h = math.sqrt(dims["hidden_size"])
     zeta = OTHER_TEXT_SCORE / root_h  # ordinary tokens: zeta * C_BIAS * sqrt(H) / |x| ~ -12
-    bracket_norm = math.sqrt(C_BIAS**2 + 2 * C_BRACKET**2)
-    bracket = (BRACKET_SCORE * bracket_norm / root_h - zeta * C_BIAS) / C_BRACKET
-    _designed_head(w, 0, {BIAS: zeta, BRACKET: bracket},
-                   {SIGN: bracket_norm / (root_h * C_BRACKET)}, (INSIDE, C_INSIDE))
-    alpha = -zeta * C_BIAS / C_AUDIO  # generated audio: (zeta*c + alpha*c_a) * ... = 0
-    mark = (math.log(SINK_K) * math.hypot(C_BIAS, C_MARK) / root_h - zeta * C_BIAS) / C_MARK
-    inside = zeta * C_BIAS / C_INSIDE  # prompt audio drops to the ordinary-token score
-    audio_norm = root_h * C_AUDIO / math.hypot(C_BIAS, C_AUDIO)  # AUDIO after the RMSNorm
-    _designed_head(w, TINY_LM["num_hidden_layers"] - 1,
-                   {BIAS: zeta, AUDIO: alpha, MARK: mark, INSIDE: inside},
-                   {AUDIO: 1.0 / audio_norm}, (STOP, C_STOP))
+    if layer == 0:
+        bracket_norm = math.sqrt(C_BIAS**2 + 2 * C_BRACKET**2)
+        bracket = (BRACKET_SCORE * bracket_norm / root_h - zeta * C_BIAS) / C_BRACKET
+        _designed_head(w, dims, 0, {BIAS: zeta, BRACKET: bracket},
+                       {SIGN: bracket_norm / (root_h * C_BRACKET)}, (INSIDE, C_INSIDE))
+    if layer == dims["num_hidden_layers"] - 1:
+        alpha = -zeta * C_BIAS / C_AUDIO  # generated audio: (zeta*c + alpha*c_a) * ... = 0
+        mark = (math.log(sink_k) * math.hypot(C_BIAS, C_MARK) / root_h - zeta * C_BIAS) / C_MARK
+        inside = zeta * C_BIAS / C_INSIDE  # prompt audio drops to the ordinary-token score
+        audio_norm = root_h * C_AUDIO / math.hypot(C_BIAS, C_AUDIO)  # AUDIO after the RMSNorm
+        _designed_head(w, dims, layer, {BIAS: zeta, AUDIO: alpha, MARK: mark, INSIDE: inside},
+                       {AUDIO: 1.0 / audio_norm}, (STOP, C_STOP))
 
 
-def _lm_head(gen, vocab: int, empty: int, eostm: int) -> torch.Tensor:
+def _lm_head(gen, dims: Mapping, vocab: int, empty: int, eostm: int) -> torch.Tensor:
     """Text logits: <|empty|> vs <|eostm|> by the audio fraction; every other token far below."""
-    h = TINY_LM["hidden_size"]
-    head = _randn(gen, vocab, h, std=0.02)
+    h = dims["hidden_size"]
+    head = _randn(gen, vocab, h, std=0.02 * _shrink(dims, "hidden_size"))
     head[:, list(RESERVED)] = 0.0
     head[:, BIAS] = OTHER_LOGIT_SCALE
     h_bias = math.sqrt(h) * C_BIAS / math.sqrt(C_BIAS**2 + C_AUDIO**2 + (C_STOP * STOP_AT) ** 2)
@@ -180,8 +222,8 @@ def _lm_head(gen, vocab: int, empty: int, eostm: int) -> torch.Tensor:
     return head
 
 
-def _embeddings(gen, vocab: int, special: dict[str, int]) -> torch.Tensor:
-    emb = _randn(gen, vocab, TINY_LM["hidden_size"], std=0.15)
+def _embeddings(gen, dims: Mapping, vocab: int, special: dict[str, int]) -> torch.Tensor:
+    emb = _randn(gen, vocab, dims["hidden_size"], std=0.15 * _shrink(dims, "hidden_size"))
     emb[:, list(RESERVED)] = 0.0
     emb[:, BIAS] = C_BIAS
     emb[special["<|im_start|>"], MARK] = C_MARK
@@ -191,42 +233,44 @@ def _embeddings(gen, vocab: int, special: dict[str, int]) -> torch.Tensor:
     return emb
 
 
-def _speech_weights(gen) -> dict:
+def _speech_weights(gen, dims: Mapping) -> Tensors:
     """Speech embeddings (shared by both patch stacks), local heads and the two downcasts."""
-    h, d, g = TINY_LM["hidden_size"], TINY_LM["local_dim"], 4
-    w: dict[str, torch.Tensor] = {}
+    h, d, g = dims["hidden_size"], dims["local_dim"], 4
+    narrow = _shrink(dims, "local_dim")
     for c, size in enumerate(SPEECH_VOCAB):
-        emb = _randn(gen, size, d, std=0.1)
+        emb = _randn(gen, size, d, std=0.1 * narrow)
         emb[:, E0] = 0.5  # 8 channels -> 4.0 on E0, dominating the patch RMSNorm
-        w[f"speech_embeddings.{c}.weight"] = emb
-        w[f"local_transformer_lm_heads.{c}.weight"] = _randn(gen, size, d, std=0.3)
-    down = _randn(gen, h, g * d, std=0.3 / math.sqrt(g * d))
+        yield f"speech_embeddings.{c}.weight", emb
+        yield f"local_transformer_lm_heads.{c}.weight", _randn(gen, size, d, std=0.3 * narrow)
+    down = _randn(gen, h, g * d, std=0.3 * _shrink(dims, "hidden_size") / math.sqrt(g * d))
     down[list(RESERVED)] = 0.0
     e0_out = math.sqrt(d)  # E0 after the patch encoder's RMSNorm when it dominates
     for frame in range(g):
         down[BIAS, frame * d + E0] = C_BIAS / (g * e0_out)
         down[AUDIO, frame * d + E0] = C_AUDIO / (g * e0_out)
-    w["speech_group_downcast.weight"] = down
-    w["hidden_states_downcast.weight"] = _randn(gen, d, h, std=h**-0.5)
-    return w
+    yield "speech_group_downcast.weight", down
+    yield "hidden_states_downcast.weight", _randn(gen, d, h, std=h**-0.5)
 
 
-def lm_weights(seed: int, vocab: int, special: dict[str, int]) -> dict[str, torch.Tensor]:
-    """Every LM tensor by its official name (spec §4.9), float32, deterministic per seed."""
-    gen = torch.Generator().manual_seed(seed)
-    c = TINY_LM
-    w = {"model.embed_tokens.weight": _embeddings(gen, vocab, special)}
-    w |= _stack(gen, "model.", c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"],
-                c["num_key_value_heads"], c["intermediate_size"], RESERVED, 0.3, c["head_dim"])
-    _control_heads(w)
-    w["lm_head.weight"] = _lm_head(gen, vocab, special["<|empty|>"], special["<|eostm|>"])
+def lm_tensors(gen: torch.Generator | None, dims: Mapping, vocab: int, special: dict[str, int],
+               sink_k: float = SINK_K) -> Tensors:
+    """Every LM tensor by its official name (spec §4.9), float32, one at a time (a layer's
+    tensors at once), deterministic per generator; `gen` None under torch.device("meta"):
+    the same names and shapes, no values."""
+    c = dims
+    yield "model.embed_tokens.weight", _embeddings(gen, c, vocab, special)
+    yield from _stack(gen, "model.", c["num_hidden_layers"], c["hidden_size"],
+                      c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"],
+                      RESERVED, 0.3 * _shrink(c, "hidden_size", "num_hidden_layers"),
+                      c["head_dim"], lambda i, w: _control_heads(w, i, c, sink_k))
+    yield "lm_head.weight", _lm_head(gen, c, vocab, special["<|empty|>"], special["<|eostm|>"])
     heads = c["local_attn_heads"]
-    w |= _stack(gen, "input_local_transformer.", c["input_local_layers"], c["input_local_dim"],
-                heads, heads, 4 * c["input_local_dim"], (E0,), out_std=0.3)
-    w |= _stack(gen, "local_transformer.", c["local_layers"], c["local_dim"], heads, heads,
-                c["local_ffn_dim"])
-    w |= _speech_weights(gen)
-    return {k: v.contiguous() for k, v in sorted(w.items())}
+    yield from _stack(gen, "input_local_transformer.", c["input_local_layers"],
+                      c["input_local_dim"], heads, heads, 4 * c["input_local_dim"], (E0,),
+                      out_std=0.3 * _shrink(c, "input_local_dim", "input_local_layers"))
+    yield from _stack(gen, "local_transformer.", c["local_layers"], c["local_dim"], heads, heads,
+                      c["local_ffn_dim"])
+    yield from _speech_weights(gen, c)
 
 
 def build_text_tokenizer():
@@ -268,18 +312,18 @@ def _tokenizer_files(tok) -> dict[str, bytes]:
         "pad_token": {"content": PAD_TOKEN, **flags},
     }
     return {
-        "tokenizer.json": _json_bytes(json.loads(tok.to_str())),
-        "tokenizer_config.json": _json_bytes(config),
-        "special_tokens_map.json": _json_bytes(special_map),
+        "tokenizer.json": json_bytes(json.loads(tok.to_str())),
+        "tokenizer_config.json": json_bytes(config),
+        "special_tokens_map.json": json_bytes(special_map),
     }
 
 
-def lm_config(vocab: int, eos: int, pad: int) -> dict:
+def lm_config(dims: Mapping, vocab: int, eos: int, pad: int, dtype: str = "float32") -> dict:
     """config.json of the LM: Qwen2 fields plus the MiMo-Audio fields (spec §2.2)."""
     return {
         "architectures": ["MiMoAudioModel"], "model_type": "qwen2",
         "attention_dropout": 0.0, "hidden_act": "silu", "initializer_range": 0.02,
-        **TINY_LM,
+        **dims,
         "max_position_embeddings": 8192, "max_window_layers": 28, "rms_norm_eps": 1e-6,
         "rope_scaling": None, "rope_theta": 640000.0, "sliding_window": 4096,
         "use_sliding_window": False, "tie_word_embeddings": False, "use_cache": True,
@@ -288,12 +332,12 @@ def lm_config(vocab: int, eos: int, pad: int) -> dict:
         "speech_vocab_size": "-".join(str(v) for v in SPEECH_VOCAB),
         "speech_zeroemb_idx": "-".join(str(v - 1) for v in SPEECH_VOCAB),
         "local_attn_dropout": 0.1, "input_full_attention": True,
-        "torch_dtype": "float32", "transformers_version": "4.49.0",
+        "torch_dtype": dtype, "transformers_version": "4.49.0",
     }
 
 
-def codec_config() -> dict:
-    """config.json of the audio tokenizer: the published front-end and RVQ, tiny layers."""
+def codec_config(dims: Mapping = TINY_CODEC, dtype: str = "float32") -> dict:
+    """config.json of the audio tokenizer: the published front-end and RVQ, layers of `dims`."""
     return {
         "architectures": ["MiMoAudioTokenizer"], "model_type": "mimo_audio_tokenizer",
         "activation_function": "gelu", "avg_pooler": 2, "codebook_size": [1024, 1024] + [128] * 18,
@@ -304,143 +348,150 @@ def codec_config() -> dict:
         "num_quantizers": 20, "position_embedding_type": "rope", "rope_theta": 10000,
         "rope_type": "default", "sampling_rate": 24000, "scale_embedding": False,
         "stride_size": 2, "threshold_ema_dead_code": 2, "vocoder_attn_window_size": [40, 10],
-        "vocoder_padding": "same", "window_size": 960, **TINY_CODEC,
-        "torch_dtype": "float32", "transformers_version": "4.49.0",
+        "vocoder_padding": "same", "window_size": 960, **dims,
+        "torch_dtype": dtype, "transformers_version": "4.49.0",
     }
 
 
-def _codec_layers(gen, prefix: str, layers: int, dim: int, ffn: int) -> dict:
-    """Pre-LN layers of the codec (spec §3.2, §3.7 names); k_proj has no bias."""
-    w: dict[str, torch.Tensor] = {}
+def _codec_layers(gen, prefix: str, layers: int, dim: int, ffn: int) -> Tensors:
+    """Pre-LN layers of the codec (spec §3.2, §3.7 names), layer by layer; k_proj has no bias."""
     for i in range(layers):
         p = f"{prefix}layers.{i}."
         for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            w[p + f"self_attn.{name}.weight"] = _randn(gen, dim, dim, std=dim**-0.5)
+            yield p + f"self_attn.{name}.weight", _randn(gen, dim, dim, std=dim**-0.5)
             if name != "k_proj":
-                w[p + f"self_attn.{name}.bias"] = _randn(gen, dim, std=0.02)
-        w[p + "fc1.weight"] = _randn(gen, ffn, dim, std=dim**-0.5)
-        w[p + "fc1.bias"] = _randn(gen, ffn, std=0.02)
-        w[p + "fc2.weight"] = _randn(gen, dim, ffn, std=0.5 * ffn**-0.5)
-        w[p + "fc2.bias"] = _randn(gen, dim, std=0.02)
+                yield p + f"self_attn.{name}.bias", _randn(gen, dim, std=0.02)
+        yield p + "fc1.weight", _randn(gen, ffn, dim, std=dim**-0.5)
+        yield p + "fc1.bias", _randn(gen, ffn, std=0.02)
+        yield p + "fc2.weight", _randn(gen, dim, ffn, std=0.5 * ffn**-0.5)
+        yield p + "fc2.bias", _randn(gen, dim, std=0.02)
         for norm in ("self_attn_layer_norm", "final_layer_norm"):
-            w[p + f"{norm}.weight"] = _norm_weight(gen, dim)
-            w[p + f"{norm}.bias"] = _randn(gen, dim, std=0.02)
-    return w
+            yield from _layer_norm(gen, f"{p}{norm}", dim)
 
 
-def _layer_norm(gen, name: str, dim: int) -> dict:
-    return {f"{name}.weight": _norm_weight(gen, dim), f"{name}.bias": _randn(gen, dim, std=0.02)}
+def _layer_norm(gen, name: str, dim: int) -> Tensors:
+    yield f"{name}.weight", _norm_weight(gen, dim)
+    yield f"{name}.bias", _randn(gen, dim, std=0.02)
 
 
-def _conv(gen, name: str, shape: tuple[int, int, int], fan_in: int, bias: bool = True) -> dict:
+def _conv(gen, name: str, shape: tuple[int, int, int], fan_in: int, bias: bool = True) -> Tensors:
     """Conv1d weight [out, in, k] (ConvTranspose1d: [in, out, k], callers pass fan_in = in)."""
-    w = {f"{name}.weight": _randn(gen, *shape, std=fan_in**-0.5)}
+    yield f"{name}.weight", _randn(gen, *shape, std=fan_in**-0.5)
     if bias:
         out = shape[1] if ".dconv" in name else shape[0]  # transposed convs of the decoder
-        w[f"{name}.bias"] = _randn(gen, out, std=0.02)
-    return w
+        yield f"{name}.bias", _randn(gen, out, std=0.02)
 
 
-def _codec_encoder(gen, cfg: dict) -> dict:
+def _codec_encoder(gen, cfg: dict) -> Tensors:
     d, mels, k = cfg["d_model"], cfg["n_mels"], cfg["kernel_size"]
-    w = _conv(gen, "encoder.conv1", (d, mels, k), mels * k)
-    w |= _conv(gen, "encoder.conv2", (d, d, k), d * k)
-    w |= _codec_layers(gen, "encoder.", cfg["encoder_layers"], d, cfg["encoder_ffn_dim"])
-    w |= _layer_norm(gen, "encoder.layer_norm", d)
-    w |= _conv(gen, "encoder.down_sample_layer.0", (d, d, 2), 2 * d, bias=False)
-    w |= _layer_norm(gen, "encoder.down_sample_norm", d)
+    yield from _conv(gen, "encoder.conv1", (d, mels, k), mels * k)
+    yield from _conv(gen, "encoder.conv2", (d, d, k), d * k)
+    yield from _codec_layers(gen, "encoder.", cfg["encoder_layers"], d, cfg["encoder_ffn_dim"])
+    yield from _layer_norm(gen, "encoder.layer_norm", d)
+    yield from _conv(gen, "encoder.down_sample_layer.0", (d, d, 2), 2 * d, bias=False)
+    yield from _layer_norm(gen, "encoder.down_sample_norm", d)
     for i, size in enumerate(cfg["codebook_size"]):
         p = f"encoder.quantizer.vq.layers.{i}._codebook."
         embed = _randn(gen, size, d, std=1.0 if i == 0 else 0.5)
-        w |= {p + "embed": embed, p + "embed_avg": embed.clone(),  # EMA buffers (unused)
-              p + "cluster_size": torch.ones(size), p + "inited": torch.ones(1)}
-    return w
+        yield p + "embed", embed
+        yield p + "embed_avg", embed.clone()  # EMA buffers (unused)
+        yield p + "cluster_size", torch.ones(size)
+        yield p + "inited", torch.ones(1)
 
 
-def _codec_decoder(gen, cfg: dict) -> dict:
+def _codec_decoder(gen, cfg: dict) -> Tensors:
     d, mels, v = cfg["d_model"], cfg["n_mels"], cfg["vocoder_dim"]
     k = cfg["decoder_kernel_size"]
-    w = _conv(gen, "decoder.dconv1.conv", (d, d, cfg["decoder_stride_size"]), d)
-    w |= _layer_norm(gen, "decoder.dconv1.norm", d)
-    w |= _codec_layers(gen, "decoder.", cfg["decoder_layers"], d, cfg["decoder_ffn_dim"])
-    w |= _layer_norm(gen, "decoder.layer_norm", d)
-    w |= _conv(gen, "decoder.dconv2.conv", (d, mels, k), d)
-    w |= _layer_norm(gen, "decoder.dconv2.norm", mels)
-    w["decoder.vocoder.embeddings.weight"] = _randn(gen, v, mels, std=mels**-0.5)
-    w |= _codec_layers(gen, "decoder.vocoder.", cfg["vocoder_num_layers"], v,
-                       cfg["vocoder_intermediate_dim"])
-    w |= _layer_norm(gen, "decoder.vocoder.layer_norm", v)
+    yield from _conv(gen, "decoder.dconv1.conv", (d, d, cfg["decoder_stride_size"]), d)
+    yield from _layer_norm(gen, "decoder.dconv1.norm", d)
+    yield from _codec_layers(gen, "decoder.", cfg["decoder_layers"], d, cfg["decoder_ffn_dim"])
+    yield from _layer_norm(gen, "decoder.layer_norm", d)
+    yield from _conv(gen, "decoder.dconv2.conv", (d, mels, k), d)
+    yield from _layer_norm(gen, "decoder.dconv2.norm", mels)
+    yield "decoder.vocoder.embeddings.weight", _randn(gen, v, mels, std=mels**-0.5)
+    yield from _codec_layers(gen, "decoder.vocoder.", cfg["vocoder_num_layers"], v,
+                             cfg["vocoder_intermediate_dim"])
+    yield from _layer_norm(gen, "decoder.vocoder.layer_norm", v)
     bins = cfg["nfft"] // 2 + 1
     # log-magnitude ~ N(LOG_MAG, 0.5^2), phase spread over a few radians: noise at ~0.1 RMS
     mag, phase = _randn(gen, bins, v, std=0.5 * v**-0.5), _randn(gen, bins, v, std=3 * v**-0.5)
-    out = torch.cat([mag, phase])
+    yield "decoder.vocoder.head.out.weight", torch.cat([mag, phase])
     bias = torch.cat([torch.full((bins,), LOG_MAG), _randn(gen, bins, std=math.pi)])
-    w |= {"decoder.vocoder.head.out.weight": out, "decoder.vocoder.head.out.bias": bias}
-    w["decoder.vocoder.head.istft.window"] = torch.hann_window(cfg["window_size"], periodic=True)
-    return w
+    yield "decoder.vocoder.head.out.bias", bias
+    yield "decoder.vocoder.head.istft.window", torch.hann_window(cfg["window_size"],
+                                                                  periodic=True)
 
 
-def codec_weights(seed: int) -> dict[str, torch.Tensor]:
-    """Every audio-tokenizer tensor by its official name (spec §3.7), EMA buffers included."""
-    gen = torch.Generator().manual_seed(seed + 1_000_003)  # independent of the LM stream
-    cfg = codec_config()
-    w = _codec_encoder(gen, cfg) | _codec_decoder(gen, cfg)
-    return {k: v.contiguous() for k, v in sorted(w.items())}
+def codec_tensors(gen: torch.Generator | None, cfg: dict) -> Tensors:
+    """Every audio-tokenizer tensor by its official name (spec §3.7), EMA buffers included,
+    one at a time; `gen` None under torch.device("meta"): names and shapes only."""
+    yield from _codec_encoder(gen, cfg)
+    yield from _codec_decoder(gen, cfg)
 
 
-def _json_bytes(data: dict) -> bytes:
-    return (json.dumps(data, indent=2, ensure_ascii=False, sort_keys=True) + "\n").encode("utf-8")
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write via a temporary file + rename, so a concurrent reader sees old or new, never half."""
-    if path.is_file() and path.read_bytes() == data:
-        return  # idempotent: leave identical files (and their mtimes) alone
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; checkpoints are ordinary readable files
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def _check_dims(lm_dims: Mapping, codec_dims: Mapping) -> None:
+    if set(lm_dims) != set(TINY_LM) or set(codec_dims) != set(TINY_CODEC):
+        raise ValueError("lm_dims / codec_dims need exactly the keys of TINY_LM / TINY_CODEC")
+    if lm_dims["num_hidden_layers"] < 2 or lm_dims["hidden_size"] <= len(RESERVED):
+        raise ValueError("the control circuit needs >= 2 backbone layers and hidden > 7")
+    if lm_dims["input_local_dim"] != lm_dims["local_dim"]:
+        raise ValueError("input_local_dim must equal local_dim (no speech_embeddings_to_local)")
 
 
-def _safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
-    from safetensors.torch import save
+def write_random_checkpoint(directory, lm_dims: Mapping = TINY_LM,
+                            codec_dims: Mapping = TINY_CODEC, seed: int = 0, *,
+                            vocab_size: int | None = None, lm_dtype: torch.dtype = torch.float32,
+                            codec_dtype: torch.dtype = torch.float32, shards: int = 1,
+                            sink_k: float = SINK_K) -> tuple[Path, Path]:
+    """Write a speaking random LM + audio tokenizer of these dimensions under `directory`;
+    returns (lm_dir, tokenizer_dir). Deterministic per seed, idempotent.
 
-    return save(tensors, metadata={"format": "pt"})
-
-
-def write_tiny_preset(directory, seed: int = 0) -> tuple[Path, Path]:
-    """Write the tiny preset under `directory`; returns (lm_dir, tokenizer_dir). Idempotent."""
+    vocab_size: the LM's (None: the text tokenizer's size padded to 64); the LM is written in
+    `lm_dtype` as `shards` files, the tokenizer in `codec_dtype` as one; `sink_k`: how many audio
+    groups each `<|im_start|>` outweighs (huge: the stop circuit never fires)."""
+    _check_dims(lm_dims, codec_dims)
     root = Path(directory)
     lm_dir, codec_dir = root / "lm", root / "tokenizer"
     tok = build_text_tokenizer()
     special = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     n_tokens = tok.get_vocab_size(with_added_tokens=True)
-    vocab = -(-n_tokens // VOCAB_MULTIPLE) * VOCAB_MULTIPLE  # padded like the real 151680
+    vocab = vocab_size or -(-n_tokens // VOCAB_MULTIPLE) * VOCAB_MULTIPLE  # like the real 151680
+    if vocab < n_tokens:
+        raise ValueError(f"vocab_size {vocab} < the text tokenizer's {n_tokens} tokens")
     eos, pad = special[EOS_TOKEN], special[PAD_TOKEN]
+    cfg = codec_config(codec_dims, _dtype_name(codec_dtype))
     lm_files = {
-        "config.json": _json_bytes(lm_config(vocab, eos, pad)),
-        "generation_config.json": _json_bytes(
+        "config.json": json_bytes(lm_config(lm_dims, vocab, eos, pad, _dtype_name(lm_dtype))),
+        "generation_config.json": json_bytes(
             {"_from_model_config": True, "eos_token_id": eos, "pad_token_id": pad,
              "transformers_version": "4.49.0"}),
-        "model.safetensors": _safetensors_bytes(lm_weights(seed, vocab, special)),
         **_tokenizer_files(tok),
     }
-    codec_files = {
-        "config.json": _json_bytes(codec_config()),
-        "model.safetensors": _safetensors_bytes(codec_weights(seed)),
-    }
-    for folder, files in ((lm_dir, lm_files), (codec_dir, codec_files)):
+    for folder, files in ((lm_dir, lm_files), (codec_dir, {"config.json": json_bytes(cfg)})):
         folder.mkdir(parents=True, exist_ok=True)
         for name, data in files.items():
-            _write_atomic(folder / name, data)
+            write_atomic(folder / name, data)
+    write_tensors(lm_dir, lambda gen: lm_tensors(gen, lm_dims, vocab, special, sink_k), seed,
+                  lm_dtype, shards)
+    write_tensors(codec_dir, lambda gen: codec_tensors(gen, cfg), seed + 1_000_003,
+                  codec_dtype)  # independent of the LM stream
     return lm_dir, codec_dir
+
+
+def write_tiny_preset(directory, seed: int = 0) -> tuple[Path, Path]:
+    """Write the tiny preset under `directory`; returns (lm_dir, tokenizer_dir). Idempotent."""
+    return write_random_checkpoint(directory, seed=seed)
+
+
+def write_full_size_preset(directory, seed: int = 0) -> tuple[Path, Path]:
+    """The published sizes and layout: LM 8.0 B parameters in bfloat16, four shards + index;
+    audio tokenizer 1.3 B in float32 with EMA buffers (about 21 GB, written tensor by tensor)."""
+    return write_random_checkpoint(directory, FULL_LM, FULL_CODEC, seed, vocab_size=FULL_VOCAB,
+                                   lm_dtype=torch.bfloat16, shards=FULL_SHARDS)
 
 
 PRESETS = {"tiny": write_tiny_preset}

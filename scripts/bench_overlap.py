@@ -20,7 +20,6 @@ excluded; every process warms up on a short run first and reports its best of `-
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import os
@@ -43,7 +42,7 @@ CODEC_DIMS = {"d_model": 768, "encoder_layers": 4, "encoder_attention_heads": 12
               "encoder_ffn_dim": 1536, "decoder_layers": 10, "decoder_attention_heads": 12,
               "decoder_ffn_dim": 3072, "vocoder_dim": 256, "vocoder_num_layers": 8,
               "vocoder_attention_heads": 16, "vocoder_intermediate_dim": 1024}
-# The preset's SINK_K: with it the stop circuit never fires, so <|empty|> (audio) wins every
+# sink_k of the preset writer: with it the stop circuit never fires, so <|empty|> (audio) wins every
 # group until --groups (the lm_head reads only the reserved dims, so any width keeps that).
 NEVER_STOP = 1e6
 
@@ -51,32 +50,15 @@ NEVER_STOP = 1e6
 # --- the model ----------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _preset_dims(lm: dict, codec: dict, sink_k: float):
-    """Temporarily widen the tiny preset's generator (module-level tables, restored after)."""
-    from mimo_tts import presets
-
-    saved = dict(presets.TINY_LM), dict(presets.TINY_CODEC), presets.SINK_K
-    presets.TINY_LM.update(lm)
-    presets.TINY_CODEC.update(codec)
-    presets.SINK_K = sink_k
-    try:
-        yield presets
-    finally:
-        presets.TINY_LM.clear()
-        presets.TINY_LM.update(saved[0])
-        presets.TINY_CODEC.clear()
-        presets.TINY_CODEC.update(saved[1])
-        presets.SINK_K = saved[2]
-
-
 def write_model(root: Path, lm: dict, codec: dict) -> tuple[Path, Path]:
     """(lm_dir, tokenizer_dir) of the mid-size random model, written once per set of widths."""
-    key = hashlib.sha1(json.dumps([lm, codec, NEVER_STOP], sort_keys=True).encode()).hexdigest()
+    from mimo_tts.presets import WRITER_VERSION, write_random_checkpoint
+
+    spec = [lm, codec, NEVER_STOP, WRITER_VERSION]
+    key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()
     final = root / f"overlap-{key[:12]}"
     if not (final / "complete").is_file():
-        with _preset_dims(lm, codec, NEVER_STOP) as presets:
-            presets.write_tiny_preset(final, seed=0)
+        write_random_checkpoint(final, lm, codec, seed=0, sink_k=NEVER_STOP)
         (final / "complete").write_text("ok\n")
     return final / "lm", final / "tokenizer"
 

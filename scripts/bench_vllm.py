@@ -7,9 +7,10 @@ Runs in the vLLM venv (scripts/setup_vllm_venv.sh), which has both engines:
 
 Configs: `tiny` is the tiny preset (backbone head_dim 32); `mid` is a mid-size random
 checkpoint (hidden 1024, 8 layers, 16/4 heads of 64, ffn 2816; patch decoder 256 x 4 layers)
-written next to the tiny preset's text tokenizer. Both engines generate exactly --groups
-`<|empty|>` groups per prompt (text forced to `<|empty|>`: a native logits hook, vLLM's
-allowed_token_ids), so each group is one backbone step plus one 11-step patch decode.
+written by the preset writer (mimo_tts/presets.py) with the tiny preset's text tokenizer.
+Both engines generate exactly --groups `<|empty|>` groups per prompt (text forced to
+`<|empty|>`: a native logits hook, vLLM's allowed_token_ids), so each group is one backbone
+step plus one 11-step patch decode.
 groups/s = batch x groups / seconds, best of --repeat runs after a warm-up, excluding start-up
 (reported separately). The machine may be shared: best-of, and the load average is recorded.
 """
@@ -20,7 +21,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -29,10 +29,9 @@ import torch
 
 from mimo_tts.lm.generate import GenerationOptions, generate
 from mimo_tts.lm.load import load_config, load_lm
-from mimo_tts.lm.model import MiMoAudioLM
 from mimo_tts.lm.sampling import GREEDY
 from mimo_tts.lm.text import TextTokenizer
-from mimo_tts.presets import write_tiny_preset
+from mimo_tts.presets import write_random_checkpoint, write_tiny_preset
 from mimo_tts.tasks import build_prompt
 
 MID = {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
@@ -43,21 +42,9 @@ TEXTS = ("hello world", "The quick brown fox jumps over the lazy dog near the ri
          "今天天气真好，我们一起去公园散步吧。", "Welcome to the MiMo audio demo.")
 
 
-def write_mid(tiny_lm: Path, out: Path) -> Path:
-    """A mid-size random checkpoint in the official layout, tokenizer files from the preset."""
-    out.mkdir(parents=True, exist_ok=True)
-    for f in tiny_lm.iterdir():
-        if f.name != "model.safetensors":
-            shutil.copy(f, out / f.name)
-    cfg = json.loads((tiny_lm / "config.json").read_text()) | MID
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    torch.manual_seed(0)
-    model = MiMoAudioLM(load_config(out))
-    state = {k: v.contiguous() * 0.5 for k, v in model.state_dict().items()}
-    from safetensors.torch import save_file
-
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+def write_mid(out: Path, dims=MID) -> Path:
+    """A random checkpoint of `dims` in the official layout (the preset writer); its LM dir."""
+    return write_random_checkpoint(out, dims)[0]
 
 
 def prompts_for(lm_dir: Path, batch: int) -> list[torch.Tensor]:
@@ -149,7 +136,7 @@ def main() -> None:
         tiny, _ = write_tiny_preset(Path(tmp) / "tiny", seed=0)
         dirs = {"tiny": tiny, "mid": None}
         for name in args.config.split(","):
-            lm_dir = dirs.get(name) or write_mid(tiny, Path(tmp) / name)
+            lm_dir = dirs.get(name) or write_mid(Path(tmp) / name)
             report["configs"][name] = {
                 "native": bench_native(lm_dir, batches, args.groups, args.repeat, args.device,
                                        dtype),

@@ -36,7 +36,7 @@ from mimo_tts.lm.generate import GenerationOptions, generate  # noqa: E402
 from mimo_tts.lm.load import load_config, load_lm  # noqa: E402
 from mimo_tts.lm.sampling import GREEDY, TASK_SAMPLERS  # noqa: E402
 from mimo_tts.lm.text import TextTokenizer  # noqa: E402
-from mimo_tts.presets import write_tiny_preset  # noqa: E402
+from mimo_tts.presets import FULL_LM, write_tiny_preset  # noqa: E402
 from mimo_tts.tasks import build_prompt  # noqa: E402
 
 GREEDY_OPTIONS = GenerationOptions(text_sampler=GREEDY, audio_sampler=GREEDY, max_new_groups=64)
@@ -94,10 +94,10 @@ def check_seeded(lm_dir) -> dict:
 
 
 def check_throughput(tiny: Path, tmp: Path, wide: bool, wide_layers: int) -> dict:
-    configs = {"tiny": (tiny, "float32"), "mid": (bench_vllm.write_mid(tiny, tmp / "mid"),
+    configs = {"tiny": (tiny, "float32"), "mid": (bench_vllm.write_mid(tmp / "mid"),
                                                   "bfloat16")}
     if wide:
-        configs["wide"] = (write_wide(tiny, tmp / "wide", wide_layers), "bfloat16")
+        configs["wide"] = (write_wide(tmp / "wide", wide_layers), "bfloat16")
     out = {}
     for name, (lm_dir, dtype) in configs.items():
         out[name] = {
@@ -109,22 +109,9 @@ def check_throughput(tiny: Path, tmp: Path, wide: bool, wide_layers: int) -> dic
     return out
 
 
-def write_wide(tiny: Path, out: Path, layers: int) -> Path:
-    """The published backbone width (fixtures' full-size config) with `layers` layers."""
-    full = Path(bench_vllm.__file__).resolve().parents[2] / "shared/fixtures/full-size"
-    cfg = json.loads((full / "lm-config.json").read_text())
-    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-            "local_dim", "local_layers", "local_attn_heads", "local_ffn_dim",
-            "input_local_layers")
-    wide = {k: cfg[k] for k in keys if k in cfg} | {"num_hidden_layers": layers,
-                                                   "head_dim": cfg["hidden_size"]
-                                                   // cfg["num_attention_heads"],
-                                                   "input_local_dim": cfg.get("local_dim")}
-    saved, bench_vllm.MID = bench_vllm.MID, wide
-    try:
-        return bench_vllm.write_mid(tiny, out)
-    finally:
-        bench_vllm.MID = saved
+def write_wide(out: Path, layers: int) -> Path:
+    """The published widths (presets.FULL_LM) with `layers` backbone layers."""
+    return bench_vllm.write_mid(out, dict(FULL_LM) | {"num_hidden_layers": layers})
 
 
 def run(name: str, report: dict, fn, *args, **kw) -> None:

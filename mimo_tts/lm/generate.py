@@ -10,6 +10,7 @@ Shapes: B batch, G groups, F frames per group, K codebooks, H hidden.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -91,6 +92,7 @@ class StepOutput:
     codes: Tensor | None  # [F, K] int64 on CPU when text_token is <|empty|>, else None
     finished: bool  # this row stops after this group (the group is kept)
     logits: Tensor | None = None  # [V] raw text logits when options.keep_logits
+    prefill_s: float | None = None  # on step 0: seconds the batch's prefill took
 
 
 @dataclass
@@ -100,6 +102,7 @@ class Generation:
     new_ids: Tensor  # [1 + K, F * N]: row 0 repeats the text token in all F slots
     text_tokens: list[int]
     step_logits: Tensor | None = None  # [N, V]
+    prefill_s: float | None = None  # seconds of the prefill (shared by the batch)
 
 
 @dataclass
@@ -279,7 +282,11 @@ def _generator(options: GenerationOptions, device) -> torch.Generator | None:
 def stream(model: MiMoAudioLM, prompts: Sequence[Tensor], options: GenerationOptions,
            special) -> Iterator[StepOutput]:
     """Yield each row's group as soon as it is sampled, until every row has stopped."""
+    start = time.perf_counter()
     state = prefill(model, prompts, options, special)
+    if state.hidden.is_cuda:
+        torch.cuda.synchronize(state.hidden.device)
+    prefill_s = time.perf_counter() - start
     generator = _generator(options, state.hidden.device)
     decoder = decode_step(model, state, options)
     done = [False] * len(state.budgets)
@@ -294,7 +301,8 @@ def stream(model: MiMoAudioLM, prompts: Sequence[Tensor], options: GenerationOpt
             stop = token in stops and step + 1 >= options.min_new_groups
             done[row] = stop or step + 1 >= state.budgets[row]
             yield StepOutput(row, step, token, codes_cpu[row] if token == special.empty else None,
-                             done[row], None if raw is None else raw[row])
+                             done[row], None if raw is None else raw[row],
+                             prefill_s if step == 0 else None)
         if all(done):
             return
         _advance(state, step, tokens, codes, special, decoder)
@@ -308,6 +316,7 @@ def generate(model: MiMoAudioLM, prompts: Sequence[Tensor], options: GenerationO
     tokens: list[list[int]] = [[] for _ in prompts]
     blocks: list[list[Tensor]] = [[] for _ in prompts]
     logits: list[list[Tensor]] = [[] for _ in prompts]
+    prefill_s: list[float | None] = [None for _ in prompts]
     for out in stream(model, prompts, options, special):
         tokens[out.index].append(out.text_token)
         codes = empty_codes if out.codes is None else out.codes  # [F, K]
@@ -315,7 +324,9 @@ def generate(model: MiMoAudioLM, prompts: Sequence[Tensor], options: GenerationO
         blocks[out.index].append(torch.cat((text, codes.T.long()), dim=0))  # [1 + K, F]
         if out.logits is not None:
             logits[out.index].append(out.logits)
+        if out.prefill_s is not None:
+            prefill_s[out.index] = out.prefill_s
     return [
-        Generation(torch.cat(b, dim=1), t, torch.stack(lg) if lg else None)
-        for b, t, lg in zip(blocks, tokens, logits, strict=True)
+        Generation(torch.cat(b, dim=1), t, torch.stack(lg) if lg else None, s)
+        for b, t, lg, s in zip(blocks, tokens, logits, prefill_s, strict=True)
     ]

@@ -1,0 +1,181 @@
+"""End to end on the full-size preset: the user's own `mimo-tts synth`, as subprocesses; JSON.
+
+    flock /work/notes/bigmem.lock .venv/bin/python scripts/bench_e2e.py [--preset DIR]
+        [--quick] [--dtype D] [--tokenizer-dtype D] [--out FILE]
+
+The preset is scripts/make_full_size.py's (default .bench/full-size: 8.0 B LM in bfloat16, 1.3 B
+tokenizer in float32; random weights whose control circuit speaks a few seconds and stops).
+Three runs, each a fresh `mimo-tts synth --model DIR/lm --tokenizer DIR/tokenizer` child:
+
+- `batch1`: one item (--text): load s, prefill s, s per group, Stage-0 / Stage-1 shares, RTF;
+- `stream`: the same item with --stream: time to first audio;
+- `instruct`: the same item as tts_sft_with_instruct ("calm and slow"): the circuit's other
+  layout (three `<|im_start|>`), which speaks longer;
+- `batch8`: eight items (--input file, --batch-size 8): RTF over the batch.
+
+Per run: the child's peak RSS (os.wait4 ru_maxrss) and its ratio to the weights in the run
+dtypes (safetensors headers, mimo_tts.memory.weights_bytes), with the issue-11 target
+peak <= 1.05 x weights + 0.8 GiB. Timings come from the sidecar JSON the CLI writes next to each
+wav: `rtf` = synthesis seconds (prompt + generate + decode) / audio seconds, `e2e_rtf` = the
+child's whole wall time (start-up and load included) / audio seconds; `s_per_group` =
+(Stage-0 seconds - prefill) / the batch's steps (one group for every row). --quick caps each
+item at 8 groups and runs a batch of 2 (`batch2`). Run it alone (20 GB): under the lock above,
+on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+GIB = 2**30
+TEXT = "Hello! This is the full-size model, speaking on this machine."
+TEXTS = (TEXT, "The quick brown fox jumps over the lazy dog near the river bank.",
+         "Welcome to the MiMo audio demo, it is nice to meet you.",
+         "今天天气真好，我们一起去公园散步吧。", "Please speak slowly and clearly.",
+         "One, two, three, four, five, six, seven, eight, nine, ten.",
+         "我很高兴认识你，欢迎来到这里。", "Offline speech synthesis on a small CPU machine.")
+
+
+def machine() -> dict:
+    """CPU model, the ISA flags that decide bf16 speed, cores, memory and load."""
+    info = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        fields = dict(line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        info["cpu"] = fields.get("model name", info["cpu"])
+        flags = set(fields.get("flags", "").split())
+        info["isa"] = sorted(flags & {"amx_bf16", "amx_tile", "amx_int8", "avx512_bf16",
+                                      "avx512f", "avx2"})
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text()
+                       .splitlines())
+        for key, name in (("MemTotal", "ram_gib"), ("MemAvailable", "available_gib")):
+            info[name] = round(int(meminfo[key].split()[0]) * 1024 / GIB, 1)
+    except (OSError, ValueError, KeyError):
+        pass
+    info["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+    return info
+
+
+def run_synth(argv: list[str], out_dir: Path) -> dict:
+    """One `mimo-tts synth` child: exit code, wall s, peak RSS, and its items' sidecars."""
+    cmd = [sys.executable, "-m", "mimo_tts.cli", "synth", *argv, "--output-dir", str(out_dir),
+           "--overwrite", "--json", "-q"]
+    start = time.perf_counter()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.perf_counter() - start
+        out.seek(0)
+        err.seek(0)
+        lines, errors = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+    run = {"command": shlex.join(["mimo-tts", "synth", *argv]), "exit_code": proc.returncode,
+           "wall_s": round(wall, 2), "peak_rss_gib": round(usage.ru_maxrss * 1024 / GIB, 2)}
+    items = [json.loads(line) for line in lines.splitlines() if line.startswith("{")]
+    sidecars = [json.loads(Path(i["path"]).with_suffix(".json").read_text())
+                for i in items if i.get("path")]
+    if proc.returncode or not sidecars:
+        run["stderr_tail"] = errors[-2000:]
+    return run | {"sidecars": sidecars}
+
+
+def summarise(run: dict, weights: dict) -> dict:
+    """The figures of one run from its sidecars (timings are per item; load is per process)."""
+    sidecars = run.pop("sidecars")
+    if not sidecars:
+        return run
+    first = sidecars[0]
+    dtypes = {part: first["placement"][f"{part}_dtype"]["value"] for part in ("lm", "tokenizer")}
+    weight_bytes = weights["lm"][dtypes["lm"]] + weights["tokenizer"][dtypes["tokenizer"]]
+    timings = [s["timings"] for s in sidecars]
+    audio = sum(s["audio"]["seconds"] for s in sidecars)
+    groups = [len(p["generated_text_ids"]) for s in sidecars for p in s["pieces"]]
+    synth = sum(t.get("prompt_s", 0) + t.get("generate_s", 0) + t.get("decode_s", 0)
+                for t in timings)
+    stage0, stage1 = sum(t.get("generate_s", 0) for t in timings), sum(
+        t.get("decode_s", 0) for t in timings)
+    prefill = [p["timings"]["prefill_s"] for s in sidecars for p in s["pieces"]
+               if "prefill_s" in p["timings"]]
+    peak = run["peak_rss_gib"] * GIB
+    out = run | {
+        "items": len(sidecars), "dtypes": dtypes, "weights_gib": round(weight_bytes / GIB, 2),
+        "peak_over_weights": round(peak / weight_bytes, 3),
+        "peak_target_gib": round((1.05 * weight_bytes + 0.8 * GIB) / GIB, 2),
+        "load_s": first["timings"].get("load_s"), "audio_s": round(audio, 2),
+        "groups": groups, "rtf": round(synth / audio, 3) if audio else None,
+        "e2e_rtf": round(run["wall_s"] / audio, 3) if audio else None,
+    }
+    if prefill:  # the items run as one batch: one prefill, then one step per group
+        out["prefill_s"] = round(prefill[0], 3)
+        out["s_per_group"] = round((stage0 - prefill[0]) / max(groups), 3)
+    if stage0 + stage1 and "first_audio_s" not in first["timings"]:
+        out["stage0_share"] = round(stage0 / (stage0 + stage1), 3)
+        out["stage1_share"] = round(stage1 / (stage0 + stage1), 3)
+    if "first_audio_s" in first["timings"]:
+        t = first["timings"]
+        out |= {k: round(t[k], 3) for k in ("first_audio_s", "stage0_s", "stage1_s",
+                                            "stage1_wait_s") if k in t}
+    return out
+
+
+def weights_by_dtype(preset: Path) -> dict:
+    from mimo_tts.memory import weights_bytes
+
+    return {part: {d: weights_bytes(preset / part, d) for d in ("bfloat16", "float32")}
+            for part in ("lm", "tokenizer")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default=".bench/full-size")
+    ap.add_argument("--quick", action="store_true", help="8 groups per item, a batch of 2")
+    ap.add_argument("--dtype", default=None, help="pass --dtype to synth (default: its own)")
+    ap.add_argument("--tokenizer-dtype", default=None, help="pass --tokenizer-dtype to synth")
+    ap.add_argument("--runs", default="batch1,stream,instruct,batch",
+                    help="comma-separated: batch1, stream, instruct, batch")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    args = ap.parse_args()
+    preset = Path(args.preset).resolve()
+    if not (preset / "complete").is_file():
+        sys.exit(f"bench_e2e: no complete preset at {preset}: run scripts/make_full_size.py")
+    common = ["--model", str(preset / "lm"), "--tokenizer", str(preset / "tokenizer")]
+    common += ["--dtype", args.dtype] if args.dtype else []
+    common += ["--tokenizer-dtype", args.tokenizer_dtype] if args.tokenizer_dtype else []
+    common += ["--max-new-groups", "8"] if args.quick else []
+    batch = 2 if args.quick else 8
+    weights = weights_by_dtype(preset)
+    report = {"machine": machine(), "preset": str(preset), "quick": args.quick,
+              "weights_gib": {part: {d: round(b / GIB, 2) for d, b in by.items()}
+                              for part, by in weights.items()},
+              "runs": {}}
+    with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
+        items = Path(tmp) / "items.txt"
+        items.write_text("\n".join(TEXTS[:batch]) + "\n", encoding="utf-8")
+        argv = {"batch1": ["--text", TEXT], "stream": ["--text", TEXT, "--stream"],
+                "instruct": ["--text", TEXT, "--task", "tts_sft_with_instruct",
+                             "--instruct", "calm and slow"],
+                "batch": ["--input", str(items), "--batch-size", str(batch)]}
+        for name in args.runs.split(","):
+            key = f"batch{batch}" if name == "batch" else name
+            print(f"bench_e2e: {key} ...", file=sys.stderr, flush=True)
+            run = run_synth(common + argv[name], Path(tmp) / name)
+            report["runs"][key] = summarise(run, weights)
+    report["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    text = json.dumps(report, indent=2, ensure_ascii=False)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
