@@ -121,6 +121,7 @@ def ours_runner(part: str, dtype_name: str):
     from safetensors.torch import load_file
 
     from mimo_tts.codec.config import CodecConfig
+    from mimo_tts.codec.layers import prepack
     from mimo_tts.codec.load import build_model
     from mimo_tts.codec.tokenizer import AudioTokenizer
 
@@ -133,6 +134,8 @@ def ours_runner(part: str, dtype_name: str):
     if lost := [k for k in missing if k.startswith(NEEDED[part])]:
         raise SystemExit(f"ours: weights missing from {part}: {lost[:3]}")
     model.eval().requires_grad_(False)
+    if not os.environ.get("BENCH_NO_PREPACK"):
+        prepack(model)  # what `place_model` does on CPU (it cannot move a half-meta model)
     tok = AudioTokenizer(model, "cpu", dtype)
     if part == "decoder":
         return lambda inputs: tok.decode(inputs["codes"])

@@ -23,6 +23,8 @@ LOCAL_BLOCK = 128
 # CPU flash attention in bfloat16/float16 runs ~3x slower when the key count is not a multiple
 # of this (profiled: 501 keys 19 ms, padded to 512 8 ms); keys are zero-padded and masked.
 KV_ALIGN = 16
+# Rows the prepacked oneDNN weights are laid out for (a hint: any row count gives exact results).
+PACK_ROWS = 512
 
 
 @dataclass(frozen=True)
@@ -211,6 +213,70 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
 
 
+class PackedLinear:
+    """A CPU linear's weight prepacked once in oneDNN's blocked layout, with fused epilogues.
+
+    Plain `F.linear` reorders the weight on every call; on AMX bfloat16 that reorder cost about
+    a quarter of each [500, 1280] x [1280, 5120] product (profiled), and the separate GELU and
+    residual passes re-read the output. Here fc1 runs with GELU(erf) fused, out_proj/fc2 with the
+    residual add fused, and q/k/v as one product. The packed copy costs one more copy of the
+    weights; `prepack` builds it, and a weight replaced or moved later is simply not used.
+    """
+
+    def __init__(self, weights: list[Tensor], biases: list[Tensor | None]):
+        self.sources = [self._key(w) for w in weights]  # what was packed, checked every call
+        weight = torch.cat([w.data for w in weights]) if len(weights) > 1 else weights[0].data
+        self.bias = None
+        if any(b is not None for b in biases):
+            self.bias = torch.cat([b.data if b is not None else weight.new_zeros(w.shape[0])
+                                   for w, b in zip(weights, biases, strict=True)])
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+
+    @staticmethod
+    def _key(weight) -> tuple | None:
+        if not isinstance(weight, Tensor):  # e.g. a dynamically quantised module's method
+            return None
+        return weight.data_ptr(), weight.dtype, weight.shape, weight._version
+
+    def current(self, weights: list, x: Tensor) -> bool:
+        """Whether the packed copy still is `weights` and applies to x (CPU, same dtype)."""
+        return x.device.type == "cpu" and x.dtype == self.weight.dtype and x.is_contiguous() \
+            and [self._key(w) for w in weights] == self.sources
+
+    def __call__(self, x: Tensor, gelu: bool = False, residual: Tensor | None = None) -> Tensor:
+        if residual is not None:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias,
+                                                             "add")
+        if gelu:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "gelu", [],
+                                                      "none")
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+def packable() -> bool:
+    """Whether this torch has the oneDNN linear ops `PackedLinear` uses."""
+    try:
+        return torch.backends.mkldnn.is_available() and \
+            torch.ops.mkldnn._reorder_linear_weight is not None
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def linear(proj: nn.Module, x: Tensor, gelu: bool = False,
+           residual: Tensor | None = None) -> Tensor:
+    """proj(x), then GELU or `+ residual`: through proj's `PackedLinear` where it applies."""
+    packed = getattr(proj, "packed", None)
+    if packed is not None and packed.current([getattr(proj, "weight", None)], x) and (
+            residual is None or (residual.is_contiguous() and residual.dtype == x.dtype)):
+        return packed(x, gelu, residual)
+    y = proj(x)
+    if gelu:
+        y = F.gelu(y)
+    if residual is not None:
+        y += residual  # y is the projection's fresh output
+    return y
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with k_proj lacking a bias (spec §3.2)."""
 
@@ -225,16 +291,22 @@ class Attention(nn.Module):
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, L, dim] -> q, k, v [B, H, L, D] before RoPE."""
         shape = (x.shape[0], x.shape[1], self.heads, self.head_dim)
-        return tuple(proj(x).view(shape).transpose(1, 2)
-                     for proj in (self.q_proj, self.k_proj, self.v_proj))
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        packed = getattr(self, "packed_qkv", None)
+        if packed is not None and packed.current([getattr(p, "weight", None)
+                                                  for p in projections], x):
+            qkv = packed(x).view(x.shape[0], x.shape[1], 3, self.heads, self.head_dim)
+            return tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))
+        return tuple(proj(x).view(shape).transpose(1, 2) for proj in projections)
 
-    def merge(self, out: Tensor) -> Tensor:
-        """Attention output [B, H, L, D] -> out_proj [B, L, dim]."""
+    def merge(self, out: Tensor, residual: Tensor | None = None) -> Tensor:
+        """Attention output [B, H, L, D] -> out_proj [B, L, dim] (+ residual)."""
         b, _, size, _ = out.shape
-        return self.out_proj(out.transpose(1, 2).reshape(b, size, self.heads * self.head_dim))
+        flat = out.transpose(1, 2).reshape(b, size, self.heads * self.head_dim)
+        return linear(self.out_proj, flat, residual=residual)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], spec: AttnSpec,
-                mask: Tensor | None = None) -> Tensor:
+                mask: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
         q, k, v = self.project(x)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -242,7 +314,7 @@ class Attention(nn.Module):
             out = local_attention(q, k, v, *band(spec, x.shape[1]), mask)
         else:
             out = sdpa(q, k, v, mask, causal=spec.causal)
-        return self.merge(out)
+        return self.merge(out, residual)
 
 
 def clamp_half_(x: Tensor) -> Tensor:
@@ -270,15 +342,34 @@ class TransformerLayer(nn.Module):
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], spec: AttnSpec,
                 mask: Tensor | None = None) -> Tensor:
         """x [B, L, dim] -> [B, L, dim] (a new tensor; x is left untouched)."""
-        h = self.self_attn(layer_norm_fp32(self.self_attn_layer_norm, x), rope, spec, mask)
-        h += x  # h is out_proj's fresh output, so the residual add runs in place
+        h = self.self_attn(layer_norm_fp32(self.self_attn_layer_norm, x), rope, spec, mask,
+                           residual=x)
         return self.feed_forward(h)
 
     def feed_forward(self, x: Tensor) -> Tensor:
-        """The FFN half with its residual: x [B, L, dim] -> [B, L, dim] (x must be ours)."""
-        y = self.fc2(F.gelu(self.fc1(layer_norm_fp32(self.final_layer_norm, x))))
-        y += x
-        return clamp_half_(y)
+        """The FFN half with its residual: x [B, L, dim] -> [B, L, dim] (a new tensor)."""
+        hidden = linear(self.fc1, layer_norm_fp32(self.final_layer_norm, x), gelu=True)
+        return clamp_half_(linear(self.fc2, hidden, residual=x))
+
+    def prepack(self) -> None:
+        """Build the `PackedLinear`s of q/k/v (one product), out_proj, fc1 and fc2 (CPU only)."""
+        attn = self.self_attn
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        attn.packed_qkv = PackedLinear([p.weight for p in projections],
+                                       [p.bias for p in projections])
+        for proj in (attn.out_proj, self.fc1, self.fc2):
+            proj.packed = PackedLinear([proj.weight], [proj.bias])
+
+
+def prepack(model: nn.Module) -> None:
+    """Prepack every CPU float32/bfloat16 `TransformerLayer` of `model` (see `PackedLinear`)."""
+    if not packable():
+        return
+    for module in model.modules():
+        if isinstance(module, TransformerLayer) and isinstance(module.fc1, nn.Linear) and \
+                module.fc1.weight.device.type == "cpu" and \
+                module.fc1.weight.dtype in (torch.float32, torch.bfloat16):
+            module.prepack()
 
 
 def run_layers(
