@@ -128,7 +128,11 @@ class Rotary(nn.Module):
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, H, L, D] rotated by position: x*cos + rotate_half(x)*sin (sin pre-signed)."""
+    """x [B, H, L, D] rotated by position: x*cos + rotate_half(x)*sin (sin pre-signed).
+
+    Any layout works whose last dim is D and whose tables broadcast (e.g. [B, L, 2, H, D]
+    with tables [L, 1, 1, D]).
+    """
     half = x.shape[-1] // 2
     swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
     return torch.addcmul(x * cos, swapped, sin)
@@ -196,6 +200,11 @@ def attention_mask(spec: AttnSpec, b: int, size: int, lengths: Tensor | None,
     return valid_mask(lengths, size)[:, None, None, :]  # [B, 1, 1, L]
 
 
+def _aligns_keys(x: Tensor) -> bool:
+    """Whether attention over x pads its keys to KV_ALIGN (CPU, half precision)."""
+    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+
+
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
          causal: bool = False) -> Tensor:
     """Scaled dot-product attention, q [B, H, Lq, D], k/v [B, H, Lk, D], mask [.., Lq|1, Lk].
@@ -204,7 +213,7 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
     are padded to a multiple of KV_ALIGN; padded keys are masked (a causal query never sees them).
     """
     size, pad = k.shape[2], -k.shape[2] % KV_ALIGN
-    if pad and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+    if pad and _aligns_keys(q):
         k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
         if mask is not None:
             mask = F.pad(mask, (0, pad), value=False)
@@ -305,11 +314,26 @@ class Attention(nn.Module):
         flat = out.transpose(1, 2).reshape(b, size, self.heads * self.head_dim)
         return linear(self.out_proj, flat, residual=residual)
 
+    def project_rotated(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, L, dim] -> q, k (RoPE applied), v [B, H, L, D].
+
+        Packed, q and k come out of one product side by side and rotate in one pass.
+        """
+        packed = getattr(self, "packed_qkv", None)
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if packed is None or not packed.current([getattr(p, "weight", None)
+                                                 for p in projections], x):
+            q, k, v = self.project(x)
+            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        qkv = packed(x).view(x.shape[0], x.shape[1], 3, self.heads, self.head_dim)
+        size, dim = cos.shape
+        qk = apply_rotary(qkv[:, :, :2], cos.view(size, 1, 1, dim), sin.view(size, 1, 1, dim))
+        return qk[:, :, 0].transpose(1, 2), qk[:, :, 1].transpose(1, 2), \
+            qkv[:, :, 2].transpose(1, 2)
+
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], spec: AttnSpec,
                 mask: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
-        q, k, v = self.project(x)
-        cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = self.project_rotated(x, *rope)
         if spec.windowed:
             out = local_attention(q, k, v, *band(spec, x.shape[1]), mask)
         else:
@@ -376,12 +400,23 @@ def run_layers(
     layers: nn.ModuleList, rotary: Rotary, x: Tensor, spec: AttnSpec,
     lengths: Tensor | None = None, keep: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Run a stack with per-sequence positions 0..L-1; also return the output of layer `keep`."""
-    rope = rotary.tables(x.shape[1], x.device, x.dtype)
-    mask = attention_mask(spec, x.shape[0], x.shape[1], lengths, x.device)
+    """Run a stack with per-sequence positions 0..L-1; also return the output of layer `keep`.
+
+    Where `sdpa` would pad the keys of every layer to KV_ALIGN, the sequence is padded once
+    instead: the extra rows are masked keys (or come after every causal query), so valid rows
+    are exactly what they are unpadded, and they are dropped at the end.
+    """
+    size = x.shape[1]
+    pad = -size % KV_ALIGN if not spec.windowed and _aligns_keys(x) else 0
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad))
+        if lengths is None and not spec.causal:
+            lengths = torch.full((x.shape[0],), size, device=x.device)
+    rope = rotary.tables(size + pad, x.device, x.dtype)
+    mask = attention_mask(spec, x.shape[0], size + pad, lengths, x.device)
     kept = None
     for index, layer in enumerate(layers):
         x = layer(x, rope, spec, mask)
         if index == keep:
-            kept = x
-    return x, kept
+            kept = x[:, :size]
+    return x[:, :size], kept
