@@ -170,23 +170,77 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, left: int, right: int,
 
 
 def local_mask(b: int, size: int, left: int, right: int, lengths: Tensor | None,
-               device: torch.device) -> Tensor:
+               device: torch.device, span: int | None = None) -> Tensor:
     """[B*nb, 1, block, span] bool mask of the blockwise band, padded keys hidden.
 
+    `span` defaults to block + left + right; a longer span adds keys outside the band (hidden).
     Built once per stack (not per layer). A query always sees its own key, so rows of padding
     never become all -inf (no NaN).
     """
     block = min(LOCAL_BLOCK, size)
     nb = -(-size // block)
+    span = span or block + left + right
     i = torch.arange(block, device=device)[:, None]
-    j = torch.arange(block + left + right, device=device)[None, :]
+    j = torch.arange(span, device=device)[None, :]
     band_mask = (j >= i) & (j <= i + left + right)  # [block, span]
     key_pos = torch.arange(nb, device=device)[:, None, None] * block - left + j  # [nb, 1, span]
     limit = lengths.view(-1, 1, 1, 1) if lengths is not None else torch.full(
         (1, 1, 1, 1), size, device=device)
     valid = (key_pos >= 0) & (key_pos < limit)  # [B|1, nb, 1, span]
     mask = band_mask & (valid | (j == i + left))
-    return mask.expand(b, nb, block, block + left + right).reshape(b * nb, 1, block, -1)
+    return mask.expand(b, nb, block, span).reshape(b * nb, 1, block, -1)
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    """Banded attention over a stack whose sequence is padded once (`run_layers`).
+
+    Rows: `left` padding, the `size` frames, then padding up to (blocks-1)*block + span, so that
+    every query block's keys are one strided window of the keys (no per-layer pad or copy) and
+    span is a multiple of KV_ALIGN where `sdpa` wants it. Padding rows are computed like frames
+    but never seen (masked keys) and dropped at the end.
+    """
+
+    left: int
+    block: int
+    blocks: int
+    span: int
+    mask: Tensor
+
+    @staticmethod
+    def build(spec: AttnSpec, x: Tensor, lengths: Tensor | None) -> LocalPlan:
+        size = x.shape[1]
+        left, right = band(spec, size)
+        block = min(LOCAL_BLOCK, size)
+        span = block + left + right
+        span += -span % KV_ALIGN if _aligns_keys(x) else 0
+        blocks = -(-size // block)
+        mask = local_mask(x.shape[0], size, left, right, lengths, x.device, span)
+        return LocalPlan(left, block, blocks, span, mask)
+
+    @property
+    def rows(self) -> int:
+        return (self.blocks - 1) * self.block + self.span
+
+    def pad(self, x: Tensor) -> Tensor:
+        """[B, size, ...] -> [B, rows, ...] with zero padding rows."""
+        return F.pad(x, (0, 0) * (x.dim() - 2) + (self.left, self.rows - self.left - x.shape[1]))
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q, k, v [B, H, rows, D] -> attention output [B, rows, H, D] (zero on padding rows
+        outside the query blocks)."""
+        b, h, rows, d = q.shape
+        n = self.blocks * self.block
+        q = q[:, :, self.left:self.left + n].unflatten(2, (self.blocks, self.block))
+        q = q.transpose(1, 2).reshape(b * self.blocks, h, self.block, d)
+        k, v = (t.unfold(2, self.span, self.block).permute(0, 2, 1, 4, 3)  # [B, nb, H, span, D]
+                .reshape(b * self.blocks, h, self.span, d) for t in (k, v))
+        out = sdpa(q, k, v, self.mask)  # [B*nb, H, block, D]
+        full = out.new_empty(b, rows, h, d)
+        full[:, :self.left].zero_()
+        full[:, self.left + n:].zero_()
+        full[:, self.left:self.left + n] = out.transpose(1, 2).reshape(b, n, h, d)
+        return full
 
 
 def attention_mask(spec: AttnSpec, b: int, size: int, lengths: Tensor | None,
@@ -332,8 +386,13 @@ class Attention(nn.Module):
             qkv[:, :, 2].transpose(1, 2)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], spec: AttnSpec,
-                mask: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
+                mask: Tensor | LocalPlan | None = None,
+                residual: Tensor | None = None) -> Tensor:
+        """x [B, L, dim] -> out_proj [B, L, dim] (+ residual); a `LocalPlan` as mask means x
+        holds the plan's padded rows."""
         q, k, v = self.project_rotated(x, *rope)
+        if isinstance(mask, LocalPlan):
+            return linear(self.out_proj, mask.attend(q, k, v).flatten(2), residual=residual)
         if spec.windowed:
             out = local_attention(q, k, v, *band(spec, x.shape[1]), mask)
         else:
@@ -364,7 +423,7 @@ class TransformerLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(dim, eps=1e-5)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], spec: AttnSpec,
-                mask: Tensor | None = None) -> Tensor:
+                mask: Tensor | LocalPlan | None = None) -> Tensor:
         """x [B, L, dim] -> [B, L, dim] (a new tensor; x is left untouched)."""
         h = self.self_attn(layer_norm_fp32(self.self_attn_layer_norm, x), rope, spec, mask,
                            residual=x)
@@ -383,6 +442,22 @@ class TransformerLayer(nn.Module):
                                        [p.bias for p in projections])
         for proj in (attn.out_proj, self.fc1, self.fc2):
             proj.packed = PackedLinear([proj.weight], [proj.bias])
+
+
+def _run_local(layers: nn.ModuleList, rotary: Rotary, x: Tensor, spec: AttnSpec,
+               lengths: Tensor | None, keep: int | None) -> tuple[Tensor, Tensor | None]:
+    """`run_layers` for a windowed spec, on the once-padded rows of a `LocalPlan`."""
+    plan = LocalPlan.build(spec, x, lengths)
+    size, start = x.shape[1], plan.left
+    cos, sin = rotary.tables(size, x.device, x.dtype)
+    rope = (plan.pad(cos[None])[0], plan.pad(sin[None])[0])  # padding rows: zero tables
+    x = plan.pad(x)
+    kept = None
+    for index, layer in enumerate(layers):
+        x = layer(x, rope, spec, plan)
+        if index == keep:
+            kept = x[:, start:start + size]
+    return x[:, start:start + size], kept
 
 
 def prepack(model: nn.Module) -> None:
@@ -407,7 +482,9 @@ def run_layers(
     are exactly what they are unpadded, and they are dropped at the end.
     """
     size = x.shape[1]
-    pad = -size % KV_ALIGN if not spec.windowed and _aligns_keys(x) else 0
+    if spec.windowed and size:
+        return _run_local(layers, rotary, x, spec, lengths, keep)
+    pad = -size % KV_ALIGN if _aligns_keys(x) else 0
     if pad:
         x = F.pad(x, (0, 0, 0, pad))
         if lengths is None and not spec.causal:
