@@ -134,8 +134,7 @@ def ours_runner(part: str, dtype_name: str):
     if lost := [k for k in missing if k.startswith(NEEDED[part])]:
         raise SystemExit(f"ours: weights missing from {part}: {lost[:3]}")
     model.eval().requires_grad_(False)
-    if not os.environ.get("BENCH_NO_PREPACK"):
-        prepack(model)  # what `place_model` does on CPU (it cannot move a half-meta model)
+    prepack(model)  # what `place_model` does on CPU (it cannot move a half-meta model)
     tok = AudioTokenizer(model, "cpu", dtype)
     if part == "decoder":
         return lambda inputs: tok.decode(inputs["codes"])

@@ -276,14 +276,35 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
 
 
+def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None, gelu: bool = False,
+                  residual: Tensor | None = None) -> Tensor:
+    """x @ weight.T + bias, then GELU(erf) or `+ residual`, in one oneDNN call (CPU).
+
+    The epilogue runs on the float32 accumulator before the output is written, so it saves a
+    pass over the output and rounds once. `weight` is plain or from `PackedLinear`.
+    """
+    if residual is not None:
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, bias, "add")
+    if gelu:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "gelu", [], "none")
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _fusable(x: Tensor, weight, residual: Tensor | None) -> bool:
+    return x.device.type == "cpu" and isinstance(weight, Tensor) and x.dtype == weight.dtype \
+        and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous() and (
+            residual is None or (residual.is_contiguous() and residual.dtype == x.dtype)) \
+        and torch.backends.mkldnn.is_available() and not weight.requires_grad
+
+
 class PackedLinear:
-    """A CPU linear's weight prepacked once in oneDNN's blocked layout, with fused epilogues.
+    """CPU bfloat16 linear weights prepacked once in oneDNN's blocked (AMX) layout.
 
     Plain `F.linear` reorders the weight on every call; on AMX bfloat16 that reorder cost about
-    a quarter of each [500, 1280] x [1280, 5120] product (profiled), and the separate GELU and
-    residual passes re-read the output. Here fc1 runs with GELU(erf) fused, out_proj/fc2 with the
-    residual add fused, and q/k/v as one product. The packed copy costs one more copy of the
-    weights; `prepack` builds it, and a weight replaced or moved later is simply not used.
+    a quarter of each [500, 1280] x [1280, 5120] product (profiled, 1 thread: 10.8 -> 7.7 ms).
+    q/k/v pack into one product. The packed copy is one more copy of the transformer weights,
+    so it is made for bfloat16 only (float32 keeps the loading-memory target; its products gain
+    little from packing). A weight replaced or changed later is detected and not used.
     """
 
     def __init__(self, weights: list[Tensor], biases: list[Tensor | None]):
@@ -307,13 +328,7 @@ class PackedLinear:
             and [self._key(w) for w in weights] == self.sources
 
     def __call__(self, x: Tensor, gelu: bool = False, residual: Tensor | None = None) -> Tensor:
-        if residual is not None:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias,
-                                                             "add")
-        if gelu:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "gelu", [],
-                                                      "none")
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return onednn_linear(x, self.weight, self.bias, gelu, residual)
 
 
 def packable() -> bool:
@@ -327,11 +342,14 @@ def packable() -> bool:
 
 def linear(proj: nn.Module, x: Tensor, gelu: bool = False,
            residual: Tensor | None = None) -> Tensor:
-    """proj(x), then GELU or `+ residual`: through proj's `PackedLinear` where it applies."""
+    """proj(x), then GELU or `+ residual`: fused on CPU (packed weights where prepacked)."""
+    weight = getattr(proj, "weight", None)
     packed = getattr(proj, "packed", None)
-    if packed is not None and packed.current([getattr(proj, "weight", None)], x) and (
-            residual is None or (residual.is_contiguous() and residual.dtype == x.dtype)):
+    fusable = _fusable(x, weight, residual)
+    if fusable and packed is not None and packed.current([weight], x):
         return packed(x, gelu, residual)
+    if fusable and (gelu or residual is not None):
+        return onednn_linear(x, weight, proj.bias, gelu, residual)
     y = proj(x)
     if gelu:
         y = F.gelu(y)
@@ -461,13 +479,13 @@ def _run_local(layers: nn.ModuleList, rotary: Rotary, x: Tensor, spec: AttnSpec,
 
 
 def prepack(model: nn.Module) -> None:
-    """Prepack every CPU float32/bfloat16 `TransformerLayer` of `model` (see `PackedLinear`)."""
+    """Prepack every CPU bfloat16 `TransformerLayer` of `model` (see `PackedLinear`)."""
     if not packable():
         return
     for module in model.modules():
         if isinstance(module, TransformerLayer) and isinstance(module.fc1, nn.Linear) and \
                 module.fc1.weight.device.type == "cpu" and \
-                module.fc1.weight.dtype in (torch.float32, torch.bfloat16):
+                module.fc1.weight.dtype == torch.bfloat16:
             module.prepack()
 
 

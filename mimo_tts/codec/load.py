@@ -69,7 +69,7 @@ def build_model(config: CodecConfig, dtype: torch.dtype = torch.float32) -> Code
 def place_model(model: CodecModel, device: torch.device, dtype: torch.dtype) -> CodecModel:
     """Move to `device`; parameters (not the float32 codebook/window buffers) to `dtype`.
 
-    On CPU the transformer layers' linears are then prepacked for oneDNN (`layers.prepack`).
+    On CPU in bfloat16 the transformer layers' linears are then prepacked (`layers.prepack`).
     """
     model.to(device)
     for param in model.parameters():
