@@ -52,19 +52,31 @@ SECTIONS = ("speed", "stream", "load", "int8")
 STREAM_CHUNK = 120  # code frames per push: vllm-omni's 30 groups (spec §7.6)
 
 
-def random_model(config: CodecConfig):
-    """Full-size model with N(0, 0.02) weights, unit norms and the real ISTFT window."""
-    model = build_model(config).to_empty(device="cpu")
+def random_model(config: CodecConfig, part: str | None = None):
+    """Full-size model with N(0, 0.02) weights, unit norms and the real ISTFT window.
+
+    `part` materialises only what one direction needs (the rest stays on the meta device):
+    "decoder" (with the RVQ codebooks that dequantize) or "encoder".
+    """
+    model = build_model(config)
+    modules = {None: (model,), "decoder": (model.decoder, model.encoder.quantizer),
+               "encoder": (model.encoder,)}[part]
+    for module in modules:
+        module.to_empty(device="cpu")
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if param.is_meta:
+                continue
             if "norm" in name:
                 param.fill_(1.0 if name.endswith("weight") else 0.0)
             else:
                 param.normal_(0.0, 0.02, generator=generator)
         for layer in model.encoder.quantizer.vq.layers:
-            layer._codebook.embed.normal_(0.0, 0.02, generator=generator)
-        model.decoder.vocoder.head.istft.window.copy_(periodic_hann(config.nfft))
+            if not layer._codebook.embed.is_meta:
+                layer._codebook.embed.normal_(0.0, 0.02, generator=generator)
+        if not model.decoder.vocoder.head.istft.window.is_meta:
+            model.decoder.vocoder.head.istft.window.copy_(periodic_hann(config.nfft))
     return model
 
 

@@ -173,8 +173,7 @@ class DecoderCache:
             self.values[index][:, :, self.used:end] = v
             out = sdpa(apply_rotary(q, cos, sin), self.keys[index][:, :, :span],
                        self.values[index][:, :, :span], mask, causal=mask is None)
-            h = attn.merge(out)
-            h += x
+            h = attn.merge(out, residual=x)
             x = layer.feed_forward(h)
         self.used += n
         self.position += n

@@ -23,6 +23,8 @@ LOCAL_BLOCK = 128
 # CPU flash attention in bfloat16/float16 runs ~3x slower when the key count is not a multiple
 # of this (profiled: 501 keys 19 ms, padded to 512 8 ms); keys are zero-padded and masked.
 KV_ALIGN = 16
+# Rows the prepacked oneDNN weights are laid out for (a hint: any row count gives exact results).
+PACK_ROWS = 512
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,11 @@ class Rotary(nn.Module):
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, H, L, D] rotated by position: x*cos + rotate_half(x)*sin (sin pre-signed)."""
+    """x [B, H, L, D] rotated by position: x*cos + rotate_half(x)*sin (sin pre-signed).
+
+    Any layout works whose last dim is D and whose tables broadcast (e.g. [B, L, 2, H, D]
+    with tables [L, 1, 1, D]).
+    """
     half = x.shape[-1] // 2
     swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
     return torch.addcmul(x * cos, swapped, sin)
@@ -164,23 +170,77 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, left: int, right: int,
 
 
 def local_mask(b: int, size: int, left: int, right: int, lengths: Tensor | None,
-               device: torch.device) -> Tensor:
+               device: torch.device, span: int | None = None) -> Tensor:
     """[B*nb, 1, block, span] bool mask of the blockwise band, padded keys hidden.
 
+    `span` defaults to block + left + right; a longer span adds keys outside the band (hidden).
     Built once per stack (not per layer). A query always sees its own key, so rows of padding
     never become all -inf (no NaN).
     """
     block = min(LOCAL_BLOCK, size)
     nb = -(-size // block)
+    span = span or block + left + right
     i = torch.arange(block, device=device)[:, None]
-    j = torch.arange(block + left + right, device=device)[None, :]
+    j = torch.arange(span, device=device)[None, :]
     band_mask = (j >= i) & (j <= i + left + right)  # [block, span]
     key_pos = torch.arange(nb, device=device)[:, None, None] * block - left + j  # [nb, 1, span]
     limit = lengths.view(-1, 1, 1, 1) if lengths is not None else torch.full(
         (1, 1, 1, 1), size, device=device)
     valid = (key_pos >= 0) & (key_pos < limit)  # [B|1, nb, 1, span]
     mask = band_mask & (valid | (j == i + left))
-    return mask.expand(b, nb, block, block + left + right).reshape(b * nb, 1, block, -1)
+    return mask.expand(b, nb, block, span).reshape(b * nb, 1, block, -1)
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    """Banded attention over a stack whose sequence is padded once (`run_layers`).
+
+    Rows: `left` padding, the `size` frames, then padding up to (blocks-1)*block + span, so that
+    every query block's keys are one strided window of the keys (no per-layer pad or copy) and
+    span is a multiple of KV_ALIGN where `sdpa` wants it. Padding rows are computed like frames
+    but never seen (masked keys) and dropped at the end.
+    """
+
+    left: int
+    block: int
+    blocks: int
+    span: int
+    mask: Tensor
+
+    @staticmethod
+    def build(spec: AttnSpec, x: Tensor, lengths: Tensor | None) -> LocalPlan:
+        size = x.shape[1]
+        left, right = band(spec, size)
+        block = min(LOCAL_BLOCK, size)
+        span = block + left + right
+        span += -span % KV_ALIGN if _aligns_keys(x) else 0
+        blocks = -(-size // block)
+        mask = local_mask(x.shape[0], size, left, right, lengths, x.device, span)
+        return LocalPlan(left, block, blocks, span, mask)
+
+    @property
+    def rows(self) -> int:
+        return (self.blocks - 1) * self.block + self.span
+
+    def pad(self, x: Tensor) -> Tensor:
+        """[B, size, ...] -> [B, rows, ...] with zero padding rows."""
+        return F.pad(x, (0, 0) * (x.dim() - 2) + (self.left, self.rows - self.left - x.shape[1]))
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q, k, v [B, H, rows, D] -> attention output [B, rows, H, D] (zero on padding rows
+        outside the query blocks)."""
+        b, h, rows, d = q.shape
+        n = self.blocks * self.block
+        q = q[:, :, self.left:self.left + n].unflatten(2, (self.blocks, self.block))
+        q = q.transpose(1, 2).reshape(b * self.blocks, h, self.block, d)
+        k, v = (t.unfold(2, self.span, self.block).permute(0, 2, 1, 4, 3)  # [B, nb, H, span, D]
+                .reshape(b * self.blocks, h, self.span, d) for t in (k, v))
+        out = sdpa(q, k, v, self.mask)  # [B*nb, H, block, D]
+        full = out.new_empty(b, rows, h, d)
+        full[:, :self.left].zero_()
+        full[:, self.left + n:].zero_()
+        full[:, self.left:self.left + n] = out.transpose(1, 2).reshape(b, n, h, d)
+        return full
 
 
 def attention_mask(spec: AttnSpec, b: int, size: int, lengths: Tensor | None,
@@ -194,6 +254,11 @@ def attention_mask(spec: AttnSpec, b: int, size: int, lengths: Tensor | None,
     return valid_mask(lengths, size)[:, None, None, :]  # [B, 1, 1, L]
 
 
+def _aligns_keys(x: Tensor) -> bool:
+    """Whether attention over x pads its keys to KV_ALIGN (CPU, half precision)."""
+    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+
+
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
          causal: bool = False) -> Tensor:
     """Scaled dot-product attention, q [B, H, Lq, D], k/v [B, H, Lk, D], mask [.., Lq|1, Lk].
@@ -202,13 +267,95 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
     are padded to a multiple of KV_ALIGN; padded keys are masked (a causal query never sees them).
     """
     size, pad = k.shape[2], -k.shape[2] % KV_ALIGN
-    if pad and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+    if pad and _aligns_keys(q):
         k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
         if mask is not None:
             mask = F.pad(mask, (0, pad), value=False)
         elif not causal:
             mask = (torch.arange(size + pad, device=q.device) < size)[None, None, None, :]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+
+
+def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None, gelu: bool = False,
+                  residual: Tensor | None = None) -> Tensor:
+    """x @ weight.T + bias, then GELU(erf) or `+ residual`, in one oneDNN call (CPU).
+
+    The epilogue runs on the float32 accumulator before the output is written, so it saves a
+    pass over the output and rounds once. `weight` is plain or from `PackedLinear`.
+    """
+    if residual is not None:
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, bias, "add")
+    if gelu:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "gelu", [], "none")
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _fusable(x: Tensor, weight, residual: Tensor | None) -> bool:
+    return x.device.type == "cpu" and isinstance(weight, Tensor) and x.dtype == weight.dtype \
+        and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous() and (
+            residual is None or (residual.is_contiguous() and residual.dtype == x.dtype)) \
+        and torch.backends.mkldnn.is_available() and not weight.requires_grad
+
+
+class PackedLinear:
+    """CPU bfloat16 linear weights prepacked once in oneDNN's blocked (AMX) layout.
+
+    Plain `F.linear` reorders the weight on every call; on AMX bfloat16 that reorder cost about
+    a quarter of each [500, 1280] x [1280, 5120] product (profiled, 1 thread: 10.8 -> 7.7 ms).
+    q/k/v pack into one product. The packed copy is one more copy of the transformer weights,
+    so it is made for bfloat16 only (float32 keeps the loading-memory target; its products gain
+    little from packing). A weight replaced or changed later is detected and not used.
+    """
+
+    def __init__(self, weights: list[Tensor], biases: list[Tensor | None]):
+        self.sources = [self._key(w) for w in weights]  # what was packed, checked every call
+        weight = torch.cat([w.data for w in weights]) if len(weights) > 1 else weights[0].data
+        self.bias = None
+        if any(b is not None for b in biases):
+            self.bias = torch.cat([b.data if b is not None else weight.new_zeros(w.shape[0])
+                                   for w, b in zip(weights, biases, strict=True)])
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+
+    @staticmethod
+    def _key(weight) -> tuple | None:
+        if not isinstance(weight, Tensor):  # e.g. a dynamically quantised module's method
+            return None
+        return weight.data_ptr(), weight.dtype, weight.shape, weight._version
+
+    def current(self, weights: list, x: Tensor) -> bool:
+        """Whether the packed copy still is `weights` and applies to x (CPU, same dtype)."""
+        return x.device.type == "cpu" and x.dtype == self.weight.dtype and x.is_contiguous() \
+            and [self._key(w) for w in weights] == self.sources
+
+    def __call__(self, x: Tensor, gelu: bool = False, residual: Tensor | None = None) -> Tensor:
+        return onednn_linear(x, self.weight, self.bias, gelu, residual)
+
+
+def packable() -> bool:
+    """Whether this torch has the oneDNN linear ops `PackedLinear` uses."""
+    try:
+        return torch.backends.mkldnn.is_available() and \
+            torch.ops.mkldnn._reorder_linear_weight is not None
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def linear(proj: nn.Module, x: Tensor, gelu: bool = False,
+           residual: Tensor | None = None) -> Tensor:
+    """proj(x), then GELU or `+ residual`: fused on CPU (packed weights where prepacked)."""
+    weight = getattr(proj, "weight", None)
+    packed = getattr(proj, "packed", None)
+    fusable = _fusable(x, weight, residual)
+    if fusable and packed is not None and packed.current([weight], x):
+        return packed(x, gelu, residual)
+    if fusable and (gelu or residual is not None):
+        return onednn_linear(x, weight, proj.bias, gelu, residual)
+    y = proj(x)
+    if gelu:
+        y = F.gelu(y)
+    if residual is not None:
+        y += residual  # y is the projection's fresh output
+    return y
 
 
 class Attention(nn.Module):
@@ -225,24 +372,50 @@ class Attention(nn.Module):
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, L, dim] -> q, k, v [B, H, L, D] before RoPE."""
         shape = (x.shape[0], x.shape[1], self.heads, self.head_dim)
-        return tuple(proj(x).view(shape).transpose(1, 2)
-                     for proj in (self.q_proj, self.k_proj, self.v_proj))
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        packed = getattr(self, "packed_qkv", None)
+        if packed is not None and packed.current([getattr(p, "weight", None)
+                                                  for p in projections], x):
+            qkv = packed(x).view(x.shape[0], x.shape[1], 3, self.heads, self.head_dim)
+            return tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))
+        return tuple(proj(x).view(shape).transpose(1, 2) for proj in projections)
 
-    def merge(self, out: Tensor) -> Tensor:
-        """Attention output [B, H, L, D] -> out_proj [B, L, dim]."""
+    def merge(self, out: Tensor, residual: Tensor | None = None) -> Tensor:
+        """Attention output [B, H, L, D] -> out_proj [B, L, dim] (+ residual)."""
         b, _, size, _ = out.shape
-        return self.out_proj(out.transpose(1, 2).reshape(b, size, self.heads * self.head_dim))
+        flat = out.transpose(1, 2).reshape(b, size, self.heads * self.head_dim)
+        return linear(self.out_proj, flat, residual=residual)
+
+    def project_rotated(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, L, dim] -> q, k (RoPE applied), v [B, H, L, D].
+
+        Packed, q and k come out of one product side by side and rotate in one pass.
+        """
+        packed = getattr(self, "packed_qkv", None)
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if packed is None or not packed.current([getattr(p, "weight", None)
+                                                 for p in projections], x):
+            q, k, v = self.project(x)
+            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        qkv = packed(x).view(x.shape[0], x.shape[1], 3, self.heads, self.head_dim)
+        size, dim = cos.shape
+        qk = apply_rotary(qkv[:, :, :2], cos.view(size, 1, 1, dim), sin.view(size, 1, 1, dim))
+        return qk[:, :, 0].transpose(1, 2), qk[:, :, 1].transpose(1, 2), \
+            qkv[:, :, 2].transpose(1, 2)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], spec: AttnSpec,
-                mask: Tensor | None = None) -> Tensor:
-        q, k, v = self.project(x)
-        cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+                mask: Tensor | LocalPlan | None = None,
+                residual: Tensor | None = None) -> Tensor:
+        """x [B, L, dim] -> out_proj [B, L, dim] (+ residual); a `LocalPlan` as mask means x
+        holds the plan's padded rows."""
+        q, k, v = self.project_rotated(x, *rope)
+        if isinstance(mask, LocalPlan):
+            return linear(self.out_proj, mask.attend(q, k, v).flatten(2), residual=residual)
         if spec.windowed:
             out = local_attention(q, k, v, *band(spec, x.shape[1]), mask)
         else:
             out = sdpa(q, k, v, mask, causal=spec.causal)
-        return self.merge(out)
+        return self.merge(out, residual)
 
 
 def clamp_half_(x: Tensor) -> Tensor:
@@ -268,29 +441,77 @@ class TransformerLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(dim, eps=1e-5)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], spec: AttnSpec,
-                mask: Tensor | None = None) -> Tensor:
+                mask: Tensor | LocalPlan | None = None) -> Tensor:
         """x [B, L, dim] -> [B, L, dim] (a new tensor; x is left untouched)."""
-        h = self.self_attn(layer_norm_fp32(self.self_attn_layer_norm, x), rope, spec, mask)
-        h += x  # h is out_proj's fresh output, so the residual add runs in place
+        h = self.self_attn(layer_norm_fp32(self.self_attn_layer_norm, x), rope, spec, mask,
+                           residual=x)
         return self.feed_forward(h)
 
     def feed_forward(self, x: Tensor) -> Tensor:
-        """The FFN half with its residual: x [B, L, dim] -> [B, L, dim] (x must be ours)."""
-        y = self.fc2(F.gelu(self.fc1(layer_norm_fp32(self.final_layer_norm, x))))
-        y += x
-        return clamp_half_(y)
+        """The FFN half with its residual: x [B, L, dim] -> [B, L, dim] (a new tensor)."""
+        hidden = linear(self.fc1, layer_norm_fp32(self.final_layer_norm, x), gelu=True)
+        return clamp_half_(linear(self.fc2, hidden, residual=x))
+
+    def prepack(self) -> None:
+        """Build the `PackedLinear`s of q/k/v (one product), out_proj, fc1 and fc2 (CPU only)."""
+        attn = self.self_attn
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        attn.packed_qkv = PackedLinear([p.weight for p in projections],
+                                       [p.bias for p in projections])
+        for proj in (attn.out_proj, self.fc1, self.fc2):
+            proj.packed = PackedLinear([proj.weight], [proj.bias])
+
+
+def _run_local(layers: nn.ModuleList, rotary: Rotary, x: Tensor, spec: AttnSpec,
+               lengths: Tensor | None, keep: int | None) -> tuple[Tensor, Tensor | None]:
+    """`run_layers` for a windowed spec, on the once-padded rows of a `LocalPlan`."""
+    plan = LocalPlan.build(spec, x, lengths)
+    size, start = x.shape[1], plan.left
+    cos, sin = rotary.tables(size, x.device, x.dtype)
+    rope = (plan.pad(cos[None])[0], plan.pad(sin[None])[0])  # padding rows: zero tables
+    x = plan.pad(x)
+    kept = None
+    for index, layer in enumerate(layers):
+        x = layer(x, rope, spec, plan)
+        if index == keep:
+            kept = x[:, start:start + size]
+    return x[:, start:start + size], kept
+
+
+def prepack(model: nn.Module) -> None:
+    """Prepack every CPU bfloat16 `TransformerLayer` of `model` (see `PackedLinear`)."""
+    if not packable():
+        return
+    for module in model.modules():
+        if isinstance(module, TransformerLayer) and isinstance(module.fc1, nn.Linear) and \
+                module.fc1.weight.device.type == "cpu" and \
+                module.fc1.weight.dtype == torch.bfloat16:
+            module.prepack()
 
 
 def run_layers(
     layers: nn.ModuleList, rotary: Rotary, x: Tensor, spec: AttnSpec,
     lengths: Tensor | None = None, keep: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Run a stack with per-sequence positions 0..L-1; also return the output of layer `keep`."""
-    rope = rotary.tables(x.shape[1], x.device, x.dtype)
-    mask = attention_mask(spec, x.shape[0], x.shape[1], lengths, x.device)
+    """Run a stack with per-sequence positions 0..L-1; also return the output of layer `keep`.
+
+    Where `sdpa` would pad the keys of every layer to KV_ALIGN, the sequence is padded once
+    instead: the extra rows are masked keys (or come after every causal query), so valid rows
+    are exactly what they are unpadded, and they are dropped at the end.
+    """
+    size = x.shape[1]
+    if spec.windowed and size:
+        return _run_local(layers, rotary, x, spec, lengths, keep)
+    pad = -size % KV_ALIGN if _aligns_keys(x) else 0
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad))
+        if lengths is None and not spec.causal:
+            lengths = torch.full((x.shape[0],), size, device=x.device)
+    rope = rotary.tables(size + pad, x.device, x.dtype)
+    mask = attention_mask(spec, x.shape[0], size + pad, lengths, x.device)
     kept = None
     for index, layer in enumerate(layers):
         x = layer(x, rope, spec, mask)
         if index == keep:
-            kept = x
-    return x, kept
+            kept = x[:, :size]
+    return x[:, :size], kept

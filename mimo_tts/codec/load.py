@@ -16,6 +16,7 @@ from torch import nn
 from mimo_tts.codec.config import CodecConfig
 from mimo_tts.codec.decoder import AudioDecoder
 from mimo_tts.codec.encoder import AudioEncoder
+from mimo_tts.codec.layers import prepack
 from mimo_tts.codec.tokenizer import AudioTokenizer
 from mimo_tts.devices import normalize_device
 from mimo_tts.errors import UsageError
@@ -66,12 +67,17 @@ def build_model(config: CodecConfig, dtype: torch.dtype = torch.float32) -> Code
 
 
 def place_model(model: CodecModel, device: torch.device, dtype: torch.dtype) -> CodecModel:
-    """Move to `device`; parameters (not the float32 codebook/window buffers) to `dtype`."""
+    """Move to `device`; parameters (not the float32 codebook/window buffers) to `dtype`.
+
+    On CPU in bfloat16 the transformer layers' linears are then prepacked (`layers.prepack`).
+    """
     model.to(device)
     for param in model.parameters():
         if param.dtype != dtype:
             param.data = param.data.to(dtype)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    prepack(model)
+    return model
 
 
 def load_audio_tokenizer(
