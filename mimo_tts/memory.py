@@ -29,7 +29,10 @@ GIB = 2**30
 UNLOADED = re.compile(r".*\._codebook\.(embed_avg|cluster_size|inited)|mel_transform\..*")
 # Tokenizer buffers that stay float32 whatever the run dtype (RVQ codebooks, ISTFT window).
 FLOAT32_BUFFERS = re.compile(r".*\._codebook\.embed|.*\.istft\.window")
+# Codec linears that Stage-1 prepacks once more on CPU in bfloat16 (codec/layers.PackedLinear).
+PACKED = re.compile(r".*layers\.\d+\.(self_attn\.(q|k|v|out)_proj|fc1|fc2)\.(weight|bias)")
 RUNTIME_BYTES = 600 << 20  # the interpreter, torch, oneDNN/CUDA context and allocator slack
+MIN_SAVING = 256 << 20  # a fix that saves less is not offered
 # A prompt's groups before tokenising: the template and system turns, then at most one group
 # per UTF-8 byte of text (text tokens are >= 1 byte); speech is ~0.5 groups per byte, so one
 # group per byte also bounds the generated length when --max-new-groups is not given.
@@ -70,6 +73,7 @@ class StageNeed:
     device: str
     dtype: str
     parts: dict[str, int] = field(default_factory=dict)
+    path: Path | None = None
 
     @property
     def total(self) -> int:
@@ -127,7 +131,7 @@ def lm_need(path: Path, device: str, dtype: str, lengths: Lengths) -> StageNeed:
     work = lengths.batch * lengths.prompt_groups * (2 * ffn + 4 * hidden) * size
     work += lengths.batch * vocab * 4 * 4
     return StageNeed("LM", device, dtype, {"weights": weights_bytes(path, dtype),
-                                           "kv_cache": kv_bytes, "workspace": work})
+                                           "kv_cache": kv_bytes, "workspace": work}, path)
 
 
 def tokenizer_need(path: Path, device: str, dtype: str, lengths: Lengths) -> StageNeed:
@@ -140,8 +144,11 @@ def tokenizer_need(path: Path, device: str, dtype: str, lengths: Lengths) -> Sta
     size = max(DTYPE_BYTES[dtype], 4)  # norms and attention run in float32
     work = lengths.batch * frames * (4 * d_model + ffn) * size
     work += lengths.batch * heads * frames * min(frames, 1024) * 4  # attention blocks
-    return StageNeed("tokenizer", device, dtype, {"weights": weights_bytes(path, dtype),
-                                                  "workspace": work})
+    parts = {"weights": weights_bytes(path, dtype), "workspace": work}
+    if device == "cpu" and dtype == "bfloat16":
+        parts["packed_weights"] = sum(2 * n for name, (n, _) in header_numel(path).items()
+                                      if PACKED.fullmatch(name))
+    return StageNeed("tokenizer", device, dtype, parts, path)
 
 
 def parse_size(text: str, source: str) -> int:
@@ -242,8 +249,11 @@ def fixes(needs: list[StageNeed], device: str, lengths: Lengths) -> list[str]:
         if need.device != device:
             continue
         saving = need.parts["weights"] // 2 if need.dtype == "float32" else 0
+        if need.stage == "tokenizer" and device == "cpu":  # bfloat16 adds its packed copy
+            saving -= sum(2 * n for name, (n, _) in header_numel(need.path).items()
+                          if PACKED.fullmatch(name)) if saving else 0
         flag = "--dtype bfloat16" if need.stage == "LM" else "--tokenizer-dtype bfloat16"
-        if saving:
+        if saving > MIN_SAVING:
             found.append((saving, f"{flag} (saves {gib(saving)})"))
         if need.stage == "tokenizer" and device != "cpu":
             found.append((need.total, f"--tokenizer-device cpu (saves {gib(need.total)})"))

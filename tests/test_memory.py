@@ -106,12 +106,14 @@ def test_refusal_names_need_availability_and_fixes(full_size):
     message = str(info.value)
     assert "\n" not in message and info.value.exit_code == EXIT_DEVICE
     assert "not enough memory on cpu" in message and "23.0 GiB is available" in message
-    assert message.index("--dtype bfloat16") < message.index("--tokenizer-dtype bfloat16")
-    assert "--no-memory-check" in message
+    assert "--dtype bfloat16 (saves 14.9 GiB)" in message and "--no-memory-check" in message
+    # On the CPU a bfloat16 tokenizer also keeps its prepacked linears: almost no saving.
+    assert "--tokenizer-dtype" not in message
     on_gpu = [memory.lm_need(lm, "cuda:0", "bfloat16", lengths),
               memory.tokenizer_need(tok, "cuda:0", "float32", lengths)]
-    with pytest.raises(DeviceError, match="--tokenizer-device cpu"):
+    with pytest.raises(DeviceError, match="--tokenizer-device cpu") as info:
         memory.check(on_gpu, lengths, {memory.AVAILABLE_ENV: "cuda:0=16GiB"})
+    assert "--tokenizer-dtype bfloat16 (saves 2.4 GiB)" in str(info.value)
 
 
 def _cli(args, env_extra, tmp_path):
