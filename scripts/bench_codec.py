@@ -159,10 +159,10 @@ def speed_rows(tok: AudioTokenizer, seconds: float, repeats: int, encode: bool) 
 
 def pipeline_chunks(group_size: int, mode: str):
     """Frames per push as `mimo-tts synth --stream --stream-mode MODE` pushes them."""
-    from mimo_tts.options import SynthOptions
-    from mimo_tts.stream import chunk_cap, chunk_schedule
+    from mimo_tts.options import SynthesisOptions
+    from mimo_tts.overlap import chunk_cap, chunk_schedule
 
-    o = SynthOptions()
+    o = SynthesisOptions()
     cap = chunk_cap(mode, o.stream_chunk_groups, o.stream_max_chunk_groups)
     return (group_size * n for n in chunk_schedule(o.stream_chunk_groups, cap))
 
@@ -312,7 +312,7 @@ def loading_memory() -> list[dict]:
 
 def int8_decode(model, seconds: float, repeats: int) -> dict:
     """Opt-in int8 decode against float32 on the same random weights."""
-    from mimo_tts.codec.quantize import quantize_int8
+    from mimo_tts.codec.int8 import quantize_int8
 
     c = model.config
     reference = AudioTokenizer(model, "cpu", torch.float32)

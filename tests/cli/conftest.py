@@ -23,10 +23,10 @@ SCRUBBED = ("MIMO_AUDIO_TOKENIZER_DEVICE", "MIMO_AUDIO_TOKENIZER_PATH", "MIMO_TT
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory) -> Path:
     """A cache root holding the tiny preset, written once for the whole session."""
-    from mimo_tts import models
+    from mimo_tts import checkpoints
 
     root = tmp_path_factory.mktemp("mimo-cache")
-    models.ensure_tiny_preset({models.CACHE_ENV: str(root)})
+    checkpoints.ensure_tiny_preset({checkpoints.CACHE_ENV: str(root)})
     return root
 
 
