@@ -270,10 +270,15 @@ class MiMoTTS:
     # -- the library face --
     def synthesize(self, text: str, *, task: str | None = None, instruct: str | None = None,
                    prompt_audio: str | None = None, seed: int | None = None,
-                   options: SynthesisOptions | None = None) -> Audio:
-        """Speech for `text` (split on sentence ends past `max_chars`, pieces joined)."""
+                   options: SynthesisOptions | None = None, **overrides) -> Audio:
+        """Speech for `text` (split on sentence ends past `max_chars`, pieces joined).
+
+        `options` (default `self.options`) holds every sampling and task option; the keywords,
+        and any other `SynthesisOptions` field given by name, override it for this call.
+        """
         return self.synthesize_batch([text], task=task, instruct=instruct,
-                                     prompt_audio=prompt_audio, seed=seed, options=options)[0]
+                                     prompt_audio=prompt_audio, seed=seed, options=options,
+                                     **overrides)[0]
 
     def synthesize_batch(self, texts: Sequence[str], *, batch_size: int = 1,
                          **given) -> list[Audio]:

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import torch
+from _common import FULL_SIZE, TINY_A
 
 from mimo_tts.codec.config import CodecConfig
 from mimo_tts.codec.load import build_model, place_model
@@ -45,9 +46,8 @@ from mimo_tts.codec.tokenizer import AudioTokenizer
 from mimo_tts.codec.vocoder import periodic_hann
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = Path(os.environ.get("MIMO_TTS_FIXTURES", REPO.parent / "shared" / "fixtures"))
-CONFIG = FIXTURES / "full-size" / "tokenizer-config.json"
-LM_CONFIG = FIXTURES / "full-size" / "lm-config.json"
+CONFIG = FULL_SIZE / "tokenizer-config.json"
+LM_CONFIG = FULL_SIZE / "lm-config.json"
 SECTIONS = ("speed", "stream", "load", "int8")
 STREAM_CHUNK = 120  # code frames per push: vllm-omni's 30 groups (spec §7.6)
 
@@ -241,7 +241,7 @@ def tiny_streams(seconds: float) -> dict:
     """The same comparison on the tiny-a fixture checkpoint (its real, if tiny, weights)."""
     from mimo_tts.codec import load_audio_tokenizer
 
-    tok = load_audio_tokenizer(FIXTURES / "tiny-a" / "tokenizer")
+    tok = load_audio_tokenizer(TINY_A / "tokenizer")
     return compare_streams(tok, seconds, STREAM_CHUNK, pipeline=True)
 
 

@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import cpu_busy_s
+
 TARGET = 1.15
 TEXT = "Overlap benchmark: the language model and the audio decoder share this machine."
 # Widths: large enough that both stages are compute- or bandwidth-bound like the real models
@@ -108,28 +110,17 @@ def _timed_runs(synth, args, name: str, sink_factory=None) -> list[dict]:
     return runs
 
 
-def _cpu_busy_s() -> float:
-    """Seconds of CPU time all processes of the machine have used since boot (/proc/stat)."""
-    try:
-        with open("/proc/stat", encoding="ascii") as stat:
-            fields = [int(x) for x in stat.readline().split()[1:]]
-    except OSError:
-        return float("nan")
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
 class Meter:
     """Wall and CPU time of a block, and the cores other processes kept busy meanwhile."""
 
     def __enter__(self):
-        self.start, self.cpu, self.busy = time.perf_counter(), time.process_time(), _cpu_busy_s()
+        self.start, self.cpu, self.busy = time.perf_counter(), time.process_time(), cpu_busy_s()
         return self
 
     def __exit__(self, *exc):
         self.wall = time.perf_counter() - self.start
         self.cpu_s = time.process_time() - self.cpu
-        others = _cpu_busy_s() - self.busy - self.cpu_s
+        others = cpu_busy_s() - self.busy - self.cpu_s
         self.other_cores = round(max(others, 0.0) / self.wall, 2)
 
 

@@ -28,6 +28,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from _common import FULL_SIZE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_vllm  # noqa: E402  (scripts/bench_vllm.py: shared checkpoint and prompt helpers)
@@ -111,7 +112,7 @@ def check_throughput(tiny: Path, tmp: Path, wide: bool, wide_layers: int) -> dic
 
 def write_wide(tiny: Path, out: Path, layers: int) -> Path:
     """The published backbone width (fixtures' full-size config) with `layers` layers."""
-    full = Path(bench_vllm.__file__).resolve().parents[2] / "shared/fixtures/full-size"
+    full = FULL_SIZE
     cfg = json.loads((full / "lm-config.json").read_text())
     keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
             "local_dim", "local_layers", "local_attn_heads", "local_ffn_dim",
