@@ -206,30 +206,30 @@ class BatchRunner:
         codes = {"pieces": [p.codes for p in pieces],
                  "metadata": {"pause_frames": mio.PAUSE_FRAMES, "id": result.item.id,
                               "tokenizer": str(self.refs[1].path)}}
-        sink.write(result, samples, codes, self.sidecar_record(result, pieces))
+        sink.write(result, samples, codes, sidecar_record(self, result, pieces))
 
-    def sidecar_record(self, result: ItemResult, pieces: list[Piece]) -> dict:
-        """Everything needed to reproduce one output; the sink adds `result` last."""
-        s, item = self.settings, result.item
-        o, described = s.synthesis, self.tts.describe(s.synthesis)
-        return {
-            "runner": {"name": "mimo-tts", "version": __version__, "argv": sys.argv[1:]},
-            "id": item.id, "source": item.source, "text": item.text, "task": o.task,
-            "instruct": item.instruct or o.instruct,
-            "prompt_audio": item.prompt_audio or o.prompt_audio,
-            "model": described["model"], "tokenizer": described["tokenizer"],
-            "placement": described["placement"], "threads": self.threads,
-            "engine": engine_record(s, described["engine"]),
-            "sampler": o.sampler_settings(), "effective_sampler": described["effective_sampler"],
-            "seed": result.seed, "max_new_groups": o.max_new_groups,
-            "batch_size": s.run.batch_size, "stream": s.run.stream, "stream_mode": o.stream_mode,
-            "max_chars": o.max_chars,
-            "audio": {"format": s.run.format, "sample_rate": s.run.sample_rate,
-                      "seconds": round(result.seconds, 4), "pause_frames": mio.PAUSE_FRAMES},
-            "pieces": [p.record() for p in pieces],
-            "timings": {**{k: round(v, 4) for k, v in self.timings.items()},
-                        **{k: round(v, 4) for k, v in result.timings.items()}},
-        }
+def sidecar_record(runner: BatchRunner, result: ItemResult, pieces: list[Piece]) -> dict:
+    """Everything needed to reproduce one output; the sink adds `result` last."""
+    s, item = runner.settings, result.item
+    o, described = s.synthesis, runner.tts.describe(s.synthesis)
+    return {
+        "runner": {"name": "mimo-tts", "version": __version__, "argv": sys.argv[1:]},
+        "id": item.id, "source": item.source, "text": item.text, "task": o.task,
+        "instruct": item.instruct or o.instruct,
+        "prompt_audio": item.prompt_audio or o.prompt_audio,
+        "model": described["model"], "tokenizer": described["tokenizer"],
+        "placement": described["placement"], "threads": runner.threads,
+        "engine": engine_record(s, described["engine"]),
+        "sampler": o.sampler_settings(), "effective_sampler": described["effective_sampler"],
+        "seed": result.seed, "max_new_groups": o.max_new_groups,
+        "batch_size": s.run.batch_size, "stream": s.run.stream, "stream_mode": o.stream_mode,
+        "max_chars": o.max_chars,
+        "audio": {"format": s.run.format, "sample_rate": s.run.sample_rate,
+                  "seconds": round(result.seconds, 4), "pause_frames": mio.PAUSE_FRAMES},
+        "pieces": [p.record() for p in pieces],
+        "timings": {**{k: round(v, 4) for k, v in runner.timings.items()},
+                    **{k: round(v, 4) for k, v in result.timings.items()}},
+    }
 
 
 def engine_record(settings: Settings, loaded: dict | None = None) -> dict:

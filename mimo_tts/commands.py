@@ -187,7 +187,7 @@ def selftest(lm_device: str | None, tokenizer_device: str | None, log) -> dict:
         audio, rate = sf.read(str(result.path), dtype="float32")
         pieces, _ = mio.load_codes(result.codes_path)
         frames = sum(p.shape[1] for p in pieces) + mio.PAUSE_FRAMES * (len(pieces) - 1)
-        problems = _selftest_problems(audio, rate, frames)
+        problems = _selftest_problems(audio, rate, frames, runner.tts.stage1.samples_per_frame)
         if problems:
             raise AudioCheckError("selftest failed: " + "; ".join(problems))
         peak = float(abs(audio).max())
@@ -196,14 +196,14 @@ def selftest(lm_device: str | None, tokenizer_device: str | None, log) -> dict:
                 "path": "(temporary) " + result.path.name}
 
 
-def _selftest_problems(audio, rate: int, frames: int) -> list[str]:
+def _selftest_problems(audio, rate: int, frames: int, per_frame: int) -> list[str]:
     import numpy as np
 
     problems = []
     if rate != mio.SAMPLE_RATE:
         problems.append(f"sample rate {rate} != {mio.SAMPLE_RATE}")
-    if len(audio) != frames * 960:
-        problems.append(f"{len(audio)} samples != 960 x {frames} frames")
+    if len(audio) != frames * per_frame:
+        problems.append(f"{len(audio)} samples != {per_frame} x {frames} frames")
     if not np.isfinite(audio).all():
         problems.append("non-finite samples")
     if float(np.abs(audio).max(initial=0.0)) < 1e-3:

@@ -25,6 +25,7 @@ _DEVICE_RE = re.compile(r"^(cpu|cuda|mps)(?::(.*))?$")
 _FALSE = {"0", "false", "no", "off"}
 _TRUE = {"1", "true", "yes", "on"}
 DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # memory estimates
 
 
 @dataclass(frozen=True)
@@ -253,8 +254,3 @@ def resolve_placement(
         cuda_graph=resolve_cuda_graph(tok.value, cuda_graph, profile.get("cuda_graph"), env),
     )
 
-
-def torch_dtype(name: str):
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+from mimo_tts.io import PAUSE_FRAMES
 from mimo_tts.pieces import Piece
 from mimo_tts.runtime import oom_advice, thread_budget
 
@@ -205,3 +206,27 @@ def _generate_streaming(tts, prompt, options, worker: DecodeWorker,
     sent.append(torch.cat(pending, dim=1) if pending else empty_codes.T[:, :0])
     worker.push(sent[-1], last=True)
     return blocks, sent
+
+
+def stream_chunks(tts, prompts: list, o) -> Iterator:
+    """The library's streaming: each prompt's decoded chunks [S_i] as they come, with a pause
+    between prompts; Stage-0 runs in a background thread, an error is raised here."""
+    import torch
+
+    chunks: queue.Queue = queue.Queue()
+
+    def run():
+        try:
+            for i, prompt in enumerate(prompts):
+                if i:
+                    chunks.put(torch.zeros(PAUSE_FRAMES * tts.stage1.samples_per_frame))
+                tts.stream_piece(prompt, o, o.seed, chunks.put, lambda message: None)
+            chunks.put(None)
+        except BaseException as exc:  # re-raised in the caller's thread
+            chunks.put(exc)
+
+    threading.Thread(target=run, name="mimo-tts-stream", daemon=True).start()
+    while (chunk := chunks.get()) is not None:
+        if isinstance(chunk, BaseException):
+            raise chunk
+        yield chunk

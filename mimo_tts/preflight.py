@@ -13,7 +13,7 @@ from pathlib import Path
 
 from mimo_tts import checkpoints
 from mimo_tts.batch import engine_record
-from mimo_tts.devices import Probe
+from mimo_tts.devices import DTYPE_BYTES, Probe
 from mimo_tts.errors import MimoTTSError
 from mimo_tts.options import Settings
 
@@ -43,6 +43,6 @@ def preflight(settings: Settings, env: Mapping[str, str] | None = None) -> dict:
 
 def _safe_estimate(path: Path, dtype: str) -> dict:
     try:
-        return checkpoints.estimate_memory(path, {"float32": 4}.get(dtype, 2))
+        return checkpoints.estimate_memory(path, DTYPE_BYTES[dtype])
     except (MimoTTSError, OSError, ValueError, KeyError) as exc:
         return {"error": str(exc)}

@@ -27,7 +27,7 @@ from mimo_tts.errors import CheckpointError, InputError, NoAudioError
 from mimo_tts.inputs import split_text
 from mimo_tts.lm.vllm.launch import import_vllm_engine, vllm_options
 from mimo_tts.options import EngineOptions, SynthesisOptions, resolve
-from mimo_tts.overlap import stream_piece
+from mimo_tts.overlap import stream_chunks, stream_piece
 from mimo_tts.pieces import Piece
 from mimo_tts.runtime import oom_advice, thread_budget
 from mimo_tts.tasks import TASKS
@@ -295,29 +295,10 @@ class MiMoTTS:
 
     def stream(self, text: str, **given) -> Iterator[AudioChunk]:
         """Speech for `text` in chunks as Stage-1 decodes them (keywords as `synthesize`)."""
-        import queue
-        import threading
-
-        o, chunks = self._options(given), queue.Queue()
-        prompts = self.prompts(text, o, o.seed)
-
-        def run():
-            try:
-                for i, prompt in enumerate(prompts):
-                    if i:
-                        chunks.put(torch.zeros(mio.PAUSE_FRAMES * self.stage1.samples_per_frame))
-                    self.stream_piece(prompt, o, o.seed, chunks.put, lambda m: None)
-                chunks.put(None)
-            except BaseException as exc:  # re-raised in the caller's thread
-                chunks.put(exc)
-
-        threading.Thread(target=run, name="mimo-tts-stream", daemon=True).start()
-        index = 0
-        while (chunk := chunks.get()) is not None:
-            if isinstance(chunk, BaseException):
-                raise chunk
+        o = self._options(given)
+        chunks = stream_chunks(self, self.prompts(text, o, o.seed), o)
+        for index, chunk in enumerate(chunks):
             yield AudioChunk(mio.to_numpy(chunk), mio.SAMPLE_RATE, index)
-            index += 1
 
     def decode(self, codes: torch.Tensor | Sequence[torch.Tensor],
                pause_frames: int = mio.PAUSE_FRAMES) -> Audio:

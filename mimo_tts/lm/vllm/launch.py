@@ -13,7 +13,7 @@ from mimo_tts.errors import UsageError
 
 VLLM_INSTALL = "pip install 'mimo-tts[vllm]' (CPU: scripts/setup_vllm_venv.sh)"
 CPU_KV_CACHE_MIB = 64  # vLLM on CPU: a small KV cache starts in seconds (default: most of RAM)
-DEFAULT_MAX_NUM_SEQS = 32  # VLLMOptions' default, without importing the engine module
+DEFAULT_MAX_NUM_SEQS = 32  # VLLMOptions.max_num_seqs (readable without the engine module)
 SETTINGS = ("gpu_memory_utilization", "max_num_seqs", "tensor_parallel_size", "max_model_len")
 
 
