@@ -18,14 +18,15 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from mimo_tts import __version__, checkpoints
+from mimo_tts import __version__, checkpoints, memory
 from mimo_tts import io as mio
-from mimo_tts.errors import MimoTTSError, UsageError
+from mimo_tts.errors import CheckpointError, MimoTTSError
 from mimo_tts.inputs import Item
-from mimo_tts.lm.vllm.launch import DEFAULT_MAX_NUM_SEQS, import_vllm_engine, vllm_options
+from mimo_tts.lm.vllm.launch import DEFAULT_MAX_NUM_SEQS, import_vllm_engine
 from mimo_tts.options import Settings
 from mimo_tts.overlap import chunk_cap
 from mimo_tts.pieces import Piece
+from mimo_tts.preflight import engine_record, lengths_for, memory_needs
 from mimo_tts.results import ItemResult, fail
 
 # Per-item timings that are work (the rest describe the streaming overlap within them).
@@ -43,6 +44,7 @@ class BatchRunner:
         self.tts = None  # MiMoTTS once loaded
         self.timings: dict[str, float] = {}
         self.threads: dict = {}
+        self.lengths = lengths_for(settings, [])  # sized from the items by `run`
 
     def resolve(self):
         """Locate the checkpoints; with `engine="vllm"` also import vLLM (both end a run early)."""
@@ -57,7 +59,15 @@ class BatchRunner:
         if self.tts is None:
             from mimo_tts.synth import MiMoTTS
 
-            s, start = self.settings, time.perf_counter()
+            s = self.settings
+            self.resolve()
+            plan, p = self.check_memory(), s.placement
+            self.log(f"LM dtype {p.lm_dtype.value} ({p.lm_dtype.source}); tokenizer dtype "
+                     f"{p.tokenizer_dtype.value} ({p.tokenizer_dtype.source})")
+            for entry in plan:
+                self.log(f"memory on {entry['device']}: need ~{entry['need_gib']} GiB, "
+                         f"available {entry['available_gib']} GiB ({entry['available_source']})")
+            start = time.perf_counter()
             self.threads = thread_budgets(s)
             self.tts = MiMoTTS.load(*self.resolve(), s.placement, s.engine, self.log,
                                     self.threads)
@@ -67,6 +77,18 @@ class BatchRunner:
                      f"tokenizer on {s.placement.tokenizer_device.value}; "
                      f"threads {self.threads}; engine {s.engine.engine})")
         return self.tts
+
+    def check_memory(self) -> list[dict]:
+        """The memory plan; refuses (DeviceError, exit 4) before loading a run that cannot fit."""
+        lm, tok = self.resolve()
+        try:
+            needs = memory_needs(self.settings, lm.path, tok.path, self.lengths)
+        except CheckpointError as exc:  # loading reports it, with the file at fault
+            self.log(f"memory preflight skipped: {exc}")
+            return []
+        if self.settings.engine.no_memory_check:
+            return memory.plan(needs, self.env)
+        return memory.check(needs, self.lengths, self.env)
 
     def close(self) -> None:
         """Shut the Stage-0 engine down (vLLM frees its memory); loading again is possible."""
@@ -99,6 +121,10 @@ class BatchRunner:
 
         Checkpoint and device errors while loading are not per-item: they end the run (raised).
         """
+        items = list(items)
+        texts = [i.text for i in items if isinstance(i.text, str)]
+        self.lengths = lengths_for(self.settings, texts,
+                                   1 if self.settings.run.stream else self.batch_window())
         window: list[ItemResult] = []
         for item in items:
             window.append(self._prepare(item, sink))
@@ -230,18 +256,6 @@ def sidecar_record(runner: BatchRunner, result: ItemResult, pieces: list[Piece])
         "timings": {**{k: round(v, 4) for k, v in runner.timings.items()},
                     **{k: round(v, 4) for k, v in result.timings.items()}},
     }
-
-
-def engine_record(settings: Settings, loaded: dict | None = None) -> dict:
-    """The Stage-0 engine and its settings (sidecar, preflight); no vLLM import."""
-    if settings.engine.engine != "vllm":
-        return loaded or {"name": "native"}
-    record: dict = {"name": "vllm"}
-    try:
-        record["settings"] = vllm_options(settings.engine, settings.placement)
-    except UsageError as exc:
-        record["error"] = str(exc)
-    return record
 
 
 def thread_budgets(settings: Settings) -> dict:

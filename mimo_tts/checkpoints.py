@@ -2,7 +2,7 @@
 
 Resolution never downloads unless the caller allows it; a missing model is a CheckpointError
 that spells out the command that would fetch it. Nothing here loads weights: `locate` and
-`estimate_memory` read only `config.json` and safetensors headers (JSON), for preflights, so
+`mimo_tts.memory` read only `config.json` and safetensors headers (JSON), for preflights, so
 `mimo-tts devices` never imports torch. The loaded models live in `mimo_tts.synth`.
 """
 
@@ -219,23 +219,16 @@ def _safetensors_header(path: Path) -> dict:
     return header
 
 
-def estimate_memory(path: Path, dtype_bytes: int, kv_groups: int = 8192) -> dict:
-    """Bytes of weights at the run dtype (from safetensors headers) plus the LM KV cache."""
-    from mimo_tts.weights import read_config, weight_files
-
-    numel = 0
-    for file in weight_files(path):
-        for name, info in _safetensors_header(file).items():
-            if name != "__metadata__" and info.get("dtype") in _DTYPE_BYTES:
-                count = 1
-                for dim in info["shape"]:
-                    count *= dim
-                numel += count
-    config = read_config(path)
-    kv = 0
-    if "num_hidden_layers" in config and "num_key_value_heads" in config:
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        kv = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim
-        kv *= kv_groups * dtype_bytes
-    return {"parameters": numel, "weights_bytes": numel * dtype_bytes, "kv_cache_bytes": kv,
-            "total_gib": round((numel * dtype_bytes + kv) / 2**30, 3)}
+def checkpoint_dtype(name: str, source: str, role: str, env=None) -> str | None:
+    """The `torch_dtype` a checkpoint's config.json declares (the tiny preset: float32), or
+    None when the checkpoint cannot be found or does not say. Reads one JSON file."""
+    if name == TINY:
+        return "float32"
+    path, _ = locate(name, source, role, env)
+    if path is None:
+        return None
+    try:
+        value = json.loads((path / "config.json").read_text(encoding="utf-8")).get("torch_dtype")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None

@@ -22,7 +22,14 @@ import typer
 from rich.console import Console
 
 from mimo_tts import __version__
-from mimo_tts.errors import EXIT_BUG, EXIT_CHECKPOINT, EXIT_INTERRUPTED, EXIT_OK, MimoTTSError
+from mimo_tts.errors import (
+    EXIT_BUG,
+    EXIT_CHECKPOINT,
+    EXIT_DEVICE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    MimoTTSError,
+)
 from mimo_tts.io import write_stdout_line
 
 EXAMPLES = """\
@@ -59,9 +66,14 @@ LmDevice = Annotated[str | None, typer.Option(
 TokDevice = Annotated[str | None, typer.Option(
     rich_help_panel=DEV, help="Stage-1 device (env MIMO_AUDIO_TOKENIZER_DEVICE).")]
 Dtype = Annotated[str | None, typer.Option(
-    rich_help_panel=DEV, help="LM dtype: float32 / bfloat16 / float16 (float32 on CPU).")]
+    rich_help_panel=DEV, help="LM dtype: auto (default: the checkpoint's, where the device runs "
+    "it natively), float32, bfloat16, float16 (env MIMO_TTS_DTYPE).")]
 TokDtype = Annotated[str | None, typer.Option(
-    rich_help_panel=DEV, help="Tokenizer dtype (float32 on CPU, bfloat16 on GPU).")]
+    rich_help_panel=DEV, help="Tokenizer dtype: auto (default), float32, bfloat16, float16 "
+    "(env MIMO_TTS_TOKENIZER_DTYPE).")]
+NoMemoryCheck = Annotated[bool | None, typer.Option(
+    "--no-memory-check", rich_help_panel=DEV, show_default=False,
+    help="Load even when the memory preflight says the run does not fit (exit 4 otherwise).")]
 LmThreads = Annotated[int | None, typer.Option(
     rich_help_panel=DEV, help="CPU threads for Stage-0 (default: torch's; --stream on one CPU "
     "splits the cores between the stages).")]
@@ -212,6 +224,7 @@ def synth(
     dtype: Dtype = None,
     tokenizer_dtype: TokDtype = None,
     cuda_graph: Graph = None,
+    no_memory_check: NoMemoryCheck = None,
     lm_threads: LmThreads = None,
     tokenizer_threads: TokThreads = None,
     seed: Annotated[int | None, typer.Option(rich_help_panel=GEN,
@@ -299,7 +312,12 @@ def _preflight(reporter: Reporter, flags: dict, config: str | None) -> int:
     missing = [c for c in report["checkpoints"].values() if c["status"].startswith("missing")]
     for entry in missing:
         reporter.error(entry["status"].removeprefix("missing: "))
-    return EXIT_CHECKPOINT if missing else EXIT_OK
+    if missing:
+        return EXIT_CHECKPOINT
+    if report.get("memory_error") and not flags.get("no_memory_check"):
+        reporter.error(report["memory_error"])
+        return EXIT_DEVICE
+    return EXIT_OK
 
 
 @app.command()
@@ -307,11 +325,12 @@ def devices(
     model: Model = None, tokenizer: Tokenizer = None, lm_device: LmDevice = None,
     tokenizer_device: TokDevice = None, dtype: Dtype = None, tokenizer_dtype: TokDtype = None,
     cuda_graph: Graph = None, engine: EngineName = None, config: Config = None,
-    as_json: AsJson = False, debug: Debug = False,
+    no_memory_check: NoMemoryCheck = None, as_json: AsJson = False, debug: Debug = False,
 ) -> None:
     """Preflight: devices (and why), CUDA, graph policy, checkpoints, memory, Stage-0 engine.
 
-    Loads no weights. Exits 3 when a checkpoint is missing, 4 on a bad device.
+    Loads no weights. Exits 3 when a checkpoint is missing, 4 on a bad device or when the
+    default run would not fit in memory.
     """
     flags = dict(locals())
     reporter = Reporter(as_json=as_json, debug=debug)

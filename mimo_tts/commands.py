@@ -86,7 +86,9 @@ def summary(results: list[ItemResult], runner: BatchRunner, elapsed: float) -> s
 
 
 def preflight_report(flags: Mapping[str, object], config: str | None) -> dict:
-    return preflight(settings_for(flags, config))
+    """The preflight of the run these flags describe (`--text` values size the memory plan)."""
+    texts = [t for t in flags.get("text") or [] if t != "-"]
+    return preflight(settings_for(flags, config), texts)
 
 
 # --- decode -------------------------------------------------------------------------------------

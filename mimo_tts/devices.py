@@ -20,12 +20,17 @@ from mimo_tts.errors import DeviceError, UsageError
 TOKENIZER_DEVICE_ENV = "MIMO_AUDIO_TOKENIZER_DEVICE"
 CUDA_GRAPH_ENV = "MIMO_AUDIO_TOKENIZER_CUDA_GRAPH"
 LM_DEVICE_ENV = "MIMO_TTS_LM_DEVICE"
+DTYPE_ENV = "MIMO_TTS_DTYPE"
+TOKENIZER_DTYPE_ENV = "MIMO_TTS_TOKENIZER_DTYPE"
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda|mps)(?::(.*))?$")
 _FALSE = {"0", "false", "no", "off"}
 _TRUE = {"1", "true", "yes", "on"}
 DTYPES = ("float32", "bfloat16", "float16")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # memory estimates
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# CPU flags (Linux /proc/cpuinfo) with native bfloat16 matmuls: oneDNN and our C kernel use them.
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,8 @@ class Probe:
     cuda_count: int
     cuda_current: int
     mps: bool
+    cpu_bf16: tuple[str, ...] = ()  # the CPU's native bfloat16 flags (CPU_BF16_FLAGS found)
+    cuda_bf16: bool = True  # whether the current CUDA device computes bfloat16 natively
 
     @staticmethod
     def detect() -> Probe:
@@ -43,14 +50,30 @@ class Probe:
         Importing torch costs seconds; `mimo-tts devices` and `--dry-run` must not pay it on a
         CPU-only machine (issue 5, start-up).
         """
+        cpu = cpu_bf16_flags()
         if "torch" not in sys.modules and not accelerator_possible():
-            return Probe(cuda_count=0, cuda_current=0, mps=False)
+            return Probe(cuda_count=0, cuda_current=0, mps=False, cpu_bf16=cpu)
         import torch
 
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         current = torch.cuda.current_device() if count else 0
         mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
-        return Probe(cuda_count=count, cuda_current=current, mps=mps)
+        bf16 = bool(count) and torch.cuda.is_bf16_supported(including_emulation=False)
+        return Probe(cuda_count=count, cuda_current=current, mps=mps, cpu_bf16=cpu,
+                     cuda_bf16=bf16)
+
+
+def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, ...]:
+    """The native-bfloat16 flags of this CPU (empty off Linux or without them); no torch."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    present = set(line.split(":", 1)[-1].split())
+                    return tuple(f for f in CPU_BF16_FLAGS if f in present)
+    except OSError:
+        pass
+    return ()
 
 
 # Traces a GPU driver leaves on Linux: NVIDIA (/proc, /dev/nvidia*), WSL2 (/dev/dxg) and ROCm
@@ -199,18 +222,54 @@ def resolve_cuda_graph(device: str, flag: bool | None = None, config=None, env=N
     return Choice(wanted, picked[1] if picked else "default")
 
 
-def resolve_dtype(flag: str | None, config: str | None, device: str, stage: str) -> Choice:
-    """float32 on CPU by default (exact to the reference); bfloat16 on accelerators."""
-    picked = _pick(flag, None, {}, config)
-    if picked is None:
-        return Choice("float32" if device == "cpu" else "bfloat16", "default")
-    value, source = picked
-    name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(
-        str(value).lower(), str(value).lower()
-    )
+def dtype_name(value: object, what: str, source: str) -> str:
+    """Canonical dtype name (float32, bfloat16, float16) from a name or a short form."""
+    name = str(value).strip().lower()
+    name = DTYPE_ALIASES.get(name, name)
     if name not in DTYPES:
-        raise UsageError(f"invalid {stage} dtype {_describe(str(value), source)}: use {DTYPES}")
-    return Choice(name, source)
+        raise UsageError(f"invalid {what} dtype {_describe(str(value), source)}: use auto, "
+                         f"{', '.join(DTYPES)}")
+    return name
+
+
+def auto_dtype(checkpoint: str | None, device: str, probe: Probe | None = None) -> Choice:
+    """The checkpoint's own dtype where the device computes it natively, else the nearest.
+
+    A float32 checkpoint (the tiny ones) stays float32, so fixture comparisons stay exact. A
+    bfloat16 checkpoint (the published LM) runs in bfloat16 on CPUs with AVX512-BF16 or AMX and
+    on GPUs with bf16 support, in float16 on older GPUs and in float32 on other CPUs.
+    """
+    if checkpoint is None:
+        return Choice("float32", "default (checkpoint dtype unknown)")
+    name = DTYPE_ALIASES.get(str(checkpoint).lower(), str(checkpoint).lower())
+    if name not in DTYPES or name == "float32":
+        return Choice("float32", f"checkpoint (torch_dtype {checkpoint})")
+    probe = probe or Probe.detect()
+    if device == "cpu":
+        if probe.cpu_bf16:
+            return Choice("bfloat16", f"checkpoint (torch_dtype {name}; the CPU has "
+                                      f"{'/'.join(probe.cpu_bf16)})")
+        return Choice("float32", f"device (torch_dtype {name}, but the CPU has no "
+                                 "AVX512-BF16/AMX: float32)")
+    if device.startswith("cuda") and name == "bfloat16" and not probe.cuda_bf16:
+        return Choice("float16", "device (torch_dtype bfloat16, but the GPU has no bf16: float16)")
+    return Choice(name, f"checkpoint (torch_dtype {name})")
+
+
+def resolve_dtype(flag: str | None, config: str | None, device: str, stage: str,
+                  checkpoint: str | None = None, env: Mapping[str, str] | None = None,
+                  probe: Probe | None = None) -> Choice:
+    """flag > env > profile > auto; "auto" (the default) is `auto_dtype` of the checkpoint."""
+    env = os.environ if env is None else env
+    env_name = DTYPE_ENV if stage == "LM" else TOKENIZER_DTYPE_ENV
+    picked = _pick(flag, env_name, env, config)
+    if picked is None or str(picked[0]).strip().lower() == "auto":
+        auto = auto_dtype(checkpoint, device, probe)
+        if picked is None:
+            return auto
+        return Choice(auto.value, f"{picked[1]} auto: {auto.source}")
+    value, source = picked
+    return Choice(dtype_name(value, stage, source), source)
 
 
 @dataclass(frozen=True)
@@ -239,18 +298,29 @@ def resolve_placement(
     profile: Mapping[str, object] | None = None,
     env: Mapping[str, str] | None = None,
     probe: Probe | None = None,
+    checkpoint_dtypes: tuple[str | None, str | None] = (None, None),
 ) -> Placement:
-    """Resolve every placement choice at once from flags, env, a profile and defaults."""
+    """Resolve every placement choice at once from flags, env, a profile and defaults.
+
+    `checkpoint_dtypes` are the LM's and the tokenizer's `torch_dtype` (config.json), which the
+    automatic dtype follows.
+    """
     profile = profile or {}
     lm = resolve_lm_device(lm_device, profile.get("lm_device"), env, probe)
     tok = resolve_tokenizer_device(tokenizer_device, profile.get("tokenizer_device"), env, probe)
+    lm_ckpt, tok_ckpt = checkpoint_dtypes
     return Placement(
         lm_device=lm,
         tokenizer_device=tok,
-        lm_dtype=resolve_dtype(dtype, profile.get("dtype"), lm.value, "LM"),
-        tokenizer_dtype=resolve_dtype(
-            tokenizer_dtype, profile.get("tokenizer_dtype"), tok.value, "tokenizer"
-        ),
+        lm_dtype=resolve_dtype(dtype, profile.get("dtype"), lm.value, "LM", lm_ckpt, env, probe),
+        tokenizer_dtype=resolve_dtype(tokenizer_dtype, profile.get("tokenizer_dtype"), tok.value,
+                                      "tokenizer", tok_ckpt, env, probe),
         cuda_graph=resolve_cuda_graph(tok.value, cuda_graph, profile.get("cuda_graph"), env),
     )
 
+
+def torch_dtype(name: str):
+    """The torch dtype of a name or short form (float32, bf16, ...)."""
+    import torch
+
+    return getattr(torch, dtype_name(name, "torch", "argument"))

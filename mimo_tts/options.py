@@ -17,9 +17,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from mimo_tts.checkpoints import pick_names
+from mimo_tts.checkpoints import checkpoint_dtype, pick_names
 from mimo_tts.devices import Placement, resolve_placement
-from mimo_tts.errors import UsageError
+from mimo_tts.errors import MimoTTSError, UsageError
 from mimo_tts.io import FORMATS, SAMPLE_RATE
 from mimo_tts.lm.config import MAX_GROUPS
 from mimo_tts.tasks import TASKS
@@ -132,6 +132,9 @@ class EngineOptions:
     # default, except that streaming with both stages on the CPU splits the cores between them.
     lm_threads: int | None = None
     tokenizer_threads: int | None = None
+    # Skip the memory preflight (mimo_tts.memory) that refuses, with exit 4, a run whose
+    # estimate exceeds the available memory.
+    no_memory_check: bool = False
     # vLLM settings stay None unless given (None: VLLMOptions' defaults, see lm/vllm/launch.py).
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None
@@ -240,10 +243,21 @@ def resolve(flags: Mapping[str, object], profile: Mapping[str, object] | None = 
             groups[name] = cls(**values)
     except TypeError as exc:
         raise UsageError(f"bad option value: {exc}") from None
+    try:
+        lm, tok = pick_names(flags.get("model"), flags.get("tokenizer"), profile, env)
+        error = None
+    except MimoTTSError as exc:  # raised after the placement's own errors, as before
+        lm = tok = None
+        error = exc
+    # `--dtype auto` follows the checkpoints' own torch_dtype (config.json)
+    dtypes = (None, None) if error else (checkpoint_dtype(*lm, "model", env),
+                                         checkpoint_dtype(*tok, "tokenizer", env))
     placement = resolve_placement(*(flags.get(name) for name in PLACEMENT_FIELDS),
-                                  profile=profile, env=env, probe=probe)
+                                  profile=profile, env=env, probe=probe,
+                                  checkpoint_dtypes=dtypes)
+    if error:
+        raise error
     sources.update({name: choice.source for name, choice in vars(placement).items()})
-    lm, tok = pick_names(flags.get("model"), flags.get("tokenizer"), profile, env)
     download, sources["allow_download"] = _pick("allow_download", flags, profile)
     sources.update({"model": lm[1], "tokenizer": tok[1]})
     return Settings(**groups, placement=placement,

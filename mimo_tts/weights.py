@@ -133,17 +133,58 @@ def _read_converted(directory: str | Path, names: set[str], expected: dict) -> d
     return out
 
 
-def load_module_weights(module, directory: str | Path, where: str, ignore=()) -> None:
+def _read_stacked(directory: str | Path, names: list[str], rows: int, dtype, device) -> object:
+    """The tensors `names` (same trailing shape) stacked by rows into one new tensor on
+    `device`, each read through its own short-lived mapping: once the stack is built, only the
+    stack's pages count, never the source's."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    located: dict[str, Path] = {}
+    for path in weight_files(directory):
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            located.update((k, path) for k in handle.keys() if k in names)
+    out, row = None, 0
+    for name in names:
+        try:
+            with safe_open(str(located[name]), framework="pt", device="cpu") as handle:
+                part = handle.get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(
+                f"corrupt or truncated safetensors file {located[name]}: {exc}") from None
+        if out is None:
+            out = torch.empty((rows, *part.shape[1:]), dtype=dtype, device=device)
+        out[row : row + part.shape[0]].copy_(part)
+        row += part.shape[0]
+        del part
+    return out
+
+
+def load_module_weights(module, directory: str | Path, where: str, ignore=(),
+                        stacked=(), device="cpu") -> dict:
     """Load a checkpoint into a module built on the meta device (strict, by official names).
 
     Tensors already in the module's dtype stay memory-mapped (no copy; pages are read on first
     use). The others (e.g. a float32 checkpoint loaded as bfloat16) are read and converted one by
     one, so peak memory stays near the loaded weights' size.
+
+    `stacked` lists groups of tensor names that the module fuses (q/k/v, gate/up): those are
+    checked like the rest but not assigned; each group is read straight into one tensor on
+    `device` (see `_read_stacked`) and returned by group (a tuple of names), for the module to
+    install. Copying them out of the shared mapping instead would keep both copies resident.
     """
     found = load_tensors(directory)  # memory-mapped: nothing is read yet
     expected = module.state_dict()
     used = check_state_dict(expected, found, where, ignore)
-    convert = {k for k, v in used.items() if v.dtype != expected[k].dtype}
+    groups = [tuple(g) for g in stacked]
+    skipped = {name for group in groups for name in group}
+    convert = {k for k, v in used.items() if v.dtype != expected[k].dtype and k not in skipped}
     if convert:
         used.update(_read_converted(directory, convert, expected))
-    module.load_state_dict(used, strict=True, assign=True)
+    stacks = {g: _read_stacked(directory, list(g), sum(used[n].shape[0] for n in g),
+                               expected[g[0]].dtype, device) for g in groups}
+    missing, unexpected = module.load_state_dict(
+        {k: v for k, v in used.items() if k not in skipped}, strict=False, assign=True)
+    if set(missing) != skipped or unexpected:
+        raise CheckpointError(f"{where}: tensors left unloaded: {_summary(set(missing) ^ skipped)}")
+    return stacks

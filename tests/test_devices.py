@@ -7,9 +7,12 @@ import pytest
 from mimo_tts import devices
 from mimo_tts.devices import (
     CUDA_GRAPH_ENV,
+    DTYPE_ENV,
     LM_DEVICE_ENV,
     TOKENIZER_DEVICE_ENV,
+    TOKENIZER_DTYPE_ENV,
     Probe,
+    cpu_bf16_flags,
     normalize_device,
     resolve_cuda_graph,
     resolve_dtype,
@@ -65,13 +68,15 @@ def test_lm_device_has_its_own_env_var():
 def test_placement_records_every_source():
     placement = resolve_placement(
         lm_device="cuda:0", profile={"tokenizer_device": "cpu", "cuda_graph": True},
-        env={}, probe=TWO_GPUS,
+        env={}, probe=TWO_GPUS, checkpoint_dtypes=("bfloat16", "float32"),
     )
     described = placement.describe()
     assert described["lm_device"] == {"value": "cuda:0", "source": "flag"}
     assert described["tokenizer_device"] == {"value": "cpu", "source": "config"}
-    assert described["tokenizer_dtype"] == {"value": "float32", "source": "default"}
-    assert described["lm_dtype"] == {"value": "bfloat16", "source": "default"}
+    assert described["tokenizer_dtype"] == {"value": "float32",
+                                            "source": "checkpoint (torch_dtype float32)"}
+    assert described["lm_dtype"] == {"value": "bfloat16",
+                                     "source": "checkpoint (torch_dtype bfloat16)"}
     assert described["cuda_graph"]["value"] is False
 
 
@@ -171,13 +176,56 @@ def test_unrecognised_graph_value_is_an_error(bad):
 # --- dtypes -------------------------------------------------------------------------------------
 
 
-def test_dtype_defaults_and_aliases():
-    assert resolve_dtype(None, None, "cpu", "LM").value == "float32"
-    assert resolve_dtype(None, None, "cuda:0", "LM").value == "bfloat16"
-    assert resolve_dtype("bf16", "float32", "cpu", "LM").value == "bfloat16"
-    assert resolve_dtype(None, "fp16", "cpu", "LM").source == "config"
+def test_dtype_flags_profile_and_aliases():
+    assert resolve_dtype("bf16", "float32", "cpu", "LM", env={}).value == "bfloat16"
+    assert resolve_dtype(None, "fp16", "cpu", "LM", env={}).source == "config"
     with pytest.raises(UsageError, match="int8"):
-        resolve_dtype("int8", None, "cpu", "LM")
+        resolve_dtype("int8", None, "cpu", "LM", env={})
+
+
+BF16_CPU = Probe(cuda_count=0, cuda_current=0, mps=False, cpu_bf16=("avx512_bf16",))
+OLD_GPU = Probe(cuda_count=1, cuda_current=0, mps=False, cuda_bf16=False)
+
+
+@pytest.mark.parametrize(("checkpoint", "device", "probe", "value", "why"), [
+    ("float32", "cpu", BF16_CPU, "float32", "checkpoint (torch_dtype float32)"),  # tiny ones
+    ("float32", "cuda:0", TWO_GPUS, "float32", "checkpoint"),
+    ("bfloat16", "cpu", BF16_CPU, "bfloat16", "the CPU has avx512_bf16"),
+    ("bfloat16", "cpu", NO_GPU, "float32", "device (torch_dtype bfloat16, but the CPU has no"),
+    ("bfloat16", "cuda:0", TWO_GPUS, "bfloat16", "checkpoint (torch_dtype bfloat16)"),
+    ("bfloat16", "cuda:0", OLD_GPU, "float16", "the GPU has no bf16"),
+    ("float16", "cuda:0", TWO_GPUS, "float16", "checkpoint"),
+    ("float16", "cpu", BF16_CPU, "bfloat16", "the CPU has"),
+    (None, "cpu", BF16_CPU, "float32", "checkpoint dtype unknown"),
+])
+def test_auto_dtype_follows_checkpoint_and_device(checkpoint, device, probe, value, why):
+    choice = resolve_dtype(None, None, device, "LM", checkpoint, env={}, probe=probe)
+    assert choice.value == value
+    assert why in choice.source
+    assert resolve_dtype("auto", None, device, "LM", checkpoint, env={}, probe=probe).value == value
+
+
+def test_dtype_precedence_flag_env_profile_auto():
+    env = {DTYPE_ENV: "float16", TOKENIZER_DTYPE_ENV: "bf16"}
+    lm = resolve_dtype(None, "float32", "cpu", "LM", "bfloat16", env=env, probe=BF16_CPU)
+    assert (lm.value, lm.source) == ("float16", f"env {DTYPE_ENV}")
+    tok = resolve_dtype(None, None, "cpu", "tokenizer", "float32", env=env, probe=BF16_CPU)
+    assert (tok.value, tok.source) == ("bfloat16", f"env {TOKENIZER_DTYPE_ENV}")
+    flag = resolve_dtype("float32", None, "cpu", "LM", "bfloat16", env=env, probe=BF16_CPU)
+    assert (flag.value, flag.source) == ("float32", "flag")  # upcasting stays possible
+    profile = resolve_dtype(None, "auto", "cpu", "LM", "bfloat16", env={}, probe=BF16_CPU)
+    assert profile.value == "bfloat16" and profile.source.startswith("config auto:")
+    with pytest.raises(UsageError, match=f"env {DTYPE_ENV}"):
+        resolve_dtype(None, None, "cpu", "LM", None, env={DTYPE_ENV: "fp8"}, probe=BF16_CPU)
+
+
+def test_cpu_bf16_flags_read_from_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f amx_bf16 avx512_bf16\n")
+    assert cpu_bf16_flags(str(info)) == ("avx512_bf16", "amx_bf16")
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx2\n")
+    assert cpu_bf16_flags(str(info)) == ()
+    assert cpu_bf16_flags(str(tmp_path / "missing")) == ()
 
 
 def test_detect_probe_matches_torch():

@@ -35,6 +35,8 @@ LogitsHook = Callable[[int, Tensor], Tensor]
 LocalLogits = Callable[[Tensor, int, Sequence[int]], list[Tensor]]
 # How decode steps run (GenerationOptions.decode_step); see mimo_tts/lm/graph.py.
 DECODE_STEPS = ("auto", "eager", "graph", "static")
+# Backbone cache slots a prefill allocates past the prompt (~41 s of audio); more on demand.
+FIRST_NEW_SLOTS = 256
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,21 @@ class BatchState:
     valid: Tensor | None = None  # [B, S] key mask, only when rows are padded
     stop_ids: list[int] = field(default_factory=list)
 
+    @property
+    def limit(self) -> int:
+        """Cache slots the longest row can ever need: the prompt plus its budget."""
+        return self.prompt_len + max(self.budgets)
+
+    def reserve(self, slots: int) -> None:
+        """Grow the backbone cache (and the key mask) to hold `slots` positions."""
+        if slots <= self.cache.length:
+            return
+        self.cache.reserve(slots, self.limit)
+        if self.valid is not None:
+            grown = self.valid.new_zeros(self.valid.shape[0], self.cache.length)
+            grown[:, : self.valid.shape[1]] = self.valid
+            self.valid = grown
+
 
 def split_prompt(model: MiMoAudioLM, ids: Tensor, empty_token: int) -> tuple[Tensor, Tensor]:
     """Prompt ids [1 + K, F * G] -> text ids [G] and codes [G, F, K] (spec §4.2), checked."""
@@ -157,7 +174,8 @@ def prefill(model: MiMoAudioLM, prompts: Sequence[Tensor], options: GenerationOp
         padded[row, width - e.shape[0]:] = e
     lengths = torch.tensor(sizes, device=device).unsqueeze(1)
     positions = (torch.arange(width, device=device) - (width - lengths)).clamp(min=0)  # [B, G]
-    dtype, span = padded.dtype, width + max(budgets)
+    # The cache holds the prompt and the first new groups; `BatchState.reserve` grows it.
+    dtype, span = padded.dtype, width + min(max(budgets), FIRST_NEW_SLOTS)
     cache = KVCache(model.cfg.backbone, b, span, dtype=dtype, device=device)
     local = KVCache(model.cfg.patch_decoder, b, model.cfg.local_steps, dtype=dtype, device=device)
     valid, mask = None, None
@@ -240,6 +258,7 @@ def _advance(model, state: BatchState, step: int, tokens: Tensor, codes: Tensor,
         state.hidden = decoder.backbone_step(embeds, state.lengths + step, slot)
         return
     mask = None
+    state.reserve(slot + 1)
     if state.valid is not None:
         state.valid[:, slot] = True
         mask = state.valid[:, None, None, : slot + 1]  # [B, 1, 1, S]: a view, no copy
@@ -256,6 +275,7 @@ def _decoder(model, state: BatchState, options: GenerationOptions) -> StaticDeco
                          f"{state.hidden.device}")
     if mode == "eager" or (mode == "auto" and not cuda):
         return None
+    state.reserve(state.limit)  # static shapes: the whole generation's cache, once
     return StaticDecoder(model, state.cache, state.local_cache, state.valid, state.prompt_len,
                          capture=mode != "static", strict=mode == "graph")
 

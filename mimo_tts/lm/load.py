@@ -26,8 +26,8 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu",
             dtype: torch.dtype | str = torch.float32, *, fuse: bool = True,
             cpu_kernel: str | None = None) -> MiMoAudioLM:
     """Build the LM on the meta device, load it strictly, move it to `device` in `dtype`,
-    then (`fuse`) fuse q/k/v, gate/up and the channel heads in place (no extra memory) and,
-    on CPU, run the patch decoder's steps through the fused C kernel (mimo_tts/lm/cpu_kernel.py)
+    with (`fuse`) q/k/v, gate/up and the channel heads fused as they load (no extra memory)
+    and, on CPU, the patch decoder's steps in the fused C kernel (mimo_tts/lm/cpu_kernel.py)
     as `cpu_kernel` says: "auto", "on" or "off" (None: MIMO_TTS_CPU_KERNEL, else "auto")."""
     dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if dtype not in DTYPES.values():
@@ -36,13 +36,19 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu",
     with torch.device("meta"):
         model = MiMoAudioLM(cfg)
     model = model.to(dtype)  # the meta parameters carry the target dtype for the load below
-    load_module_weights(model, path, f"LM checkpoint {path}", ignore=IGNORED)
+    groups = model.fusion_groups() if fuse else {}
+    stacked = [*groups, *(biases for _, biases in groups.values() if biases)]
     try:
+        # q/k/v and gate/up are read straight into their fused tensors on the device; the rest
+        # stays memory-mapped (zero-copy when the dtypes agree) until moved.
+        stacks = load_module_weights(model, path, f"LM checkpoint {path}", ignore=IGNORED,
+                                     stacked=stacked, device=device)
+        if fuse:
+            model.fuse_weights(stacks)
         # Derived buffers are still meta here: rebuild them first, then move the weights.
         model.build_buffers(torch.device(device))
         model = model.to(device=device)
         if fuse:
-            model.fuse_weights()
             model.use_cpu_kernel(cpu_kernel or mode_from_env())
     except (RuntimeError, AssertionError) as exc:  # bad index, OOM, CUDA unavailable
         raise DeviceError(f"cannot place the LM on {device}: {exc}") from None

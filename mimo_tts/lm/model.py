@@ -81,12 +81,15 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-def fuse_linears(parts: Sequence[nn.Linear]) -> tuple[Tensor, Tensor | None]:
+def fuse_linears(parts: Sequence[nn.Linear], weight: Tensor | None = None,
+                 bias: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Stack the parts' weights (and biases) by rows into one tensor; each part's parameters
-    become views of it, so checkpoint names and state_dict() stay as they were."""
-    weight = torch.cat([p.weight.detach() for p in parts])
+    become views of it, so checkpoint names and state_dict() stay as they were. `weight` and
+    `bias` are the stacks already read by the loader (the parts are still meta then)."""
     has_bias = parts[0].bias is not None
-    bias = torch.cat([p.bias.detach() for p in parts]) if has_bias else None
+    if weight is None:
+        weight = torch.cat([p.weight.detach() for p in parts])
+        bias = torch.cat([p.bias.detach() for p in parts]) if has_bias else None
     start = 0
     for part in parts:
         end = start + part.weight.shape[0]
@@ -98,10 +101,13 @@ def fuse_linears(parts: Sequence[nn.Linear]) -> tuple[Tensor, Tensor | None]:
 
 
 class KVCache:
-    """Preallocated keys/values of one stack: [layers, B, H_kv, S, D].
+    """Keys/values of one stack: [layers, B, H_kv, S, D], S slots allocated so far.
 
-    Shapes never change after allocation, so a decode step can be captured in a CUDA graph;
-    a call on fewer rows than allocated uses the first rows (the patch decoder's audio subset).
+    A prefill allocates what the prompt and the first new groups need; `reserve` grows S (one
+    copy, amortised by doubling up to the generation's limit), so a short run never holds a
+    cache sized for the longest possible one. Shapes never change between `reserve` calls, so a
+    decode step can be captured in a CUDA graph once the cache is reserved in full; a call on
+    fewer rows than allocated uses the first rows (the patch decoder's audio subset).
     """
 
     def __init__(self, cfg: TransformerConfig, batch: int, length: int, *, dtype, device):
@@ -112,6 +118,20 @@ class KVCache:
     @property
     def length(self) -> int:
         return self.k.shape[3]
+
+    def reserve(self, length: int, limit: int | None = None) -> None:
+        """Make at least `length` slots (doubling, but never past `limit`); keeps the contents."""
+        if length <= self.length:
+            return
+        target = max(length, 2 * self.length)
+        if limit is not None:
+            target = max(length, min(target, limit))
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:3], target, old.shape[4])
+            new[:, :, :, : old.shape[3]] = old
+            setattr(self, name, new)
+            del old
 
     def update(self, layer: int, slot: int | Tensor, span: int, k: Tensor, v: Tensor):
         """Write k/v [n, H_kv, L, D] at slot..slot+L; return the first `span` cached positions.
@@ -144,8 +164,11 @@ class Attention(nn.Module):
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
 
-    def fuse(self) -> None:
-        self.qkv_weight, self.qkv_bias = fuse_linears((self.q_proj, self.k_proj, self.v_proj))
+    PARTS = ("q_proj", "k_proj", "v_proj")
+
+    def fuse(self, weight: Tensor | None = None, bias: Tensor | None = None) -> None:
+        self.qkv_weight, self.qkv_bias = fuse_linears(
+            [getattr(self, name) for name in self.PARTS], weight, bias)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None,
                 slot: int | Tensor, span: int, mask: Tensor | None) -> Tensor:
@@ -179,8 +202,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(ffn_dim, dim, bias=False)
         self.register_buffer("gate_up_weight", None, persistent=False)  # [2 * ffn, dim]
 
-    def fuse(self) -> None:
-        self.gate_up_weight, _ = fuse_linears((self.gate_proj, self.up_proj))
+    PARTS = ("gate_proj", "up_proj")
+
+    def fuse(self, weight: Tensor | None = None, bias: Tensor | None = None) -> None:
+        self.gate_up_weight, _ = fuse_linears([self.gate_proj, self.up_proj], weight)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_up_weight is None:
@@ -260,8 +285,8 @@ class ChannelHeads(nn.ModuleList):
         self.offsets = [sum(self.sizes[:c]) for c in range(len(self.sizes) + 1)]
         self.register_buffer("fused", None, persistent=False)  # [sum(sizes), dim]
 
-    def fuse(self) -> None:
-        self.fused, _ = fuse_linears(list(self))
+    def fuse(self, weight: Tensor | None = None, bias: Tensor | None = None) -> None:
+        self.fused, _ = fuse_linears(list(self), weight)
 
     def logits(self, channels: Sequence[int], hidden: Tensor) -> list[Tensor]:
         """hidden [n, dim] -> raw float32 logits [n, V_c] for each channel, in order."""
@@ -323,15 +348,35 @@ class MiMoAudioLM(nn.Module):
             torch.tensor([[t]], device=device) for t in range(self.cfg.local_steps)
         ]
 
-    def fuse_weights(self) -> None:
+    def fusion_groups(self) -> dict[tuple[str, ...], tuple[nn.Module, tuple[str, ...] | None]]:
+        """Every fused matrix: its parts' weight names -> (owner, its parts' bias names)."""
+        groups = {}
+        for name, module in self.named_modules():
+            if isinstance(module, ChannelHeads):
+                parts = [str(c) for c in range(len(module))]
+            elif isinstance(module, (Attention, MLP)):
+                parts = list(module.PARTS)
+            else:
+                continue
+            biased = getattr(module, parts[0]).bias is not None
+            names = [f"{name}.{part}" for part in parts]
+            groups[tuple(f"{n}.weight" for n in names)] = (
+                module, tuple(f"{n}.bias" for n in names) if biased else None)
+        return groups
+
+    def fuse_weights(self, stacks: dict[tuple[str, ...], Tensor] | None = None) -> None:
         """Fuse q/k/v, gate/up and the channel heads in place, on the weights' final device.
 
-        The checkpoint-named parameters become views of the fused tensors. A later `.to()`
-        converts both (correct, but then no longer shared), so fuse after placing the model.
+        The checkpoint-named parameters become views of the fused tensors. `stacks` are the
+        fused tensors the loader read (by `fusion_groups` names: no copy, no second resident
+        copy); without them the parts are concatenated. A later `.to()` converts both
+        (correct, but then no longer shared), so fuse after placing the model.
         """
-        for stack in (self.model, self.input_local_transformer, self.local_transformer):
-            stack.fuse()
-        self.local_transformer_lm_heads.fuse()
+        for weights, (module, biases) in self.fusion_groups().items():
+            if stacks is None:
+                module.fuse()
+            else:
+                module.fuse(stacks[weights], None if biases is None else stacks[biases])
 
     def use_cpu_kernel(self, mode: str = "auto") -> bool:
         """Run the patch decoder's one-position steps on CPU through the fused C kernel
