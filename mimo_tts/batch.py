@@ -18,15 +18,15 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from mimo_tts import __version__, checkpoints, memory
+from mimo_tts import __version__, checkpoints
 from mimo_tts import io as mio
-from mimo_tts.errors import CheckpointError, MimoTTSError
+from mimo_tts.errors import MimoTTSError
 from mimo_tts.inputs import Item
 from mimo_tts.lm.vllm.launch import DEFAULT_MAX_NUM_SEQS, import_vllm_engine
 from mimo_tts.options import Settings
 from mimo_tts.overlap import chunk_cap
 from mimo_tts.pieces import Piece
-from mimo_tts.preflight import engine_record, lengths_for, memory_needs
+from mimo_tts.preflight import check_memory, engine_record, lengths_for
 from mimo_tts.results import ItemResult, fail
 
 # Per-item timings that are work (the rest describe the streaming overlap within them).
@@ -61,7 +61,8 @@ class BatchRunner:
 
             s = self.settings
             self.resolve()
-            plan, p = self.check_memory(), s.placement
+            plan = check_memory(s, self.resolve(), self.lengths, self.env, self.log)
+            p = s.placement
             self.log(f"LM dtype {p.lm_dtype.value} ({p.lm_dtype.source}); tokenizer dtype "
                      f"{p.tokenizer_dtype.value} ({p.tokenizer_dtype.source})")
             for entry in plan:
@@ -77,18 +78,6 @@ class BatchRunner:
                      f"tokenizer on {s.placement.tokenizer_device.value}; "
                      f"threads {self.threads}; engine {s.engine.engine})")
         return self.tts
-
-    def check_memory(self) -> list[dict]:
-        """The memory plan; refuses (DeviceError, exit 4) before loading a run that cannot fit."""
-        lm, tok = self.resolve()
-        try:
-            needs = memory_needs(self.settings, lm.path, tok.path, self.lengths)
-        except CheckpointError as exc:  # loading reports it, with the file at fault
-            self.log(f"memory preflight skipped: {exc}")
-            return []
-        if self.settings.engine.no_memory_check:
-            return memory.plan(needs, self.env)
-        return memory.check(needs, self.lengths, self.env)
 
     def close(self) -> None:
         """Shut the Stage-0 engine down (vLLM frees its memory); loading again is possible."""

@@ -38,6 +38,21 @@ def memory_needs(settings: Settings, lm_path: Path | None, tok_path: Path | None
     return needs
 
 
+def check_memory(settings: Settings, refs, lengths: memory.Lengths,
+                 env: Mapping[str, str] | None = None, log=None) -> list[dict]:
+    """The memory plan before loading; a run that cannot fit is refused (DeviceError, exit 4)
+    unless `no_memory_check`."""
+    lm, tok = refs
+    try:
+        needs = memory_needs(settings, lm.path, tok.path, lengths)
+    except CheckpointError as exc:  # loading reports it, with the file at fault
+        (log or (lambda message: None))(f"memory preflight skipped: {exc}")
+        return []
+    if settings.engine.no_memory_check:
+        return memory.plan(needs, env)
+    return memory.check(needs, lengths, env)
+
+
 def engine_record(settings: Settings, loaded: dict | None = None) -> dict:
     """The Stage-0 engine and its settings (sidecar, preflight); no vLLM import."""
     if settings.engine.engine != "vllm":
