@@ -18,7 +18,7 @@ from mimo_tts.batch import BatchRunner
 from mimo_tts.devices import resolve_placement
 from mimo_tts.errors import AudioCheckError, MimoTTSError, UsageError
 from mimo_tts.inputs import Item, read_items
-from mimo_tts.options import Settings, load_profile, resolve
+from mimo_tts.options import Settings, load_profile, place, resolve, resolve_options
 from mimo_tts.outputs import DirectorySink, FileSink, RawPcmSink, StdoutSink
 from mimo_tts.preflight import preflight
 from mimo_tts.results import ItemResult
@@ -38,15 +38,18 @@ def settings_for(flags: Mapping[str, object], config: str | None) -> Settings:
 
 
 def prepare_synth(flags: Mapping[str, object], config: str | None, stdin, log):
-    """Settings, items and a BatchRunner; usage errors up front."""
-    settings = settings_for(flags, config)
-    _check(not (flags.get("as_json") and settings.run.to_stdout),
+    """Settings, items and a BatchRunner; usage errors up front, then input errors, then
+    device and checkpoint-name errors."""
+    profile = load_profile(config)
+    settings = resolve_options(flags, profile)
+    run = settings.run
+    _check(not (flags.get("as_json") and run.to_stdout),
            "--json prints to stdout, which -o - / --raw already use")
     items = read_items(flags.get("text") or [], flags.get("input") or [], stdin)
     _check(bool(items), "nothing to say: give --text, --input FILE or --input -")
-    run = settings.run
     _check(run.output is None or run.raw or len(items) == 1,
            f"-o/--output takes exactly one item, got {len(items)}; use --output-dir")
+    settings = place(settings, flags, profile, os.environ)
     return items, settings, BatchRunner(settings, log=log)
 
 

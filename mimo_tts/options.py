@@ -68,12 +68,6 @@ class SynthesisOptions:
     stream_mode: str = "incremental"
 
     def __post_init__(self):
-        spec = TASKS.get(self.task)
-        _check(spec is not None, f"unknown --task {self.task!r}; choose one of {', '.join(TASKS)}")
-        _check(not (self.prompt_audio and spec.prompt_audio == "none"),
-               f"--prompt-audio: task {spec.name} takes no voice prompt; use tts_sft_with_audio")
-        _check(not (self.instruct and spec.instruct == "none"),
-               f"--instruct: task {spec.name} takes no instruction; use tts_sft_with_instruct")
         _check(self.max_chars >= 0, "--max-chars must be >= 0 (0 disables splitting)")
         _check(self.seed >= 0, "--seed must be >= 0")
         _check(self.max_new_groups is None or self.max_new_groups >= 1,
@@ -92,6 +86,12 @@ class SynthesisOptions:
         for name in ("top_k", "audio_top_k"):
             _check(getattr(self, name) is None or getattr(self, name) >= 0, f"{name} must be >= 0")
         _check(self.template is None or self.template >= 0, "--template must be >= 0")
+        spec = TASKS.get(self.task)
+        _check(spec is not None, f"unknown --task {self.task!r}; choose one of {', '.join(TASKS)}")
+        _check(not (self.prompt_audio and spec.prompt_audio == "none"),
+               f"--prompt-audio: task {spec.name} takes no voice prompt; use tts_sft_with_audio")
+        _check(not (self.instruct and spec.instruct == "none"),
+               f"--instruct: task {spec.name} takes no instruction; use tts_sft_with_instruct")
 
     def sampler_settings(self) -> dict:
         """The sampler values as given (None: the task's default)."""
@@ -177,12 +177,16 @@ class RunOptions:
         _check(self.format in FORMATS, f"--format must be one of {', '.join(FORMATS)}")
         _check(self.sample_rate >= 8000, "--sample-rate must be at least 8000")
         _check(self.batch_size >= 1, "--batch-size must be >= 1")
+
+    def check_combinations(self) -> RunOptions:
+        """Flags that exclude each other (checked by `resolve` once every value is valid)."""
         _check(not (self.raw and self.output not in (None, "-")),
                "--raw writes PCM to stdout; it cannot be combined with -o FILE")
         _check(not (self.stream and self.batch_size > 1),
                "--stream generates one prompt at a time; drop --batch-size")
         _check(not (self.raw and self.sample_rate != SAMPLE_RATE),
                "--raw streams 24 kHz PCM; --sample-rate cannot be used with it")
+        return self
 
     @property
     def to_stdout(self) -> bool:
@@ -198,7 +202,8 @@ class CheckpointNames:
     allow_download: bool = False
 
 
-GROUPS = {"synthesis": SynthesisOptions, "engine": EngineOptions, "run": RunOptions}
+# Built in this order, so the first of several bad values is reported as before the split.
+GROUPS = {"run": RunOptions, "synthesis": SynthesisOptions, "engine": EngineOptions}
 PROFILE_KEYS = frozenset({f.name for cls in GROUPS.values() for f in fields(cls)}
                          | set(PLACEMENT_FIELDS) | set(CHECKPOINT_FIELDS))
 
@@ -222,14 +227,20 @@ class Settings:
                           if key in {f.name for f in fields(cls)}), None)
             _check(group is not None, f"unknown option {key!r}")
             groups[group] = replace(groups[group], **{key: value})
+        groups["run"].check_combinations()
         return replace(self, **groups)
 
 
 def resolve(flags: Mapping[str, object], profile: Mapping[str, object] | None = None,
             env: Mapping[str, str] | None = None, probe=None) -> Settings:
     """flag > env > profile > default for every option, in one pass (usage errors raised)."""
-    profile = dict(profile or {})
-    env = os.environ if env is None else env
+    return place(resolve_options(flags, profile), flags, profile, env, probe)
+
+
+def resolve_options(flags: Mapping[str, object],
+                    profile: Mapping[str, object] | None = None) -> Settings:
+    """The option groups alone (flag > profile > default); no placement or checkpoints yet."""
+    profile = profile or {}
     sources: dict[str, str] = {}
     groups = {}
     try:
@@ -243,6 +254,18 @@ def resolve(flags: Mapping[str, object], profile: Mapping[str, object] | None = 
             groups[name] = cls(**values)
     except TypeError as exc:
         raise UsageError(f"bad option value: {exc}") from None
+    groups["run"].check_combinations()
+    return Settings(**groups, sources=sources)
+
+
+def place(settings: Settings, flags: Mapping[str, object],
+          profile: Mapping[str, object] | None = None, env: Mapping[str, str] | None = None,
+          probe=None) -> Settings:
+    """Add the devices (flag > env > profile > default, `devices.py`) and the checkpoint names
+    (`checkpoints.pick_names`) to option groups from `resolve_options`."""
+    profile = profile or {}
+    env = os.environ if env is None else env
+    sources = dict(settings.sources)
     try:
         lm, tok = pick_names(flags.get("model"), flags.get("tokenizer"), profile, env)
         error = None
@@ -260,8 +283,8 @@ def resolve(flags: Mapping[str, object], profile: Mapping[str, object] | None = 
     sources.update({name: choice.source for name, choice in vars(placement).items()})
     download, sources["allow_download"] = _pick("allow_download", flags, profile)
     sources.update({"model": lm[1], "tokenizer": tok[1]})
-    return Settings(**groups, placement=placement,
-                    checkpoints=CheckpointNames(lm, tok, bool(download)), sources=sources)
+    return replace(settings, placement=placement,
+                   checkpoints=CheckpointNames(lm, tok, bool(download)), sources=sources)
 
 
 def _pick(name: str, flags: Mapping, profile: Mapping) -> tuple[object, str]:

@@ -49,8 +49,6 @@ def test_env_sits_between_flag_and_profile_for_devices_and_checkpoints(tmp_path)
     (SynthesisOptions, {"top_p": 1.5}, "top_p"),
     (SynthesisOptions, {"temperature": -1}, "temperature"),
     (RunOptions, {"sample_rate": 100}, "--sample-rate"),
-    (RunOptions, {"raw": True, "output": "x.wav"}, "--raw"),
-    (RunOptions, {"stream": True, "batch_size": 2}, "--stream"),
     (SynthesisOptions, {"max_new_groups": 0}, "--max-new-groups"),
     (SynthesisOptions, {"task": "nope"}, "unknown --task"),
     (SynthesisOptions, {"instruct": "calm"}, "takes no instruction"),
@@ -60,6 +58,18 @@ def test_env_sits_between_flag_and_profile_for_devices_and_checkpoints(tmp_path)
 def test_each_group_validates_itself(cls, change, match):
     with pytest.raises(UsageError, match=match):
         cls(**change)
+
+
+@pytest.mark.parametrize("values, match", [
+    ({"raw": True, "output": "x.wav"}, "--raw writes"),
+    ({"stream": True, "batch_size": 2}, "--stream"),
+    ({"raw": True, "sample_rate": 16000}, "--raw streams"),
+])
+def test_combinations_are_checked_once_every_value_is_valid(values, match):
+    with pytest.raises(UsageError, match=match):
+        resolve(values, env={}, probe=NO_GPU)
+    with pytest.raises(UsageError, match="top_p"):  # a bad value is reported first
+        resolve({**values, "top_p": 3.0}, env={}, probe=NO_GPU)
 
 
 def test_generation_options_come_from_the_task_spec():
