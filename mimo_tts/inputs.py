@@ -21,8 +21,8 @@ JSONL_FIELDS = {"id", "text", "instruct", "prompt_audio", "seed"}
 _RESERVED = {"con", "prn", "aux", "nul", *(f"com{i}" for i in range(10)),
              *(f"lpt{i}" for i in range(10))}
 _UNSAFE = re.compile(r"[^\w.\-]+")
-_SENTENCE_END = re.compile(r"(?<=[.!?;。！？；…])\s*")
-MAX_ID_CHARS = 80
+MAX_ID_BYTES = 120  # UTF-8 bytes of a file stem: with suffixes and temp prefixes < NAME_MAX 255
+MAX_SEED = 2**64 - 1  # torch generators take seeds in [0, 2**64)
 
 
 @dataclass
@@ -46,8 +46,9 @@ class Item:
 def sanitize_id(raw: str) -> str:
     """A safe file stem: no separators, no `..`, no reserved device names, bounded length."""
     text = unicodedata.normalize("NFC", str(raw)).strip()
-    text = _UNSAFE.sub("_", text).strip("._-")
-    text = re.sub(r"\.{2,}", ".", text)[:MAX_ID_CHARS].rstrip("._-")
+    text = _UNSAFE.sub("_", text).strip("._-")  # surrogates are not \w: they go too
+    text = re.sub(r"\.{2,}", ".", text)
+    text = text.encode("utf-8")[:MAX_ID_BYTES].decode("utf-8", errors="ignore").rstrip("._-")
     if not text:
         return "item"
     if text.split(".")[0].lower() in _RESERVED:
@@ -57,7 +58,7 @@ def sanitize_id(raw: str) -> str:
 
 def text_id(text: str) -> str:
     """A stable id for an item without one: a slug of the text plus a short content hash."""
-    digest = hashlib.sha1(text.encode("utf-8")).hexdigest()[:8]
+    digest = hashlib.sha1(text.encode("utf-8", errors="surrogatepass")).hexdigest()[:8]
     slug = sanitize_id(" ".join(text.split()[:6]))[:32].rstrip("._-")
     return f"{slug}-{digest}" if slug != "item" else f"item-{digest}"
 
@@ -66,6 +67,10 @@ def clean_text(text: str, where: str) -> str:
     """Collapse whitespace; refuse empty text and control characters (naming the position)."""
     if not isinstance(text, str):
         raise InputError(f"{where}: text must be a string, got {type(text).__name__}")
+    for pos, char in enumerate(text):
+        if unicodedata.category(char) == "Cs":  # \ud800 in JSON, or argv bytes not UTF-8
+            raise InputError(f"{where}: text is not valid Unicode (lone surrogate "
+                             f"U+{ord(char):04X} at {pos}: invalid UTF-8 or a broken escape)")
     text = unicodedata.normalize("NFC", text)
     for pos, char in enumerate(text):
         if unicodedata.category(char) == "Cc" and char not in "\t\n\r":
@@ -77,34 +82,85 @@ def clean_text(text: str, where: str) -> str:
 
 
 def split_text(text: str, max_chars: int) -> list[str]:
-    """Split long text on sentence boundaries into pieces of at most `max_chars` characters."""
+    """Split long text at sentence ends into pieces of at most `max_chars` characters.
+
+    Every piece is a slice of `text` (whitespace at a cut is dropped, nothing is added or
+    changed), so joining the pieces with the whitespace between them gives the text back. A
+    sentence ends at `.!?;…` followed by whitespace (not "3.5", "www.example.com" or an
+    abbreviation such as "p.m." or "Mr."), or at `。！？；`; closing quotes stay with it. A
+    sentence longer than the limit is cut at whitespace, then at a comma, else at the limit.
+    """
     if max_chars <= 0 or len(text) <= max_chars:
         return [text]
-    pieces: list[str] = []
-    current = ""
-    for sentence in filter(None, _SENTENCE_END.split(text)):
-        for part in _hard_split(sentence, max_chars):
-            joined = f"{current} {part}".strip() if current else part
-            if len(joined) <= max_chars:
-                current = joined
-            else:
-                pieces.append(current)
-                current = part
-    if current:
-        pieces.append(current)
-    return pieces
+    spans: list[tuple[int, int]] = []
+    for start, end in _sentences(text):
+        spans.extend(_hard_spans(text, start, end, max_chars))
+    pieces: list[tuple[int, int]] = []
+    for start, end in spans:
+        if pieces and end - pieces[-1][0] <= max_chars:
+            pieces[-1] = (pieces[-1][0], end)
+        else:
+            pieces.append((start, end))
+    return [text[a:b] for a, b in pieces]
 
 
-def _hard_split(sentence: str, max_chars: int) -> list[str]:
-    """A sentence longer than the limit is cut at spaces or commas, else at the limit."""
-    parts = []
-    while len(sentence) > max_chars:
-        window = sentence[:max_chars]
-        cut = max(window.rfind(" "), window.rfind(","), window.rfind("，"))
-        cut = cut + 1 if cut > 0 else max_chars
-        parts.append(sentence[:cut].strip())
-        sentence = sentence[cut:].strip()
-    return [p for p in [*parts, sentence] if p]
+_ASCII_END = re.compile(r"[.!?;…]+[\"'”’)\]]*(?=\s)")
+_CJK_END = re.compile(r"[。！？；]+[”’」』）)]*")
+# Lower-cased words that end in "." without ending a sentence (initials are caught apart).
+ABBREVIATIONS = frozenset(
+    "mr mrs ms dr prof sr jr st mt vs etc e.g i.e a.m p.m no nos inc ltd co corp fig figs approx "
+    "dept est vol ch sec cf al jan feb mar apr jun jul aug sep sept oct nov dec u.s u.k".split())
+
+
+def _sentence_ends(text: str) -> list[int]:
+    ends = [m.end() for m in _CJK_END.finditer(text)]
+    for match in _ASCII_END.finditer(text):
+        word = text[:match.start()].rsplit(None, 1)[-1] if text[:match.start()].strip() else ""
+        word = word.lstrip("(\"'“‘").lower()
+        if text[match.start()] == "." and (word in ABBREVIATIONS or (len(word) == 1
+                                                                      and word.isalpha())):
+            continue
+        ends.append(match.end())
+    return sorted(set(ends))
+
+
+def _sentences(text: str) -> list[tuple[int, int]]:
+    """(start, end) of each sentence, whitespace around it excluded."""
+    out, start = [], 0
+    for end in [*_sentence_ends(text), len(text)]:
+        span = _trim(text, start, end)
+        if span is not None:
+            out.append(span)
+        start = end
+    return out
+
+
+def _trim(text: str, start: int, end: int) -> tuple[int, int] | None:
+    while start < end and text[start].isspace():
+        start += 1
+    while end > start and text[end - 1].isspace():
+        end -= 1
+    return (start, end) if end > start else None
+
+
+def _hard_spans(text: str, start: int, end: int, max_chars: int) -> list[tuple[int, int]]:
+    """A sentence longer than the limit, cut at whitespace, commas, or the limit itself."""
+    spans = []
+    while end - start > max_chars:
+        window = text[start:start + max_chars + 1]  # a cut may fall just past the limit
+        cut = max(window.rfind(" "), window.rfind("\t"))
+        if cut <= 0:
+            cut = max(max(window.rfind(", "), window.rfind("，"), window.rfind("、")) + 1, 0)
+        cut = start + (cut if 0 < cut <= max_chars else max_chars)
+        span = _trim(text, start, cut)
+        if span is not None:
+            spans.append(span)
+        start = cut
+        while start < end and text[start].isspace():
+            start += 1
+    if end > start:
+        spans.append((start, end))
+    return spans
 
 
 # --- reading items ------------------------------------------------------------------------------
@@ -123,34 +179,47 @@ def read_items(texts: Iterable[str], inputs: Iterable[str], stdin=None) -> list[
 
 
 def _stdin_text(stdin) -> str:
-    stream = stdin or sys.stdin
-    if stream.isatty():
-        raise InputError("'-' reads from stdin, but stdin is a terminal; pipe text in")
-    return stream.read()
+    return _stdin_bytes(stdin, "'-' reads from stdin, but stdin is a terminal; pipe text in"
+                        ).decode("utf-8", errors="surrogateescape")  # clean_text refuses those
 
 
 def _read_input(name: str, stdin) -> list[Item]:
     if name == "-":
-        lines = _decode_lines(_stdin_bytes(stdin))
-        first = next((ln for ln in lines if ln.strip()), "")
-        as_jsonl = first.lstrip().startswith("{")
-        return _parse_lines(lines, "stdin", as_jsonl)
+        lines = _decode_lines(_stdin_bytes(
+            stdin, "--input - reads items from stdin, but stdin is a terminal"))
+        return _parse_lines(lines, "stdin", _looks_like_jsonl(lines))
     path = Path(name)
-    if not path.is_file():
+    if not path.exists():  # FIFOs, /dev/fd/N and /dev/stdin are read like files
         raise InputError(f"input file not found: {path}")
+    if path.is_dir():
+        raise InputError(f"input {path} is a directory, not a .txt or .jsonl file")
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise InputError(f"cannot read input file {path}: {exc.strerror}") from None
-    return _parse_lines(_decode_lines(data), path.name, path.suffix == ".jsonl")
+        raise InputError(f"cannot read input file {path}: {exc.strerror or exc}") from None
+    return _parse_lines(_decode_lines(data), path.name, path.suffix.lower() == ".jsonl")
 
 
-def _stdin_bytes(stdin) -> bytes:
-    stream = stdin or sys.stdin
-    if stream.isatty():
-        raise InputError("--input - reads items from stdin, but stdin is a terminal")
-    buffer = getattr(stream, "buffer", None)
-    return buffer.read() if buffer is not None else stream.read().encode("utf-8")
+def _looks_like_jsonl(lines: list[str]) -> bool:
+    """stdin holds JSON lines when its first non-blank line is a JSON object (not just "{")."""
+    first = next((ln for ln in lines if ln.strip()), "")
+    try:
+        return isinstance(json.loads(first), dict)
+    except (ValueError, TypeError):
+        return False
+
+
+def _stdin_bytes(stdin, on_terminal: str) -> bytes:
+    stream = stdin if stdin is not None else sys.stdin
+    try:
+        if stream is None or stream.closed:
+            raise InputError("stdin is closed; pipe the items in or use --text / --input FILE")
+        if stream.isatty():
+            raise InputError(on_terminal)
+        buffer = getattr(stream, "buffer", None)
+        return buffer.read() if buffer is not None else stream.read().encode("utf-8")
+    except (OSError, ValueError) as exc:  # a closed or unreadable descriptor
+        raise InputError(f"cannot read stdin: {exc}") from None
 
 
 def _decode_lines(data: bytes) -> list[str]:
@@ -197,21 +266,44 @@ def _jsonl_item(line: str, label: str, number: int) -> Item:
 
 def _make_item(raw_id, text, label: str, record: dict) -> Item:
     try:
+        if raw_id is not None and (isinstance(raw_id, bool) or not isinstance(raw_id, str | int)):
+            bad, raw_id = raw_id, f"line-{label.rsplit(':', 1)[-1]}"
+            raise InputError(f"{label}: id must be a string or an integer, got "
+                             f"{type(bad).__name__}")
         text = clean_text(text, label)
         seed = record.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise InputError(f"{label}: seed must be an integer >= 0, got {seed!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                                 or not 0 <= seed <= MAX_SEED):
+            raise InputError(f"{label}: seed must be an integer in [0, 2**64 - 1], "
+                             f"got {_short(seed)}")
         for key in ("instruct", "prompt_audio"):
             if record.get(key) is not None and not isinstance(record[key], str):
                 raise InputError(f"{label}: {key} must be a string")
         instruct = record.get("instruct")
         instruct = clean_text(instruct, f"{label} instruct") if instruct else None
+        if record.get("prompt_audio"):
+            _check_path(record["prompt_audio"], f"{label} prompt_audio")
     except InputError as exc:
         return _bad_item(str(raw_id) if raw_id is not None else text_id(str(text)), label, exc)
     item_id = sanitize_id(str(raw_id)) if raw_id is not None else text_id(text)
     return Item(id=item_id, text=text, source=label, instruct=instruct,
                 prompt_audio=record.get("prompt_audio"), seed=seed,
                 source_id=str(raw_id) if raw_id is not None else None)
+
+
+def _short(value, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _check_path(path: str, where: str) -> None:
+    """A path the OS can take: no lone surrogates beyond undecodable argv/JSON bytes."""
+    import os
+
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError:
+        raise InputError(f"{where}: the path is not valid Unicode (a lone surrogate)") from None
 
 
 def _bad_item(raw_id: str, label: str, error) -> Item:
@@ -223,19 +315,25 @@ def _dedupe(items: list[Item]) -> list[Item]:
     """Explicit duplicate ids are an error on the later item; derived ids get a suffix.
 
     A failed item is renamed after its line, so it never shares a manifest line or an
-    output name with a good item.
+    output name with a good item. Two different ids that sanitise to one file name are a
+    collision, and the message says so.
     """
-    seen: dict[str, str] = {}
+    seen: dict[str, tuple[str, str | None]] = {}  # file stem -> (source, raw id)
     for item in items:
         if item.id in seen:
             if item.error is None and item.source_id is None:
                 item.id = _free_id(item.id, seen)
             else:
-                if item.error is None:
+                first, first_raw = seen[item.id]
+                if item.error is None and first_raw not in (None, item.source_id):
+                    item.error = InputError(
+                        f"{item.source}: id {item.source_id!r} becomes the file name "
+                        f"{item.id!r}, which id {first_raw!r} (at {first}) already uses")
+                elif item.error is None:
                     item.error = InputError(f"{item.source}: duplicate id {item.source_id!r} "
-                                            f"(first at {seen[item.id]})")
+                                            f"(first at {first})")
                 item.id = _free_id(f"{item.id}-{_line_tag(item.source)}", seen)
-        seen.setdefault(item.id, item.source)
+        seen.setdefault(item.id, (item.source, item.source_id))
     return items
 
 

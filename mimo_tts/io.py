@@ -212,8 +212,17 @@ def save_codes(path: str | Path, pieces: list, metadata: dict) -> Path:
     return atomic_write(path, lambda f: f.write(data))
 
 
+CODE_CHANNELS = 8  # codebooks the LM emits and `decode` takes (spec §2.2 audio_channels)
+MAX_PAUSE_FRAMES = 250  # 10 s of silence between pieces
+
+
 def load_codes(path: str | Path) -> tuple[list, dict]:
-    """Read codes saved by `save_codes` (or a bare `codes` tensor in any safetensors file)."""
+    """Read codes saved by `save_codes` (or a bare `codes` tensor in any safetensors file).
+
+    Every piece must be an integer [8, T] tensor (T >= 1) and `pause_frames` in the metadata an
+    integer in [0, 250]; anything else is an InputError naming the file, so the other files of a
+    `decode` run still go on.
+    """
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
@@ -222,14 +231,33 @@ def load_codes(path: str | Path) -> tuple[list, dict]:
     try:
         with safe_open(str(path), framework="pt") as handle:
             meta = handle.metadata() or {}
-            keys = sorted(handle.keys(), key=lambda k: int(k.split(".")[1]) if "." in k else 0)
-            pieces = [handle.get_tensor(k).long() for k in keys if k.split(".")[0] == "codes"]
+            keys = sorted((k for k in handle.keys() if k.split(".")[0] == "codes"),
+                          key=lambda k: int(k.split(".")[1]) if "." in k else 0)
+            pieces = [handle.get_tensor(k) for k in keys]
         metadata = json.loads(meta.get("metadata", "{}"))
     except (SafetensorError, OSError, ValueError) as exc:
         raise InputError(f"unreadable codes file {path}: {exc}") from None
-    if not pieces or any(p.dim() != 2 for p in pieces):
-        raise InputError(f"{path}: no [K, T] 'codes' tensor found")
-    return pieces, metadata if isinstance(metadata, dict) else {}
+    if not pieces:
+        raise InputError(f"{path}: no 'codes' tensor found")
+    for key, piece in zip(keys, pieces, strict=True):
+        if piece.is_floating_point() or piece.is_complex() or piece.dtype == _bool_dtype():
+            raise InputError(f"{path}: {key} holds {piece.dtype} values; codes are integers")
+        if piece.dim() != 2 or piece.shape[0] != CODE_CHANNELS or piece.shape[1] < 1:
+            raise InputError(f"{path}: {key} has shape {list(piece.shape)}; codes are "
+                             f"[{CODE_CHANNELS}, T] with T >= 1")
+    metadata = metadata if isinstance(metadata, dict) else {}
+    pause = metadata.get("pause_frames", 0)
+    if isinstance(pause, bool) or not isinstance(pause, int) or \
+            not 0 <= pause <= MAX_PAUSE_FRAMES:
+        raise InputError(f"{path}: metadata pause_frames must be an integer in "
+                         f"[0, {MAX_PAUSE_FRAMES}], got {str(pause)[:20]!r}")
+    return [p.long() for p in pieces], metadata
+
+
+def _bool_dtype():
+    import torch
+
+    return torch.bool
 
 
 # --- stdout -----------------------------------------------------------------------------------

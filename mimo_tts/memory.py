@@ -114,19 +114,16 @@ def _config(path: Path) -> dict:
 
 def lm_need(path: Path, device: str, dtype: str, lengths: Lengths) -> StageNeed:
     """LM weights, KV cache (backbone for prompt + new groups, patch decoder) and workspace."""
-    cfg = _config(path)
-    try:
-        layers, kv, hidden = (int(cfg[k]) for k in ("num_hidden_layers", "num_key_value_heads",
-                                                    "hidden_size"))
-        head_dim = int(cfg.get("head_dim") or hidden // int(cfg["num_attention_heads"]))
-        vocab, ffn = int(cfg["vocab_size"]), int(cfg["intermediate_size"])
-        local_dim, local_layers = int(cfg["local_dim"]), int(cfg["local_layers"])
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
-        raise CheckpointError(f"{path}/config.json: bad or missing field {exc}") from None
+    from mimo_tts.lm.config import LMConfig
+
+    cfg = LMConfig.from_json(_config(path))  # the loader's own checks and messages
+    back, local = cfg.backbone, cfg.patch_decoder
+    layers, kv, head_dim, hidden = back.layers, back.kv_heads, back.head_dim, back.dim
+    vocab, ffn, local_dim, local_layers = cfg.vocab_size, back.ffn_dim, local.dim, local.layers
     size = DTYPE_BYTES[dtype]
     groups = lengths.prompt_groups + lengths.new_groups
     kv_bytes = 2 * layers * kv * head_dim * groups * lengths.batch * size
-    kv_bytes += 2 * local_layers * local_dim * 16 * lengths.batch * size  # patch decoder
+    kv_bytes += 2 * local_layers * local_dim * cfg.local_steps * lengths.batch * size
     # Prefill activations of the widest layer (gate/up) and float32 logits rows.
     work = lengths.batch * lengths.prompt_groups * (2 * ffn + 4 * hidden) * size
     work += lengths.batch * vocab * 4 * 4
@@ -136,12 +133,10 @@ def lm_need(path: Path, device: str, dtype: str, lengths: Lengths) -> StageNeed:
 
 def tokenizer_need(path: Path, device: str, dtype: str, lengths: Lengths) -> StageNeed:
     """Audio-tokenizer weights and the decode workspace for the run's longest audio."""
-    cfg = _config(path)
-    try:
-        d_model, ffn = int(cfg["d_model"]), int(cfg["decoder_ffn_dim"])
-        heads = int(cfg["decoder_attention_heads"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{path}/config.json: bad or missing field {exc}") from None
+    from mimo_tts.codec.config import CodecConfig
+
+    cfg = CodecConfig.from_json(_config(path))
+    d_model, ffn, heads = cfg.d_model, cfg.decoder_ffn_dim, cfg.decoder_attention_heads
     frames = 2 * 4 * (lengths.prompt_groups + lengths.new_groups)  # 25 Hz codes -> 50 Hz
     size = max(DTYPE_BYTES[dtype], 4)  # norms and attention run in float32
     work = lengths.batch * frames * (4 * d_model + ffn) * size

@@ -14,6 +14,7 @@ from pathlib import Path
 from mimo_tts.errors import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
+_SHARD_NAME = re.compile(r"[\w.-]+\.safetensors")  # a plain file name: no "/" or ".."
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -45,9 +46,13 @@ def weight_files(directory: str | Path) -> list[Path]:
         raise CheckpointError(f"no {SINGLE_FILE} or *.safetensors.index.json in {directory}")
     try:
         weight_map = json.loads(indexes[0].read_text(encoding="utf-8"))["weight_map"]
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OSError) as exc:
         raise CheckpointError(f"unreadable index {indexes[0]}: {exc}") from None
-    files = [directory / name for name in sorted(set(weight_map.values()))]
+    names = weight_map.values() if isinstance(weight_map, dict) else None
+    if not names or not all(isinstance(n, str) and _SHARD_NAME.fullmatch(n) for n in names):
+        raise CheckpointError(f"malformed index {indexes[0]}: weight_map must map tensor names "
+                              "to *.safetensors file names in the same directory")
+    files = [directory / name for name in sorted(set(names))]
     missing = [f.name for f in files if not f.is_file()]
     if missing:
         raise CheckpointError(f"{indexes[0].name} names missing shard(s): {', '.join(missing)}")

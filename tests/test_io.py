@@ -39,7 +39,7 @@ def test_sanitize_id(raw, expected):
 def test_sanitized_ids_are_bounded_and_never_escape():
     for raw in ["a" * 500, "../" * 50 + "x", "/abs/path", "~/x", "\x00bad"]:
         out = inputs.sanitize_id(raw)
-        assert len(out) <= inputs.MAX_ID_CHARS
+        assert len(out.encode()) <= inputs.MAX_ID_BYTES
         assert "/" not in out and "\\" not in out and ".." not in out and "\x00" not in out
         assert not out.startswith(".")
 

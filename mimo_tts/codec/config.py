@@ -6,6 +6,7 @@ nothing here has a default: a missing field is a CheckpointError that names it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from mimo_tts.errors import CheckpointError
@@ -13,19 +14,62 @@ from mimo_tts.errors import CheckpointError
 MODEL_TYPE = "mimo_audio_tokenizer"
 
 
+def _bad(name: str, value, what: str) -> CheckpointError:
+    text = repr(value)
+    text = text if len(text) <= 40 else text[:40] + "..."
+    return CheckpointError(f"tokenizer config.json: field {name!r} = {text} must be {what}")
+
+
+def _int(value, name: str, low: int | None = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise _bad(name, value, "an integer")
+    if low is not None and value < low:
+        raise _bad(name, value, f"an integer >= {low}")
+    return int(value)
+
+
+def _float(value, name: str, positive: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise _bad(name, value, "a finite number")
+    if value < 0 or (positive and value == 0):
+        raise _bad(name, value, "a number > 0" if positive else "a number >= 0")
+    return float(value)
+
+
+def _typed(name: str, kind: str, value):
+    """A config value checked against its field's type (annotation) and range."""
+    if kind == "int":
+        return _int(value, name)
+    if kind == "int | None":
+        return None if value is None else _int(value, name, low=0)
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise _bad(name, value, "true or false")
+        return value
+    if kind == "str":
+        if not isinstance(value, str):
+            raise _bad(name, value, "a string")
+        return value
+    if kind == "float":
+        return _float(value, name, positive=name != "fmin")
+    if kind == "float | None":
+        return None if value is None else _float(value, name, positive=True)
+    return value  # windows and codebook sizes: checked by their parsers
+
+
 def _window(value, name: str) -> tuple[int, int]:
     """A flash-attn style (left, right) window; -1 means unbounded (spec §3.2)."""
-    try:
-        left, right = (int(v) for v in value)
-    except (TypeError, ValueError):
-        raise CheckpointError(
-            f"tokenizer config field {name} must be [left, right], got {value!r}"
-        ) from None
+    if not isinstance(value, list | tuple) or len(value) != 2:
+        raise _bad(name, value, "[left, right]")
+    left, right = (_int(v, name, low=-1) for v in value)
     return left, right
 
 
 def _codebook_sizes(value, num_quantizers: int) -> tuple[int, ...]:
-    sizes = [int(value)] if isinstance(value, int) else [int(v) for v in value]
+    if isinstance(value, list | tuple):
+        sizes = [_int(v, "codebook_size", low=2) for v in value]
+    else:
+        sizes = [_int(value, "codebook_size", low=2)]
     if len(sizes) == 1:
         sizes = sizes * num_quantizers
     if len(sizes) != num_quantizers:
@@ -89,11 +133,13 @@ class CodecConfig:
         missing = [n for n in names if n not in data]
         if missing:
             raise CheckpointError(f"tokenizer config.json lacks field(s): {', '.join(missing)}")
-        values = {n: data[n] for n in names}
+        kinds = {f.name: f.type for f in fields(cls)}
+        values = {n: _typed(n, kinds[n], data[n]) for n in names}
         for name in ("encoder_attn_window_size", "decoder_attn_window_size",
                      "vocoder_attn_window_size"):
             values[name] = _window(values[name], name)
-        values["codebook_size"] = _codebook_sizes(values["codebook_size"], data["num_quantizers"])
+        values["codebook_size"] = _codebook_sizes(values["codebook_size"],
+                                                  values["num_quantizers"])
         config = cls(**values)
         config.validate()
         return config

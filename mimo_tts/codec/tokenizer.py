@@ -201,7 +201,16 @@ class AudioTokenizer:
 
     @_on_device
     def encode_prompt(self, audio: Tensor, sample_rate: int) -> Tensor:
-        """LM prompt codes [8, T']: 8 rows, T' padded to a multiple of 4 with the last frame."""
+        """LM prompt codes [8, T']: 8 rows, T' padded to a multiple of 4 with the last frame.
+
+        A prompt shorter than one code frame (40 ms) has no code to give: InputError (exit 9).
+        """
+        samples = audio.shape[-1]
+        if samples * self.config.sampling_rate < self.samples_per_frame * sample_rate:
+            need = 1000 * self.samples_per_frame / self.config.sampling_rate
+            raise InputError(f"prompt audio is {1000 * samples / sample_rate:.1f} ms long "
+                             f"({samples} samples at {sample_rate} Hz); a voice prompt needs "
+                             f"at least {need:.0f} ms")
         codes = self.encode(audio, sample_rate)[:PROMPT_CHANNELS]
         pad = -codes.shape[1] % GROUP_SIZE
         if pad:

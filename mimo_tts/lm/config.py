@@ -6,6 +6,7 @@ is required here: a missing or malformed one is a CheckpointError that names it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from mimo_tts.errors import CheckpointError
@@ -15,17 +16,24 @@ MAX_GROUPS = 8192
 
 
 def _field(cfg: dict, name: str, kind=int):
+    """A required field: ints >= 1, floats finite and > 0 (sizes, counts, theta, eps)."""
     if name not in cfg or cfg[name] is None:
         raise CheckpointError(f"LM config.json: missing field {name!r}")
     value = cfg[name]
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise CheckpointError(f"LM config.json: field {name!r} = {shown} is not {kind.__name__}")
     try:
-        if kind is int and (isinstance(value, bool) or float(value) != int(value)):
+        number = float(value)
+        if kind is int and number != int(number):
             raise ValueError(value)
-        return kind(value)
-    except (TypeError, ValueError):
+        value = kind(number)
+    except (TypeError, ValueError, OverflowError):
         raise CheckpointError(
-            f"LM config.json: field {name!r} = {value!r} is not {kind.__name__}"
-        ) from None
+            f"LM config.json: field {name!r} = {shown} is not {kind.__name__}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise CheckpointError(f"LM config.json: field {name!r} = {shown} must be > 0")
+    return value
 
 
 def _per_channel(cfg: dict, name: str, channels: int) -> tuple[int, ...]:
@@ -105,9 +113,14 @@ class LMConfig:
         hidden = _field(cfg, "hidden_size")
         heads = _field(cfg, "num_attention_heads")
         head_dim = _field(cfg, "head_dim") if cfg.get("head_dim") is not None else hidden // heads
+        kv_heads = _field(cfg, "num_key_value_heads")
+        if heads % kv_heads or head_dim < 1:
+            raise CheckpointError(
+                f"LM config.json: num_attention_heads {heads} must be a multiple of "
+                f"num_key_value_heads {kv_heads}, with head_dim >= 1")
         backbone = TransformerConfig(
             dim=hidden, layers=_field(cfg, "num_hidden_layers"), heads=heads,
-            kv_heads=_field(cfg, "num_key_value_heads"), head_dim=head_dim,
+            kv_heads=kv_heads, head_dim=head_dim,
             ffn_dim=_field(cfg, "intermediate_size"), rope_theta=theta, eps=eps, causal=True,
         )
         local_dim = _field(cfg, "local_dim")
@@ -134,11 +147,14 @@ class LMConfig:
         delays = _per_channel(cfg, "delay_pattern", channels)
         if min(delays) < 0:
             raise CheckpointError(f"LM config.json: negative delay in {delays}")
+        sizes = _per_channel(cfg, "speech_vocab_size", channels)
+        empty = _per_channel(cfg, "speech_zeroemb_idx", channels)
+        if any(not 0 <= e < n for e, n in zip(empty, sizes, strict=True)):
+            raise CheckpointError(f"LM config.json: speech_zeroemb_idx {empty} must lie within "
+                                  f"speech_vocab_size {sizes}")
         return cls(
             vocab_size=_field(cfg, "vocab_size"), backbone=backbone, patch_encoder=encoder,
-            patch_decoder=decoder,
-            speech_vocab_sizes=_per_channel(cfg, "speech_vocab_size", channels),
-            speech_empty_ids=_per_channel(cfg, "speech_zeroemb_idx", channels),
+            patch_decoder=decoder, speech_vocab_sizes=sizes, speech_empty_ids=empty,
             delay_pattern=delays, group_size=_field(cfg, "group_size"), audio_channels=channels,
         )
 

@@ -109,7 +109,7 @@ class BatchState:
     cache: KVCache
     local_cache: KVCache
     prompt_len: int  # padded prompt groups = first free cache slot
-    valid: Tensor | None = None  # [B, S] key mask, only when rows are padded
+    valid: Tensor | None = None  # [B, limit] key mask, only when rows are padded
     stop_ids: list[int] = field(default_factory=list)
 
     @property
@@ -118,14 +118,8 @@ class BatchState:
         return self.prompt_len + max(self.budgets)
 
     def reserve(self, slots: int) -> None:
-        """Grow the backbone cache (and the key mask) to hold `slots` positions."""
-        if slots <= self.cache.length:
-            return
+        """Grow the backbone cache to hold `slots` positions (the key mask spans the limit)."""
         self.cache.reserve(slots, self.limit)
-        if self.valid is not None:
-            grown = self.valid.new_zeros(self.valid.shape[0], self.cache.length)
-            grown[:, : self.valid.shape[1]] = self.valid
-            self.valid = grown
 
 
 def split_prompt(model: MiMoAudioLM, ids: Tensor, empty_token: int) -> tuple[Tensor, Tensor]:
@@ -180,7 +174,8 @@ def prefill(model: MiMoAudioLM, prompts: Sequence[Tensor], options: GenerationOp
     local = KVCache(model.cfg.patch_decoder, b, model.cfg.local_steps, dtype=dtype, device=device)
     valid, mask = None, None
     if min(sizes) != width:
-        valid = torch.arange(span, device=device) >= (width - lengths)  # [B, S]
+        limit = width + max(budgets)  # one byte a slot: allocated in full, never regrown
+        valid = torch.arange(limit, device=device) >= (width - lengths)  # [B, limit]
         valid[:, width:] = False
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
         eye = torch.eye(width, dtype=torch.bool, device=device)  # pad rows see themselves

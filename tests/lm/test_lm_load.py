@@ -40,7 +40,8 @@ def test_config_full_size(tiny_a):
 
 def test_config_broadcast_defaults_and_errors(lm_dir):
     base = json.loads((lm_dir / "config.json").read_text())
-    cfg = LMConfig.from_json({**base, "speech_vocab_size": 129, "input_local_dim": None,
+    cfg = LMConfig.from_json({**base, "speech_vocab_size": 129, "speech_zeroemb_idx": 128,
+                              "input_local_dim": None,
                               "input_full_attention": None})
     assert cfg.speech_vocab_sizes == (129,) * 8
     assert cfg.input_local_dim == cfg.local_dim and cfg.patch_encoder.causal
