@@ -132,8 +132,9 @@ class Stage1:
              audios: Sequence | None = None) -> torch.Tensor:
         """Pieces' audio (decoded here unless given) joined by pauses and checked: [S] float32."""
         audios = self.decode(codes_list) if audios is None else audios
-        audio = mio.join_pieces(list(audios), pause_frames, self.samples_per_frame)
-        mio.check_audio(audio, label)
+        with oom_advice("joining and checking the audio", "cpu"):  # on the CPU, [S] float32
+            audio = mio.join_pieces(list(audios), pause_frames, self.samples_per_frame)
+            mio.check_audio(audio, label)
         return audio
 
 
