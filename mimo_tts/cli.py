@@ -1,4 +1,4 @@
-"""`mimo-tts`: the command line (Typer + rich). Thin: parse -> options -> pipeline -> report.
+"""`mimo-tts`: the command line (Typer + rich). Thin: parse -> options -> batch runner -> report.
 
 Data goes to stdout (written paths, `--json` lines, audio with `-o -`/`--raw`); logs, progress
 and errors go to stderr. torch is never imported here: the command bodies (`commands.py`) are
@@ -87,7 +87,8 @@ EngineName = Annotated[str | None, typer.Option(
     "pip install 'mimo-tts[vllm]'; without it exit 2). Stage-1 stays on the tokenizer device.")]
 Config = Annotated[str | None, typer.Option(
     "--config", "-c", rich_help_panel=RUN,
-    help="TOML profile (path, or a name in configs/: default, cpu-tokenizer, ci-smoke).")]
+    help="TOML profile: a path, or a name in ~/.config/mimo-tts (MIMO_TTS_CONFIG_DIR) or the "
+         "built-in default, cpu-tokenizer, ci-smoke.")]
 Fmt = Annotated[str | None, typer.Option(
     "--format", rich_help_panel=OUT, help="wav (PCM16, default), wav-float or flac.")]
 Rate = Annotated[int | None, typer.Option(
@@ -289,15 +290,15 @@ def synth(
         from mimo_tts import commands
         from mimo_tts.results import exit_code_for
 
-        items, options, synth_ = commands.prepare_synth(flags, config, sys.stdin, reporter.log)
+        items, settings, runner = commands.prepare_synth(flags, config, sys.stdin, reporter.log)
         start = time.perf_counter()
-        with synth_, reporter.bar(len(items)) as advance:  # closes the engine (vLLM) at the end
+        with runner, reporter.bar(len(items)) as advance:  # closes the engine (vLLM) at the end
             results = []
-            for result in commands.run_synth(synth_, items):
+            for result in commands.run_synth(runner, items):
                 results.append(result)
-                reporter.item(result, options.task)
+                reporter.item(result, settings.synthesis.task)
                 advance()
-        reporter.info(commands.summary(results, synth_, time.perf_counter() - start))
+        reporter.info(commands.summary(results, runner, time.perf_counter() - start))
         return exit_code_for(results)
 
     run_command(reporter, body)
@@ -306,7 +307,7 @@ def synth(
 def _preflight(reporter: Reporter, flags: dict, config: str | None) -> int:
     from mimo_tts import commands
 
-    report = commands.preflight(flags, config)
+    report = commands.preflight_report(flags, config)
     if reporter.as_json:
         reporter.data(report)
     else:  # the report is the command's data: pretty JSON on stdout
@@ -354,7 +355,6 @@ def decode(
 
     A bad file (unreadable, codes out of range, audio failing its check) fails alone.
     """
-    flags = dict(locals())
     reporter = Reporter(quiet=quiet, debug=debug, stdout_data=output != "-")
 
     def body() -> int:
@@ -362,7 +362,10 @@ def decode(
         from mimo_tts.results import exit_code_for
 
         results = []
-        for result in commands.decode_files(flags, reporter.log):
+        for result in commands.decode_files(
+                codes, reporter.log, output=output, fmt=format, sample_rate=sample_rate,
+                tokenizer=tokenizer, tokenizer_device=tokenizer_device,
+                tokenizer_dtype=tokenizer_dtype, cuda_graph=cuda_graph):
             results.append(result)
             if result.error is not None:
                 reporter.err.print(f"failed {result.source}: {result.error}", markup=False)
@@ -384,9 +387,9 @@ def download(
     reporter = Reporter(debug=debug)
 
     def body() -> int:
-        from mimo_tts import models
+        from mimo_tts import checkpoints
 
-        for ref in models.download([model, tokenizer]):
+        for ref in checkpoints.download([model, tokenizer]):
             reporter.data(f"{ref.name}\t{ref.path}")
         return EXIT_OK
 

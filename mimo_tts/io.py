@@ -1,4 +1,4 @@
-"""Files and streams: atomic writes, audio encoding and reading, codes files, stdout sinks.
+"""Files, streams and audio: atomic writes, audio checks, joins and encoding, codes files, stdout.
 
 Nothing here imports torch at module level, so the CLI can import it cheaply. Every regular
 file is written through a temp file in the destination directory followed by `os.replace`, so
@@ -18,9 +18,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from mimo_tts.errors import InputError, OutputError
+from mimo_tts.errors import AudioCheckError, InputError, NoAudioError, OutputError
 
 SAMPLE_RATE = 24000
+PAUSE_FRAMES = 8  # silence between split text pieces: 8 frames = 0.32 s, whole frames
+SILENCE_PEAK = 1e-4  # peak |sample| below this is "all silent"
 TEMP_MARK = ".mimo-tmp-"
 FORMATS = {"wav": ("WAV", "PCM_16", ".wav"), "wav-float": ("WAV", "FLOAT", ".wav"),
            "flac": ("FLAC", "PCM_16", ".flac")}
@@ -108,6 +110,32 @@ def to_numpy(audio):
     if hasattr(audio, "detach"):
         audio = audio.detach().float().cpu().numpy()
     return np.asarray(audio, dtype=np.float32).reshape(-1)
+
+
+def check_audio(audio, item_id: str) -> None:
+    """Refuse NaN/inf or all-silent audio (exit 6) rather than write a broken file."""
+    import torch
+
+    if audio.numel() == 0:
+        raise NoAudioError(f"item {item_id!r}: no audio samples")
+    if not bool(torch.isfinite(audio).all()):
+        raise AudioCheckError(f"item {item_id!r}: decoded audio has NaN or infinite samples")
+    if float(audio.abs().max()) < SILENCE_PEAK:
+        raise AudioCheckError(f"item {item_id!r}: decoded audio is silent "
+                              f"(peak below {SILENCE_PEAK})")
+
+
+def join_pieces(audios: list, pause_frames: int, samples_per_frame: int):
+    """Pieces' audio [S_i] joined with `pause_frames` frames of silence: [S] float32 on CPU."""
+    import torch
+
+    pause = torch.zeros(pause_frames * samples_per_frame)
+    parts = []
+    for i, audio in enumerate(audios):
+        if i:
+            parts.append(pause)
+        parts.append(audio.detach().float().cpu())
+    return torch.cat(parts)
 
 
 def pcm16(audio) -> bytes:
@@ -232,7 +260,7 @@ def _bool_dtype():
     return torch.bool
 
 
-# --- stdout sinks -------------------------------------------------------------------------------
+# --- stdout -----------------------------------------------------------------------------------
 
 
 def _broken_pipe() -> OutputError:
@@ -244,18 +272,14 @@ def _broken_pipe() -> OutputError:
     return OutputError("stdout was closed by the reader (broken pipe)")
 
 
-class RawPcmSink:
-    """Streams PCM16 chunks to a binary stream (stdout) as they are decoded."""
-
-    def __init__(self, stream=None):
-        self.stream = stream or sys.stdout.buffer
-
-    def write(self, chunk) -> None:
-        try:
-            self.stream.write(pcm16(chunk))
-            self.stream.flush()
-        except BrokenPipeError:
-            raise _broken_pipe() from None
+def write_stdout_pcm(chunk, stream=None) -> None:
+    """Streamed audio as PCM16 on stdout (`--raw`), flushed at once."""
+    stream = stream or sys.stdout.buffer
+    try:
+        stream.write(pcm16(chunk))
+        stream.flush()
+    except BrokenPipeError:
+        raise _broken_pipe() from None
 
 
 def write_stdout_audio(audio, sample_rate: int, fmt: str, stream=None) -> None:

@@ -1,99 +1,73 @@
-"""Run options of `mimo-tts synth`: one frozen dataclass, TOML profiles, validation in one place.
+"""Run options: one pass (flag > env > profile > default) into typed, self-checking parts.
 
-Precedence for every field is flag > profile > default, tested with `is not None` (an explicit
-0 or false wins). Device and checkpoint fields also have environment variables, so they are
-resolved downstream (`devices.resolve_placement`, `models.pick_names`) where the env step sits
-between the flag and the profile. No torch here.
+`resolve` reads every option once and returns `Settings`: what to say and how to sample
+(`SynthesisOptions`, the library's options), how Stage-0/1 run (`EngineOptions`), where the
+output goes (`RunOptions`, the CLI's), the device `Placement` and the checkpoint names, with the
+source of every value. Each dataclass validates itself (UsageError, exit 2). Values are tested
+with `is not None`, so an explicit 0 or false wins. Device and checkpoint fields have
+environment variables; `devices.resolve_placement` and `checkpoints.pick_names` apply them in
+this same pass. No torch here.
 """
 
 from __future__ import annotations
 
+import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from mimo_tts.errors import UsageError
+from mimo_tts.checkpoints import checkpoint_dtype, pick_names
+from mimo_tts.devices import Placement, resolve_placement
+from mimo_tts.errors import MimoTTSError, UsageError
 from mimo_tts.io import FORMATS, SAMPLE_RATE
 from mimo_tts.lm.config import LM_QUANTS, MAX_GROUPS
+from mimo_tts.tasks import TASKS
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-# Resolved downstream with their env vars (devices.py, models.py), so the profile is not merged
-# into these fields here: flag > env > profile > default needs the env step in between.
+PROFILE_DIR = Path(__file__).resolve().parent / "configs"  # package data: built-in profiles
+USER_PROFILE_ENV = "MIMO_TTS_CONFIG_DIR"  # a folder of the user's own profiles
 STREAM_MODES = ("official", "incremental")
 ENGINES = ("native", "vllm")
 # Options of the vLLM engine only (`--engine vllm`); an error with the native engine.
 VLLM_FIELDS = ("gpu_memory_utilization", "max_num_seqs", "tensor_parallel_size", "max_model_len",
                "kv_cache_mib")
-DEFERRED_FIELDS = ("lm_device", "tokenizer_device", "dtype", "tokenizer_dtype", "cuda_graph",
-                   "model", "tokenizer")
+# Resolved with their env variables by devices.py and checkpoints.py.
+PLACEMENT_FIELDS = ("lm_device", "tokenizer_device", "dtype", "tokenizer_dtype", "cuda_graph")
+CHECKPOINT_FIELDS = ("model", "tokenizer", "allow_download")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise UsageError(message)
 
 
 @dataclass(frozen=True)
-class SynthOptions:
-    """Every run option of `mimo-tts synth`; TOML profile keys equal these field names."""
+class SynthesisOptions:
+    """What to say and how to sample it: the library's options (`MiMoTTS.synthesize`)."""
 
     task: str = "tts_sft"
     instruct: str | None = None
     prompt_audio: str | None = None
     template: int | None = None
-    model: str | None = None
-    tokenizer: str | None = None
-    allow_download: bool = False
-    lm_device: str | None = None
-    tokenizer_device: str | None = None
-    dtype: str | None = None
-    tokenizer_dtype: str | None = None
-    cuda_graph: bool | None = None
-    # Skip the memory preflight (mimo_tts.memory) that refuses, with exit 4, a run whose
-    # estimate exceeds the available memory.
-    no_memory_check: bool = False
-    lm_quant: str | None = None  # opt-in int8 weight-only LM on CPU (mimo_tts/lm/quant.py)
-    # CPU threads per stage (torch intra-op threads, set per thread): None leaves torch's
-    # default, except that --stream with both stages on the CPU splits the cores between them.
-    lm_threads: int | None = None
-    tokenizer_threads: int | None = None
     seed: int = 0
-    temperature: float | None = None
+    temperature: float | None = None  # None: the task's default (spec §4.6)
     top_k: int | None = None
     top_p: float | None = None
     audio_temperature: float | None = None
     audio_top_k: int | None = None
     audio_top_p: float | None = None
     max_new_groups: int | None = None
-    batch_size: int = 1
-    max_chars: int = 300
-    output_dir: str = "output_audio"
-    output: str | None = None
-    format: str = "wav"
-    sample_rate: int = SAMPLE_RATE
-    save_codes: bool = False
-    overwrite: bool = False
-    stream: bool = False
-    raw: bool = False
-    # Stage-1 pushes with --stream: the first after this many groups (0.8 s of audio), then
-    # doubling up to stream_max_chunk_groups (None: 10 in incremental mode, 30 in official
-    # mode, vllm-omni's chunk; see mimo_tts.stream.DEFAULT_MAX_CHUNK).
+    max_chars: int = 300  # split longer text on sentence ends; 0 never splits
+    # Stage-1 pushes when streaming: the first after this many groups (0.8 s of audio), then
+    # doubling up to stream_max_chunk_groups (None: the mode's default, see overlap.chunk_cap).
     stream_chunk_groups: int = 5
     stream_max_chunk_groups: int | None = None
     # Streaming decoder: "incremental" decodes every frame once with bounded state, closest to
-    # the official one-shot decode (mimo_tts.codec.incremental); "official" re-decodes
-    # overlapping windows (the official `streaming_decode`, spec §7.2).
+    # the one-shot decode (codec/incremental.py); "official" re-decodes overlapping windows
+    # (the official `streaming_decode`, spec §7.2).
     stream_mode: str = "incremental"
-    # Stage-0 engine: "native" (mimo_tts.lm) or "vllm" (mimo_tts.lm.vllm, optional install). The
-    # vLLM settings stay None unless given (None: VLLMOptions' defaults, see engine.vllm_options).
-    engine: str = "native"
-    gpu_memory_utilization: float | None = None
-    max_num_seqs: int | None = None
-    tensor_parallel_size: int | None = None
-    max_model_len: int | None = None  # groups, prompt included
-    kv_cache_mib: int | None = None  # profile only; default 64 MiB on CPU, else the utilisation
 
-    def validate(self) -> SynthOptions:
-        """Check values and combinations in one place (UsageError, exit 2)."""
-        _check(self.format in FORMATS, f"--format must be one of {', '.join(FORMATS)}")
-        _check(self.sample_rate >= 8000, "--sample-rate must be at least 8000")
-        _check(self.batch_size >= 1, "--batch-size must be >= 1")
+    def __post_init__(self):
         _check(self.max_chars >= 0, "--max-chars must be >= 0 (0 disables splitting)")
         _check(self.seed >= 0, "--seed must be >= 0")
         _check(self.max_new_groups is None or self.max_new_groups >= 1,
@@ -102,10 +76,6 @@ class SynthOptions:
         _check(self.stream_max_chunk_groups is None
                or self.stream_max_chunk_groups >= self.stream_chunk_groups,
                "stream_max_chunk_groups must be >= stream_chunk_groups")
-        _check(self.lm_quant is None or self.lm_quant in LM_QUANTS,
-               f"--lm-quant must be one of {', '.join(LM_QUANTS)}")
-        _check(self.lm_quant is None or self.engine == "native",
-               "--lm-quant applies to the native engine only")
         _check(self.stream_mode in STREAM_MODES,
                f"--stream-mode must be one of {', '.join(STREAM_MODES)}")
         for name in ("temperature", "audio_temperature"):
@@ -115,17 +85,73 @@ class SynthOptions:
             _check(value is None or 0 < value <= 1, f"{name} must be in (0, 1]")
         for name in ("top_k", "audio_top_k"):
             _check(getattr(self, name) is None or getattr(self, name) >= 0, f"{name} must be >= 0")
+        _check(self.template is None or self.template >= 0, "--template must be >= 0")
+        spec = TASKS.get(self.task)
+        _check(spec is not None, f"unknown --task {self.task!r}; choose one of {', '.join(TASKS)}")
+        _check(not (self.prompt_audio and spec.prompt_audio == "none"),
+               f"--prompt-audio: task {spec.name} takes no voice prompt; use tts_sft_with_audio")
+        _check(not (self.instruct and spec.instruct == "none"),
+               f"--instruct: task {spec.name} takes no instruction; use tts_sft_with_instruct")
+
+    def sampler_settings(self) -> dict:
+        """The sampler values as given (None: the task's default)."""
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
+                "audio_temperature": self.audio_temperature, "audio_top_k": self.audio_top_k,
+                "audio_top_p": self.audio_top_p}
+
+    def samplers(self):
+        """(text, audio) SamplerConfig: the task's defaults with these options' overrides."""
+        from mimo_tts.lm.sampling import SamplerConfig
+
+        text, audio = TASKS[self.task].samplers()
+
+        def pick(base, temperature, top_k, top_p):
+            return SamplerConfig(base.temperature if temperature is None else temperature,
+                                 base.top_k if top_k is None else (top_k or None),
+                                 base.top_p if top_p is None else top_p)
+
+        return (pick(text, self.temperature, self.top_k, self.top_p),
+                pick(audio, self.audio_temperature, self.audio_top_k, self.audio_top_p))
+
+    def generation_options(self, seed: int):
+        """The finished GenerationOptions: samplers, seed, group cap and the task's stop set."""
+        from mimo_tts.lm.generate import GenerationOptions
+
+        text, audio = self.samplers()
+        return GenerationOptions(text_sampler=text, audio_sampler=audio, seed=seed,
+                                 max_new_groups=self.max_new_groups or MAX_GROUPS,
+                                 stop_tokens=TASKS[self.task].stop_tokens)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the stages run: the Stage-0 engine, its vLLM settings and per-stage CPU threads."""
+
+    engine: str = "native"  # "native" (mimo_tts.lm) or "vllm" (mimo_tts.lm.vllm, optional)
+    # CPU threads per stage (torch intra-op threads, set per thread): None leaves torch's
+    # default, except that streaming with both stages on the CPU splits the cores between them.
+    lm_threads: int | None = None
+    tokenizer_threads: int | None = None
+    # Skip the memory preflight (mimo_tts.memory) that refuses, with exit 4, a run whose
+    # estimate exceeds the available memory.
+    no_memory_check: bool = False
+    lm_quant: str | None = None  # opt-in int8 weight-only LM on CPU (mimo_tts/lm/quant.py)
+    # vLLM settings stay None unless given (None: VLLMOptions' defaults, see lm/vllm/launch.py).
+    gpu_memory_utilization: float | None = None
+    max_num_seqs: int | None = None
+    tensor_parallel_size: int | None = None
+    max_model_len: int | None = None  # groups, prompt included
+    kv_cache_mib: int | None = None  # profile only; default 64 MiB on CPU, else the utilisation
+
+    def __post_init__(self):
         for name in ("lm_threads", "tokenizer_threads"):
             value = getattr(self, name)
             _check(value is None or value >= 1, f"--{name.replace('_', '-')} must be >= 1")
-        _check(not (self.raw and self.output not in (None, "-")),
-               "--raw writes PCM to stdout; it cannot be combined with -o FILE")
-        _check(self.template is None or self.template >= 0, "--template must be >= 0")
-        self._validate_engine()
-        return self
-
-    def _validate_engine(self) -> None:
         _check(self.engine in ENGINES, f"--engine must be one of {', '.join(ENGINES)}")
+        _check(self.lm_quant is None or self.lm_quant in LM_QUANTS,
+               f"--lm-quant must be one of {', '.join(LM_QUANTS)}")
+        _check(self.lm_quant is None or self.engine == "native",
+               "--lm-quant applies to the native engine only")
         given = [name for name in VLLM_FIELDS if getattr(self, name) is not None]
         _check(self.engine == "vllm" or not given,
                f"--{given[0].replace('_', '-') if given else ''} applies to --engine vllm only")
@@ -137,23 +163,159 @@ class SynthOptions:
         _check(self.max_model_len is None or 2 <= self.max_model_len <= MAX_GROUPS,
                f"--max-model-len must be in [2, {MAX_GROUPS}] groups")
 
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Where a batch run's output goes and how items are grouped: the CLI's options."""
+
+    batch_size: int = 1
+    output_dir: str = "output_audio"
+    output: str | None = None
+    format: str = "wav"
+    sample_rate: int = SAMPLE_RATE
+    save_codes: bool = False
+    overwrite: bool = False
+    stream: bool = False
+    raw: bool = False
+
+    def __post_init__(self):
+        _check(self.format in FORMATS, f"--format must be one of {', '.join(FORMATS)}")
+        _check(self.sample_rate >= 8000, "--sample-rate must be at least 8000")
+        _check(self.batch_size >= 1, "--batch-size must be >= 1")
+
+    def check_combinations(self) -> RunOptions:
+        """Flags that exclude each other (checked by `resolve` once every value is valid)."""
+        _check(not (self.raw and self.output not in (None, "-")),
+               "--raw writes PCM to stdout; it cannot be combined with -o FILE")
+        _check(not (self.stream and self.batch_size > 1),
+               "--stream generates one prompt at a time; drop --batch-size")
+        _check(not (self.raw and self.sample_rate != SAMPLE_RATE),
+               "--raw streams 24 kHz PCM; --sample-rate cannot be used with it")
+        return self
+
     @property
     def to_stdout(self) -> bool:
         return self.raw or self.output == "-"
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise UsageError(message)
+@dataclass(frozen=True)
+class CheckpointNames:
+    """Which checkpoints, each as (name, source), and whether a missing one may be fetched."""
+
+    lm: tuple[str, str]
+    tokenizer: tuple[str, str]
+    allow_download: bool = False
 
 
-def load_profile(name: str | None) -> dict:
-    """A TOML profile (a path, or a name in the repo's `configs/`); keys must be option fields."""
+# Built in this order, so the first of several bad values is reported as before the split.
+GROUPS = {"run": RunOptions, "synthesis": SynthesisOptions, "engine": EngineOptions}
+PROFILE_KEYS = frozenset({f.name for cls in GROUPS.values() for f in fields(cls)}
+                         | set(PLACEMENT_FIELDS) | set(CHECKPOINT_FIELDS))
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every option of a run, resolved once; `sources[name]` says where each value came from."""
+
+    synthesis: SynthesisOptions = field(default_factory=SynthesisOptions)
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    run: RunOptions = field(default_factory=RunOptions)
+    placement: Placement | None = None
+    checkpoints: CheckpointNames | None = None
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+    def replace(self, **changes) -> Settings:
+        """A copy with some option fields changed (each group validates again)."""
+        groups = {name: getattr(self, name) for name in GROUPS}
+        for key, value in changes.items():
+            group = next((g for g, cls in GROUPS.items()
+                          if key in {f.name for f in fields(cls)}), None)
+            _check(group is not None, f"unknown option {key!r}")
+            groups[group] = replace(groups[group], **{key: value})
+        groups["run"].check_combinations()
+        return replace(self, **groups)
+
+
+def resolve(flags: Mapping[str, object], profile: Mapping[str, object] | None = None,
+            env: Mapping[str, str] | None = None, probe=None) -> Settings:
+    """flag > env > profile > default for every option, in one pass (usage errors raised)."""
+    return place(resolve_options(flags, profile), flags, profile, env, probe)
+
+
+def resolve_options(flags: Mapping[str, object],
+                    profile: Mapping[str, object] | None = None) -> Settings:
+    """The option groups alone (flag > profile > default); no placement or checkpoints yet."""
+    profile = profile or {}
+    sources: dict[str, str] = {}
+    groups = {}
+    try:
+        for name, cls in GROUPS.items():
+            values = {}
+            for spec in fields(cls):
+                value, source = _pick(spec.name, flags, profile)
+                if value is not None:
+                    values[spec.name] = value
+                sources[spec.name] = source
+            groups[name] = cls(**values)
+    except TypeError as exc:
+        raise UsageError(f"bad option value: {exc}") from None
+    groups["run"].check_combinations()
+    return Settings(**groups, sources=sources)
+
+
+def place(settings: Settings, flags: Mapping[str, object],
+          profile: Mapping[str, object] | None = None, env: Mapping[str, str] | None = None,
+          probe=None) -> Settings:
+    """Add the devices (flag > env > profile > default, `devices.py`) and the checkpoint names
+    (`checkpoints.pick_names`) to option groups from `resolve_options`."""
+    profile = profile or {}
+    env = os.environ if env is None else env
+    sources = dict(settings.sources)
+    try:
+        lm, tok = pick_names(flags.get("model"), flags.get("tokenizer"), profile, env)
+        error = None
+    except MimoTTSError as exc:  # raised after the placement's own errors, as before
+        lm = tok = None
+        error = exc
+    # `--dtype auto` follows the checkpoints' own torch_dtype (config.json)
+    dtypes = (None, None) if error else (checkpoint_dtype(*lm, "model", env),
+                                         checkpoint_dtype(*tok, "tokenizer", env))
+    placement = resolve_placement(*(flags.get(name) for name in PLACEMENT_FIELDS),
+                                  profile=profile, env=env, probe=probe,
+                                  checkpoint_dtypes=dtypes)
+    if error:
+        raise error
+    sources.update({name: choice.source for name, choice in vars(placement).items()})
+    download, sources["allow_download"] = _pick("allow_download", flags, profile)
+    sources.update({"model": lm[1], "tokenizer": tok[1]})
+    return replace(settings, placement=placement,
+                   checkpoints=CheckpointNames(lm, tok, bool(download)), sources=sources)
+
+
+def _pick(name: str, flags: Mapping, profile: Mapping) -> tuple[object, str]:
+    if flags.get(name) is not None:
+        return flags[name], "flag"
+    if profile.get(name) is not None:
+        return profile[name], "config"
+    return None, "default"
+
+
+def profile_dirs(env: Mapping[str, str] | None = None) -> list[Path]:
+    """Where named profiles are looked up: the user's folder first, then the built-in ones."""
+    env = os.environ if env is None else env
+    base = env.get(USER_PROFILE_ENV) or str(
+        Path(env.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "mimo-tts")
+    return [Path(base).expanduser(), PROFILE_DIR]
+
+
+def load_profile(name: str | None, env: Mapping[str, str] | None = None) -> dict:
+    """A TOML profile: a path, or a name in the user's config folder or the built-in profiles."""
     if not name:
         return {}
     path = Path(name).expanduser()
-    if not path.is_file() and (CONFIG_DIR / f"{name}.toml").is_file():
-        path = CONFIG_DIR / f"{name}.toml"
+    if not path.is_file():
+        path = next((d / f"{name}.toml" for d in profile_dirs(env)
+                     if (d / f"{name}.toml").is_file()), path)
     if not path.is_file():
         raise UsageError(f"config profile not found: {name}")
     try:
@@ -162,37 +324,7 @@ def load_profile(name: str | None) -> dict:
         raise UsageError(f"invalid TOML in {path}: {exc}") from None
     except OSError as exc:
         raise UsageError(f"cannot read config profile {path}: {exc.strerror or exc}") from None
-    known = {f.name for f in fields(SynthOptions)}
-    unknown = sorted(set(profile) - known)
+    unknown = sorted(set(profile) - PROFILE_KEYS)
     if unknown:
         raise UsageError(f"{path}: unknown key(s) {', '.join(unknown)}")
     return profile
-
-
-def build_options(flags: Mapping[str, object], profile: Mapping[str, object]) -> SynthOptions:
-    """flag > profile > default per field, tested with `is not None` (explicit 0/false wins).
-
-    Device and checkpoint fields stay None here: `devices.resolve_placement` and
-    `models.pick_names` apply env and profile themselves.
-    """
-    values = {}
-    for spec in fields(SynthOptions):
-        flag = flags.get(spec.name)
-        if flag is not None:
-            values[spec.name] = flag
-        elif spec.name not in DEFERRED_FIELDS and profile.get(spec.name) is not None:
-            values[spec.name] = profile[spec.name]
-    try:
-        return SynthOptions(**values).validate()
-    except TypeError as exc:
-        raise UsageError(f"bad option value: {exc}") from None
-
-
-def option_flags(flags: Mapping[str, object]) -> dict:
-    """The subset of a command's parameters that are SynthOptions fields."""
-    names = {f.name for f in fields(SynthOptions)}
-    return {k: v for k, v in flags.items() if k in names}
-
-
-def replace_options(options: SynthOptions, **changes) -> SynthOptions:
-    return replace(options, **changes).validate()

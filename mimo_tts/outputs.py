@@ -1,9 +1,15 @@
-"""The output directory of a run: `<output-dir>/<task>/` with its lock, manifest and file names.
+"""Sinks: where a batch run's results go. The runner hands each one data; sinks write bytes.
 
-One run at a time may write a task directory: `OutputDir.open` takes an exclusive `flock` on
-`.mimo-tts.lock` (released by the kernel even after `kill -9`), then removes temp files a
-killed run left behind. `results.jsonl` holds one line per item; a line cut by a killed
-writer is dropped by the next open.
+- `DirectorySink`: `<output-dir>/<task>/` with its lock, manifest and per-item files (codes,
+  then sidecar, then audio, each atomic: audio present => done). One run at a time may write a
+  task directory: opening takes an exclusive `flock` on `.mimo-tts.lock` (released by the
+  kernel even after `kill -9`), then removes temp files a killed run left behind.
+  `results.jsonl` holds one line per item; a line cut by a killed writer is dropped next time.
+- `FileSink` (`-o FILE`, also `decode`'s files), `StdoutSink` (`-o -`), `RawPcmSink` (`--raw`:
+  PCM chunks on stdout as they are decoded) and `MemorySink` (results keep their samples).
+
+Every sink has `check(result)` (resume or refuse before work), `on_chunk` (streamed audio, or
+None), `write(result, samples, codes, record)` and `finished(result, task)`.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import json
 import os
 from pathlib import Path
 
+from mimo_tts import io as mio
 from mimo_tts.errors import OutputError
 from mimo_tts.io import FORMATS, atomic_write, clean_temp_files, iter_jsonl
 
@@ -74,16 +81,125 @@ class Manifest:
             raise OutputError(f"cannot write {self.path}: {exc.strerror or exc}") from None
 
 
-class OutputDir:
-    """`<output-dir>/<task>/` with its lock, manifest and per-item file names."""
+class Sink:
+    """A sink that writes nothing and refuses nothing (the base of the others)."""
 
-    def __init__(self, root: str | Path, task: str, fmt: str = "wav"):
-        self.dir = Path(root) / task
+    on_chunk = None  # streamed audio chunks [S_i] float32 24 kHz, or None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def check(self, result) -> None:
+        """Before an item runs: mark it skipped, or raise when its target is taken."""
+
+    def write(self, result, samples, codes: dict, record: dict) -> None:
+        """One finished item: `samples` [S] at the run rate, `codes` {"pieces", "metadata"},
+        `record` the sidecar without its `result` (added last, once paths are known)."""
+
+    def finished(self, result, task: str) -> None:
+        """An item ended ok or failed (after `write`, or without it)."""
+
+
+class MemorySink(Sink):
+    """Results keep their samples (`ItemResult.audio`): benchmarks and tests.
+
+    `on_chunk` receives streamed chunks (e.g. `list.append`) when the run streams.
+    """
+
+    def __init__(self, on_chunk=None):
+        self.on_chunk = on_chunk
+
+    def write(self, result, samples, codes, record) -> None:
+        result.audio = samples
+
+
+class StdoutSink(Sink):
+    """`-o -`: each item's encoded audio file on stdout."""
+
+    def __init__(self, fmt: str = "wav", sample_rate: int = mio.SAMPLE_RATE):
+        self.fmt, self.sample_rate = fmt, sample_rate
+
+    def write(self, result, samples, codes, record) -> None:
+        mio.write_stdout_audio(samples, self.sample_rate, self.fmt)
+
+
+class RawPcmSink(Sink):
+    """`--raw`: 16-bit PCM chunks on a binary stream (stdout) as they are decoded."""
+
+    def __init__(self, stream=None):
+        self.stream = stream
+
+    def on_chunk(self, chunk) -> None:
+        mio.write_stdout_pcm(chunk, self.stream)
+
+
+class FileSink(Sink):
+    """`-o FILE`: one item's audio, with its sidecar (and codes) beside it unless `audio_only`.
+
+    A target that is not a regular file (`/dev/null`, a FIFO) gets the audio only.
+    """
+
+    def __init__(self, path: str | Path, fmt: str = "wav", sample_rate: int = mio.SAMPLE_RATE,
+                 save_codes: bool = False, overwrite: bool = False, audio_only: bool = False):
+        self.path, self.fmt, self.sample_rate = Path(path), fmt, sample_rate
+        self.save_codes, self.overwrite, self.audio_only = save_codes, overwrite, audio_only
+
+    def __enter__(self) -> FileSink:
+        if self.path.exists() and not mio.is_special_file(self.path) and not self.overwrite:
+            raise OutputError(f"{self.path} exists; use --overwrite to replace it")
+        return self
+
+    def targets(self, result) -> tuple[Path, Path, Path]:
+        path = self.path
+        return (path, path.with_name(path.stem + ".json"),
+                path.with_name(path.stem + ".codes.safetensors"))
+
+    def write(self, result, samples, codes, record) -> None:
+        """Codes, then the sidecar (with the result), then the audio: audio present => done.
+
+        A failed item leaves none of its files behind.
+        """
+        path, sidecar, codes_path = self.targets(result)
+        if self.audio_only or mio.is_special_file(path):
+            result.path = mio.write_audio(path, samples, self.sample_rate, self.fmt)
+            return
+        self._replacing(path)
+        try:
+            if self.save_codes:
+                result.codes_path = mio.save_codes(codes_path, codes["pieces"],
+                                                   codes["metadata"])
+            result.path, result.sidecar = path, sidecar
+            mio.write_json(sidecar, {**record, "result": result.record(record["task"])})
+            mio.write_audio(path, samples, self.sample_rate, self.fmt)
+        except BaseException:
+            mio.remove_quietly(sidecar, result.codes_path)
+            result.path = result.sidecar = result.codes_path = None
+            raise
+
+    def _replacing(self, path: Path) -> None:
+        """Called before an item's files are written over an existing audio file."""
+
+
+class DirectorySink(FileSink):
+    """`<output-dir>/<task>/` with its lock, manifest and per-item file names; resumable.
+
+    Audio replaced by `--overwrite` is removed first, so a run stopped half-way leaves the item
+    absent (redone next time), never old audio beside a new sidecar.
+    """
+
+    def __init__(self, root: str | Path, task: str, fmt: str = "wav",
+                 sample_rate: int = mio.SAMPLE_RATE, save_codes: bool = False,
+                 overwrite: bool = False):
+        super().__init__(Path(root) / task, fmt, sample_rate, save_codes, overwrite)
+        self.dir = self.path
         self.suffix = FORMATS[fmt][2]
         self._lock = None
         self.manifest: Manifest | None = None
 
-    def open(self) -> OutputDir:
+    def open(self) -> DirectorySink:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._lock = open(self.dir / LOCK_NAME, "a+")  # noqa: SIM115 (held open)
@@ -123,11 +239,36 @@ class OutputDir:
             self._lock.close()
             self._lock = None
 
-    def __enter__(self) -> OutputDir:
+    def __enter__(self) -> DirectorySink:
         return self.open()
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def targets(self, result) -> tuple[Path, Path, Path]:
+        item_id = result.item.id
+        return self.audio_path(item_id), self.sidecar_path(item_id), self.codes_path(item_id)
+
+    def _replacing(self, path: Path) -> None:
+        if path.exists():
+            mio.remove_quietly(path)
+
+    def check(self, result) -> None:
+        """Skip an item whose audio and sidecar say it is done with the same inputs."""
+        item = result.item
+        path = self.audio_path(item.id)
+        done = self.done_record(item.id, result.key)
+        if done is not None and not self.overwrite:
+            result.status, result.path = "skipped", path
+            result.seconds, result.rtf = done.get("seconds", 0.0), done.get("rtf")
+            manifest = self.manifest.get(item.id) or {}
+            if manifest.get("status") != "ok" or manifest.get("key") != result.key:
+                self.manifest.add(done)  # killed after the audio was written: complete the line
+        elif path.exists() and not self.overwrite:
+            raise OutputError(f"{path} exists from other inputs; use --overwrite to replace it")
+
+    def finished(self, result, task: str) -> None:
+        self.manifest.add(result.record(task))
 
     def audio_path(self, item_id: str) -> Path:
         return self.dir / f"{item_id}{self.suffix}"

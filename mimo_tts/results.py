@@ -1,8 +1,8 @@
-"""Per-item results of a run, the run's exit code, and the checks audio must pass to be written.
+"""Per-item results of a batch run and the run's exit code.
 
 An item ends `ok` (written, or kept in memory), `skipped` (already done with the same inputs)
 or `error` with the exit code of its failure; `exit_code_for` folds a run into one code
-(README "Exit codes"). `check_audio` refuses NaN/inf and silent audio before any file exists.
+(README "Exit codes").
 """
 
 from __future__ import annotations
@@ -11,11 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mimo_tts.errors import EXIT_OK, EXIT_PARTIAL, AudioCheckError, MimoTTSError, NoAudioError
+from mimo_tts.errors import EXIT_OK, EXIT_PARTIAL, MimoTTSError
 from mimo_tts.inputs import Item
-
-PAUSE_FRAMES = 8  # silence between split text pieces: 8 frames = 0.32 s, whole frames
-SILENCE_PEAK = 1e-4  # peak |sample| below this is "all silent"
 
 
 @dataclass
@@ -68,40 +65,3 @@ def exit_code_for(results: Iterable[ItemResult]) -> int:
 
 def fail(result: ItemResult, exc: MimoTTSError) -> None:
     result.status, result.error, result.exit_code = "error", str(exc), exc.exit_code
-
-
-def piece_record(piece) -> dict:
-    """A `models.Piece` as recorded in the sidecar."""
-    prompt = piece.prompt
-    return {"text": prompt.text, "rendered_prompt": prompt.rendered,
-            "template_index": prompt.template_index, "template": prompt.template,
-            "prompt_groups": prompt.n_groups, "seed": piece.seed,
-            "generated_text_ids": piece.new_text_ids, "generated_text": piece.text,
-            "frames": 0 if piece.codes is None else int(piece.codes.shape[1]),
-            "timings": {k: round(v, 4) for k, v in piece.timings.items()}}
-
-
-def check_audio(audio, item_id: str) -> None:
-    """Refuse NaN/inf or all-silent audio (exit 6) rather than write a broken file."""
-    import torch
-
-    if audio.numel() == 0:
-        raise NoAudioError(f"item {item_id!r}: no audio samples")
-    if not bool(torch.isfinite(audio).all()):
-        raise AudioCheckError(f"item {item_id!r}: decoded audio has NaN or infinite samples")
-    if float(audio.abs().max()) < SILENCE_PEAK:
-        raise AudioCheckError(f"item {item_id!r}: decoded audio is silent "
-                              f"(peak below {SILENCE_PEAK})")
-
-
-def join_pieces(audios: list, pause_frames: int, samples_per_frame: int):
-    """Pieces' audio [S_i] joined with `pause_frames` frames of silence: [S] float32 on CPU."""
-    import torch
-
-    pause = torch.zeros(pause_frames * samples_per_frame)
-    parts = []
-    for i, audio in enumerate(audios):
-        if i:
-            parts.append(pause)
-        parts.append(audio.detach().float().cpu())
-    return torch.cat(parts)

@@ -26,6 +26,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from _common import busy_cores
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
 VLLM_PYTHON = REPO / ".vllm-venv" / "bin" / "python"
@@ -84,22 +86,6 @@ def run_one(script: str, python: str, argv: list[str], timeout: int) -> dict:
         return record | {"status": "failed", "error": reason,
                          "stderr_tail": done.stderr.strip()[-3000:]}
     return record | {"status": "ok", "output": output}
-
-
-def busy_cores(window_s: float = 5.0) -> float:
-    """Cores the machine's processes kept busy over the next `window_s` seconds (/proc/stat)."""
-    def busy() -> tuple[float, float]:
-        with open("/proc/stat", encoding="ascii") as stat:
-            fields = [int(x) for x in stat.readline().split()[1:]]
-        return sum(fields[:8]) - fields[3] - fields[4], time.perf_counter()
-
-    try:
-        before, start = busy()
-        time.sleep(window_s)
-        after, end = busy()
-    except OSError:
-        return float("nan")
-    return (after - before) / os.sysconf("SC_CLK_TCK") / (end - start)
 
 
 def wait_quiet(max_busy: float | None, patience_s: float) -> dict:

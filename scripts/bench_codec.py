@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import torch
+from _common import FULL_SIZE, TINY_A
 
 from mimo_tts.codec.config import CodecConfig
 from mimo_tts.codec.load import build_model, place_model
@@ -45,9 +46,8 @@ from mimo_tts.codec.tokenizer import AudioTokenizer
 from mimo_tts.codec.vocoder import periodic_hann
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = Path(os.environ.get("MIMO_TTS_FIXTURES", REPO.parent / "shared" / "fixtures"))
-CONFIG = FIXTURES / "full-size" / "tokenizer-config.json"
-LM_CONFIG = FIXTURES / "full-size" / "lm-config.json"
+CONFIG = FULL_SIZE / "tokenizer-config.json"
+LM_CONFIG = FULL_SIZE / "lm-config.json"
 SECTIONS = ("speed", "stream", "load", "int8")
 STREAM_CHUNK = 120  # code frames per push: vllm-omni's 30 groups (spec §7.6)
 
@@ -171,10 +171,10 @@ def speed_rows(tok: AudioTokenizer, seconds: float, repeats: int, encode: bool) 
 
 def pipeline_chunks(group_size: int, mode: str):
     """Frames per push as `mimo-tts synth --stream --stream-mode MODE` pushes them."""
-    from mimo_tts.options import SynthOptions
-    from mimo_tts.stream import chunk_cap, chunk_schedule
+    from mimo_tts.options import SynthesisOptions
+    from mimo_tts.overlap import chunk_cap, chunk_schedule
 
-    o = SynthOptions()
+    o = SynthesisOptions()
     cap = chunk_cap(mode, o.stream_chunk_groups, o.stream_max_chunk_groups)
     return (group_size * n for n in chunk_schedule(o.stream_chunk_groups, cap))
 
@@ -253,7 +253,7 @@ def tiny_streams(seconds: float) -> dict:
     """The same comparison on the tiny-a fixture checkpoint (its real, if tiny, weights)."""
     from mimo_tts.codec import load_audio_tokenizer
 
-    tok = load_audio_tokenizer(FIXTURES / "tiny-a" / "tokenizer")
+    tok = load_audio_tokenizer(TINY_A / "tokenizer")
     return compare_streams(tok, seconds, STREAM_CHUNK, pipeline=True)
 
 
@@ -324,7 +324,7 @@ def loading_memory() -> list[dict]:
 
 def int8_decode(model, seconds: float, repeats: int) -> dict:
     """Opt-in int8 decode against float32 on the same random weights."""
-    from mimo_tts.codec.quantize import quantize_int8
+    from mimo_tts.codec.int8 import quantize_int8
 
     c = model.config
     reference = AudioTokenizer(model, "cpu", torch.float32)

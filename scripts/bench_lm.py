@@ -34,9 +34,9 @@ import json
 import os
 import platform
 import time
-from pathlib import Path
 
 import torch
+from _common import FULL_SIZE, cpu_ticks
 
 from mimo_tts.lm import cpu_kernel
 from mimo_tts.lm.config import LMConfig
@@ -47,9 +47,7 @@ from mimo_tts.lm.sampling import GREEDY
 from mimo_tts.lm.step import EagerStep
 from mimo_tts.lm.text import SpecialTokens
 
-FIXTURES = Path(os.environ.get("MIMO_TTS_FIXTURES",
-                               Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
-FULL_CONFIG = FIXTURES / "full-size" / "lm-config.json"
+FULL_CONFIG = FULL_SIZE / "lm-config.json"
 # Published ids (spec §5); only `empty` and the stop tokens matter here.
 SPECIAL = SpecialTokens(endoftext=151643, im_start=151644, im_end=151645, sosp=151665,
                         eosp=151666, empty=151667, sostm=151670, eostm=151671, eot=151672,
@@ -96,22 +94,16 @@ class Quiet:
         self.wait, self.busy = wait, busy
         self.calls = self.noisy = 0
 
-    @staticmethod
-    def _ticks() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            values = [int(v) for v in f.readline().split()[1:]]
-        return sum(values), values[3] + values[4]  # total, idle + iowait
-
     def __call__(self) -> None:
         if self.wait <= 0 or not os.path.exists("/proc/stat"):
             return
         self.calls += 1
         deadline = time.monotonic() + self.wait
         while time.monotonic() < deadline:
-            total, idle = self._ticks()
+            busy, total = cpu_ticks()
             time.sleep(0.2)
-            total2, idle2 = self._ticks()
-            if 1 - (idle2 - idle) / max(1, total2 - total) < self.busy:
+            busy2, total2 = cpu_ticks()
+            if (busy2 - busy) / max(1, total2 - total) < self.busy:
                 return
         self.noisy += 1
 

@@ -4,11 +4,11 @@ The model is a mid-size random checkpoint pair in the official layout (the tiny 
 generator at larger widths, with its stop circuit pushed past `--groups`, so every run makes
 exactly that many audio groups). Each measurement runs in a fresh process:
 
-- stage0: the LM alone (`Synthesizer`, no streaming) on `--lm-threads` threads; it also saves
+- stage0: the LM alone (`BatchRunner`, no streaming) on `--lm-threads` threads; it also saves
   the codes for stage1;
 - stage1: the streaming decode alone (`StreamingDecoder` in the same mode and chunking as
   `--stream`) of those codes on `--tokenizer-threads` threads;
-- stream: `Synthesizer` with `stream=True` and the per-stage thread budgets (options
+- stream: `BatchRunner` with `stream=True` and the per-stage thread budgets (options
   `lm_threads` / `tokenizer_threads`), so Stage-1 decodes in its worker while Stage-0 generates.
 
 Target (issue 5): the stream's wall time at most 1.15x the slower stage alone. Model loading is
@@ -28,6 +28,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _common import cpu_busy_s
 
 TARGET = 1.15
 TEXT = "Overlap benchmark: the language model and the audio decoder share this machine."
@@ -66,23 +68,23 @@ def write_model(root: Path, lm: dict, codec: dict) -> tuple[Path, Path]:
 # --- child processes: one measurement each -------------------------------------------------------
 
 
-def _options(args, **changes):
-    from mimo_tts.pipeline import SynthOptions
+def _runner(args, **changes):
+    from mimo_tts.batch import BatchRunner
+    from mimo_tts.options import resolve
 
-    return SynthOptions(model=str(args.lm_dir), tokenizer=str(args.tok_dir), lm_device="cpu",
-                        tokenizer_device="cpu", max_new_groups=args.groups,
-                        output_dir=str(args.work / changes.pop("name")), overwrite=True,
-                        **changes).validate()
+    return BatchRunner(resolve({"model": str(args.lm_dir), "tokenizer": str(args.tok_dir),
+                                "lm_device": "cpu", "tokenizer_device": "cpu",
+                                "max_new_groups": args.groups,
+                                "output_dir": str(args.work / changes.pop("name")),
+                                "overwrite": True, **changes}))
 
 
 def _timed_runs(synth, args, name: str, sink_factory=None) -> list[dict]:
     """Warm up on a 2-group run, then `repeats` timed runs: wall s, result, first audio s."""
-    from dataclasses import replace
-
-    full, runs = synth.options, []
-    synth.options = replace(full, max_new_groups=2)
+    full, runs = synth.settings, []
+    synth.settings = full.replace(max_new_groups=2)
     _run_once(synth, name, None)
-    synth.options = full
+    synth.settings = full
     for _ in range(args.repeats):
         sink, first = sink_factory() if sink_factory else (None, None)
         wall, result, start = _run_once(synth, name, sink)
@@ -90,44 +92,32 @@ def _timed_runs(synth, args, name: str, sink_factory=None) -> list[dict]:
     return runs
 
 
-def _cpu_busy_s() -> float:
-    """Seconds of CPU time all processes of the machine have used since boot (/proc/stat)."""
-    try:
-        with open("/proc/stat", encoding="ascii") as stat:
-            fields = [int(x) for x in stat.readline().split()[1:]]
-    except OSError:
-        return float("nan")
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
 class Meter:
     """Wall and CPU time of a block, and the cores other processes kept busy meanwhile."""
 
     def __enter__(self):
-        self.start, self.cpu, self.busy = time.perf_counter(), time.process_time(), _cpu_busy_s()
+        self.start, self.cpu, self.busy = time.perf_counter(), time.process_time(), cpu_busy_s()
         return self
 
     def __exit__(self, *exc):
         self.wall = time.perf_counter() - self.start
         self.cpu_s = time.process_time() - self.cpu
-        others = _cpu_busy_s() - self.busy - self.cpu_s
+        others = cpu_busy_s() - self.busy - self.cpu_s
         self.other_cores = round(max(others, 0.0) / self.wall, 2)
 
 
 def _run_once(synth, name: str, sink):
-    """One item through `Synthesizer.run` (into the output directory when codes are saved,
+    """One item through `BatchRunner.run` (into the output directory when codes are saved,
     else in memory): (wall s, result, start)."""
-    from contextlib import nullcontext
-
     from mimo_tts.inputs import Item
-    from mimo_tts.outputs import OutputDir
+    from mimo_tts.outputs import DirectorySink, MemorySink
 
     item = Item(id=name, text=TEXT, source="bench")
-    o = synth.options
-    with Meter() as meter, \
-            OutputDir(o.output_dir, o.task) if o.save_codes else nullcontext() as out:
-        (result,) = list(synth.run([item], out, sink))
+    s = synth.settings
+    out = (DirectorySink(s.run.output_dir, s.synthesis.task, save_codes=True, overwrite=True)
+           if s.run.save_codes else MemorySink(sink))
+    with Meter() as meter, out:
+        (result,) = list(synth.run([item], out))
     if result.status != "ok":
         raise RuntimeError(f"{name}: {result.error}")
     result.timings["cpu_s"] = meter.cpu_s  # all threads of this process
@@ -138,10 +128,8 @@ def _run_once(synth, name: str, sink):
 def child_stage0(args) -> dict:
     import torch
 
-    from mimo_tts.pipeline import Synthesizer
-
     torch.set_num_threads(args.lm_threads)
-    synth = Synthesizer(_options(args, name="stage0", save_codes=True))
+    synth = _runner(args, name="stage0", save_codes=True)
     synth.load()
     runs = _timed_runs(synth, args, "stage0")
     result = min((r["result"] for r in runs), key=lambda r: r.timings["generate_s"])
@@ -161,7 +149,7 @@ def child_stage1(args) -> dict:
 
     torch.set_num_threads(args.tokenizer_threads)
     codec = load_audio_tokenizer(args.tok_dir, "cpu", "float32")
-    from mimo_tts.stream import chunk_schedule
+    from mimo_tts.overlap import chunk_schedule
 
     (codes,), _ = mio.load_codes(args.codes)  # [K, T]
     mode = {} if args.stream_mode == "official" else {"mode": args.stream_mode}
@@ -187,13 +175,10 @@ def child_stage1(args) -> dict:
 
 def child_stream(args) -> dict:
     """`--stream` end to end with a thread budget per stage."""
-    from mimo_tts.pipeline import Synthesizer
-
-    synth = Synthesizer(_options(args, name="stream", stream=True, stream_mode=args.stream_mode,
-                                 stream_chunk_groups=args.chunk_groups,
-                                 stream_max_chunk_groups=args.max_chunk_groups,
-                                 lm_threads=args.lm_threads,
-                                 tokenizer_threads=args.tokenizer_threads))
+    synth = _runner(args, name="stream", stream=True, stream_mode=args.stream_mode,
+                    stream_chunk_groups=args.chunk_groups,
+                    stream_max_chunk_groups=args.max_chunk_groups, lm_threads=args.lm_threads,
+                    tokenizer_threads=args.tokenizer_threads)
     synth.load()
 
     def sink_factory():
@@ -208,9 +193,9 @@ def child_stream(args) -> dict:
             "audio_s": best["result"].seconds,
             "first_audio_s": best["first_audio_s"],
             "threads": synth.threads,
-            "chunk_groups": [synth.options.stream_chunk_groups,
-                             synth.options.stream_max_chunk_groups],
-            "stream_mode": synth.options.stream_mode,
+            "chunk_groups": [synth.settings.synthesis.stream_chunk_groups,
+                             synth.settings.synthesis.stream_max_chunk_groups],
+            "stream_mode": synth.settings.synthesis.stream_mode,
             **{f"pipeline_{k}": v for k, v in timings.items()
                if k in ("stage0_s", "stage1_s", "stage1_wait_s", "first_audio_s")}}
 
@@ -291,10 +276,10 @@ def main() -> None:
         return
     if args.quick:
         args.groups, args.repeats = min(args.groups, 30), 1
-    from mimo_tts.pipeline import SynthOptions
+    from mimo_tts.options import SynthesisOptions
+    from mimo_tts.overlap import chunk_cap
 
-    defaults = SynthOptions()
-    from mimo_tts.stream import chunk_cap
+    defaults = SynthesisOptions()
 
     args.chunk_groups = args.chunk_groups or defaults.stream_chunk_groups
     args.stream_mode = args.stream_mode or defaults.stream_mode

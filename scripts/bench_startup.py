@@ -23,9 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import FULL_SIZE
+
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = Path(os.environ.get("MIMO_TTS_FIXTURES", REPO.parent / "shared" / "fixtures"))
-TOKENIZER_CONFIG = FIXTURES / "full-size" / "tokenizer-config.json"
+TOKENIZER_CONFIG = FULL_SIZE / "tokenizer-config.json"
 DEFAULT_WEIGHTS = Path(tempfile.gettempdir()) / "mimo-tts-bench" / "tokenizer-full-f32"
 CLI_TARGET_S, RSS_TARGET = 0.5, 1.2
 HEAVY_MODULES = ("torch", "torchaudio", "numpy", "safetensors", "tokenizers", "soundfile")

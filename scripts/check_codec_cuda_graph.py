@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+from _common import TINY_A
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = Path(os.environ.get("MIMO_TTS_FIXTURES", REPO.parent / "shared" / "fixtures"))
 LENGTHS = (1, 4, 5, 7, 12, 13, 37, 64, 101, 200, 256, 300)
 TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}
 
@@ -82,7 +81,7 @@ def full_size_timing(frames: int = 250) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokenizer", type=Path, default=FIXTURES / "tiny-a" / "tokenizer")
+    parser.add_argument("--tokenizer", type=Path, default=TINY_A / "tokenizer")
     parser.add_argument("--full-size", action="store_true", help="also time a full-size decoder")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -17,21 +17,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+from _common import TINY_A
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = Path(os.environ.get("MIMO_TTS_FIXTURES", REPO.parent / "shared" / "fixtures"))
 TOL = 1e-4
 PADDED = ("gen_tts_en_forced", "gen_tts_zh_forced_interleaved", "gen_tts_instruct_forced")
 
 
 def _cases():
-    cases = json.loads((FIXTURES / "tiny-a" / "cases" / "cases.json").read_text())
+    cases = json.loads((TINY_A / "cases" / "cases.json").read_text())
     for group, grp in cases["groups"].items():
         for case in grp["cases"]:
             if case["task"] == "lm_generate":
@@ -57,7 +56,7 @@ def exactness(device: str, mode: str) -> dict:
     from mimo_tts.lm.sampling import GREEDY
     from mimo_tts.lm.text import TextTokenizer
 
-    lm_dir, case_dir = FIXTURES / "tiny-a" / "lm", FIXTURES / "tiny-a" / "cases"
+    lm_dir, case_dir = TINY_A / "lm", TINY_A / "cases"
     model = load_lm(lm_dir, device=device, dtype=torch.float32)
     special = TextTokenizer.from_dir(lm_dir).special
     tensors = {}

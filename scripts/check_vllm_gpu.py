@@ -37,7 +37,7 @@ from mimo_tts.lm.load import load_config, load_lm  # noqa: E402
 from mimo_tts.lm.sampling import GREEDY, TASK_SAMPLERS  # noqa: E402
 from mimo_tts.lm.text import TextTokenizer  # noqa: E402
 from mimo_tts.presets import FULL_LM, write_tiny_preset  # noqa: E402
-from mimo_tts.tasks import build_prompt  # noqa: E402
+from mimo_tts.prompts import build_prompt  # noqa: E402
 
 GREEDY_OPTIONS = GenerationOptions(text_sampler=GREEDY, audio_sampler=GREEDY, max_new_groups=64)
 KV_BYTES = 512 << 20

@@ -1,15 +1,24 @@
-"""Shared test fixtures: paths to the reference fixtures and their tensors."""
+"""Shared test fixtures: the reference fixtures and their tensors, one tiny preset per session,
+and runners for the CLI.
+
+The reference fixtures live in the repository (`tests/fixtures`: tiny-a and the full-size
+configs, README there); `MIMO_TTS_FIXTURES` points the tests at another copy. `mimo` runs the
+real console script (`<venv>/bin/mimo-tts`) in a subprocess; `invoke` runs the same Typer app
+in-process through CliRunner (cheaper: no interpreter/torch start-up).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = Path(os.environ.get("MIMO_TTS_FIXTURES", REPO.parent / "shared" / "fixtures"))
+FIXTURES = Path(os.environ.get("MIMO_TTS_FIXTURES") or REPO / "tests" / "fixtures")
 TINY_A = FIXTURES / "tiny-a"
 FULL_SIZE = FIXTURES / "full-size"
 
@@ -57,3 +66,92 @@ def forcing():
         return hook
 
     return make
+
+
+# --- the tiny preset and the CLI runners ---------------------------------------------------------
+
+ENTRY_POINT = Path(sys.executable).with_name("mimo-tts")
+# Environment variables that would change device/checkpoint resolution under test.
+SCRUBBED = ("MIMO_AUDIO_TOKENIZER_DEVICE", "MIMO_AUDIO_TOKENIZER_PATH", "MIMO_TTS_LM_DEVICE",
+            "MIMO_AUDIO_TOKENIZER_CUDA_GRAPH", "MIMO_TTS_CACHE")
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory) -> Path:
+    """A cache root holding the tiny preset, written once for the whole session."""
+    from mimo_tts import checkpoints
+
+    root = tmp_path_factory.mktemp("mimo-cache")
+    checkpoints.ensure_tiny_preset({checkpoints.CACHE_ENV: str(root)})
+    return root
+
+
+@pytest.fixture(scope="session")
+def base_env(tiny_cache, tmp_path_factory) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in SCRUBBED}
+    env.update({"MIMO_TTS_CACHE": str(tiny_cache), "NO_COLOR": "1", "HF_HUB_OFFLINE": "1",
+                "HF_HOME": str(tmp_path_factory.mktemp("hf-home")), "COLUMNS": "200",
+                # one thread per process: the tiny models gain nothing from more, and threads
+                # oversubscribed on a shared 2-core machine make every op wait
+                "OMP_NUM_THREADS": "1"})
+    return env
+
+
+@pytest.fixture
+def mimo(base_env, tmp_path):
+    """Run the installed `mimo-tts` in `tmp_path`: mimo(*args, input=bytes, env={...})."""
+    assert ENTRY_POINT.is_file(), f"console script not installed at {ENTRY_POINT}"
+
+    def run(*args, input: bytes | str | None = None, env: dict | None = None, cwd=None,
+            timeout: float = 300) -> subprocess.CompletedProcess:
+        if isinstance(input, str):
+            input = input.encode("utf-8")
+        return subprocess.run(
+            [str(ENTRY_POINT), *map(str, args)], input=input if input is not None else b"",
+            capture_output=True, cwd=cwd or tmp_path, env={**base_env, **(env or {})},
+            timeout=timeout,
+        )
+
+    return run
+
+
+@pytest.fixture
+def invoke(base_env, tmp_path, monkeypatch):
+    """Run the Typer app in-process (CliRunner) with the session env, cwd = tmp_path."""
+    from typer.testing import CliRunner
+
+    from mimo_tts.cli import app
+
+    for key in SCRUBBED:
+        monkeypatch.delenv(key, raising=False)
+    for key in ("MIMO_TTS_CACHE", "NO_COLOR", "HF_HUB_OFFLINE", "HF_HOME"):
+        monkeypatch.setenv(key, base_env[key])
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+
+    def run(*args, input=None, env=None):
+        return runner.invoke(app, [str(a) for a in args], input=input, env=env,
+                             catch_exceptions=False)
+
+    yield run
+    torch.set_num_threads(threads)
+
+
+def read_manifest(directory: Path) -> list[dict]:
+    path = directory / "results.jsonl"
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.fixture(scope="session")
+def manifest():
+    """read_manifest(task_dir) -> the parsed lines of results.jsonl."""
+    return read_manifest
+
+
+@pytest.fixture(scope="session")
+def entry_point() -> Path:
+    return ENTRY_POINT

@@ -245,7 +245,7 @@ def test_read_audio_checks(tmp_path):
 
 def test_raw_sink_writes_pcm():
     buffer = io.BytesIO()
-    mio.RawPcmSink(buffer).write(torch.tensor([0.5, -0.5]))
+    outputs.RawPcmSink(buffer).on_chunk(torch.tensor([0.5, -0.5]))
     assert np.frombuffer(buffer.getvalue(), "<i2").tolist() == [16384, -16384]
 
 
@@ -269,11 +269,11 @@ def test_manifest_last_line_wins_and_truncated_line_is_repaired(tmp_path):
 
 
 def test_output_dir_lock_refuses_a_second_run(tmp_path):
-    with outputs.OutputDir(tmp_path, "tts_sft") as first:
+    with outputs.DirectorySink(tmp_path, "tts_sft") as first:
         assert first.dir == tmp_path / "tts_sft"
         with pytest.raises(OutputError, match="another mimo-tts run"):
-            outputs.OutputDir(tmp_path, "tts_sft").open()
-    with outputs.OutputDir(tmp_path, "tts_sft"):  # released on exit
+            outputs.DirectorySink(tmp_path, "tts_sft").open()
+    with outputs.DirectorySink(tmp_path, "tts_sft"):  # released on exit
         pass
 
 
@@ -281,7 +281,7 @@ def test_output_dir_cleans_temps_and_checks_done(tmp_path):
     task_dir = tmp_path / "tts_sft"
     task_dir.mkdir()
     (task_dir / f"{mio.TEMP_MARK}99-x.wav").write_bytes(b"partial")
-    with outputs.OutputDir(tmp_path, "tts_sft", "flac") as out:
+    with outputs.DirectorySink(tmp_path, "tts_sft", "flac") as out:
         assert not list(task_dir.glob(f"{mio.TEMP_MARK}*"))
         assert out.audio_path("x").name == "x.flac"
         assert out.done_record("x", "k1") is None
@@ -296,4 +296,4 @@ def test_unwritable_output_dir(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(OutputError, match="cannot create output directory"):
-        outputs.OutputDir(blocker, "tts_sft").open()
+        outputs.DirectorySink(blocker, "tts_sft").open()

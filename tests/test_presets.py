@@ -107,7 +107,8 @@ def _speak(loaded, task: str, seed: int, **kw):
     """Generate with the TTS default samplers; return (text tokens, codes [8, T] or None)."""
     from mimo_tts.lm.extract import extract
     from mimo_tts.lm.generate import GenerationOptions, generate
-    from mimo_tts.tasks import TASKS, build_prompt
+    from mimo_tts.prompts import build_prompt
+    from mimo_tts.tasks import TASKS
 
     model, tok, _ = loaded
     empty_ids = list(model.cfg.speech_empty_ids)

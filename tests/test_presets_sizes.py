@@ -137,7 +137,8 @@ def mid(tmp_path_factory):
 
 def _speak(mid, task: str, **kw):
     from mimo_tts.lm.generate import GenerationOptions, generate
-    from mimo_tts.tasks import TASKS, build_prompt
+    from mimo_tts.prompts import build_prompt
+    from mimo_tts.tasks import TASKS
 
     model, tok = mid
     prompt = build_prompt(task, "Hello world, this is a test.", tok,
@@ -163,7 +164,7 @@ def _last_layer_noise(model, tok) -> float:
     """Mean norm of the residual's random part (reserved dims apart) entering the last layer,
     over a plain TTS prompt: what the stop head's RMSNorm divides by, besides the circuit."""
     from mimo_tts.lm.generate import GenerationOptions, prefill
-    from mimo_tts.tasks import build_prompt
+    from mimo_tts.prompts import build_prompt
 
     seen = []
 

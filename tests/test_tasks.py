@@ -7,14 +7,13 @@ import torch
 
 from mimo_tts.errors import InputError
 from mimo_tts.lm.text import TextTokenizer
+from mimo_tts.prompts import IGNORE_ID, build_prompt
 from mimo_tts.tasks import (
-    IGNORE_ID,
     SYS_ZH,
     SYS_ZH_CLONE,
     TASKS,
     TTS_EN_TEMPLATES,
     TTS_ZH_TEMPLATES,
-    build_prompt,
     choose_template,
     is_chinese,
     preprocess_text,

@@ -10,9 +10,9 @@ from importlib.util import find_spec
 import pytest
 
 from mimo_tts.devices import Choice, Placement
-from mimo_tts.engine import CPU_KV_CACHE_MIB, vllm_options
 from mimo_tts.errors import EXIT_USAGE, UsageError
-from mimo_tts.options import SynthOptions
+from mimo_tts.lm.vllm.launch import CPU_KV_CACHE_MIB, vllm_options
+from mimo_tts.options import EngineOptions
 
 TINY = ("synth", "--model", "tiny", "--text", "hello")
 no_vllm = pytest.mark.skipif(find_spec("vllm") is not None, reason="vLLM is installed here")
@@ -80,15 +80,15 @@ def _placement(device: str, dtype: str) -> Placement:
 
 
 def test_vllm_options_from_placement():
-    o = SynthOptions(engine="vllm", max_num_seqs=8, max_model_len=512).validate()
+    o = EngineOptions(engine="vllm", max_num_seqs=8, max_model_len=512)
     cpu = vllm_options(o, _placement("cpu", "float32"))
     assert cpu == {"dtype": "float32", "in_process": True, "max_num_seqs": 8,
                    "max_model_len": 512, "kv_cache_memory_bytes": CPU_KV_CACHE_MIB << 20}
-    gpu = vllm_options(SynthOptions(engine="vllm", gpu_memory_utilization=0.5).validate(),
+    gpu = vllm_options(EngineOptions(engine="vllm", gpu_memory_utilization=0.5),
                        _placement("cuda", "bfloat16"))
     assert gpu["kv_cache_memory_bytes"] is None and gpu["gpu_memory_utilization"] == 0.5
     assert gpu["dtype"] == "bfloat16" and "max_num_seqs" not in gpu
-    sized = vllm_options(SynthOptions(engine="vllm", kv_cache_mib=16).validate(),
+    sized = vllm_options(EngineOptions(engine="vllm", kv_cache_mib=16),
                          _placement("cuda:0", "float16"))
     assert sized["kv_cache_memory_bytes"] == 16 << 20
     for device, match in (("mps", "not mps"), ("cuda:1", "CUDA_VISIBLE_DEVICES")):

@@ -122,9 +122,9 @@ def test_unwritable_output_dir_exit_5(invoke, tmp_path):
 
 
 def test_locked_output_dir_exit_5(invoke, tmp_path):
-    from mimo_tts.outputs import OutputDir
+    from mimo_tts.outputs import DirectorySink
 
-    with OutputDir(tmp_path / "output_audio", "tts_sft"):
+    with DirectorySink(tmp_path / "output_audio", "tts_sft"):
         result = invoke(*TINY, "--text", "hi", "--max-new-groups", "1")
     assert result.exit_code == EXIT_IO
     assert "another mimo-tts run" in _error_line(result.stderr)

@@ -240,8 +240,7 @@ def test_split_long_text_joins_pieces_with_a_pause(invoke, tmp_path):
                     "--max-new-groups", "2", "--save-codes", "--json")
     assert result.exit_code == 0, result.stderr
     record = json.loads(result.stdout)
-    from mimo_tts.io import load_codes
-    from mimo_tts.results import PAUSE_FRAMES
+    from mimo_tts.io import PAUSE_FRAMES, load_codes
 
     pieces, meta = load_codes(tmp_path / record["codes_path"])
     assert len(pieces) == 2 and meta["pause_frames"] == PAUSE_FRAMES
@@ -278,28 +277,25 @@ def test_stream_piece_matches_one_shot_codes(tiny_cache):
     """Streaming Stage-1 in a worker thread: same codes, audio close to one-shot decode."""
     import torch
 
-    from mimo_tts import models, pipeline
-    from mimo_tts.stream import stream_piece
+    import mimo_tts
+    from mimo_tts import checkpoints
+    from mimo_tts.options import SynthesisOptions
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        lm_dir, tok_dir = models.ensure_tiny_preset({models.CACHE_ENV: str(tiny_cache)})
-        options = pipeline.SynthOptions(model=str(lm_dir), tokenizer=str(tok_dir),
-                                        lm_device="cpu", tokenizer_device="cpu",
-                                        max_new_groups=12).validate()
-        synth = pipeline.Synthesizer(options, env={})
-        synth.load()
-        engine = synth.engine
-        prompt = engine.prompt("tts_sft", "Streaming check.", None, None, None, 0)
-        gen = engine.generation_options(options, 0)
+        lm_dir, tok_dir = checkpoints.ensure_tiny_preset(
+            {checkpoints.CACHE_ENV: str(tiny_cache)})
+        tts = mimo_tts.load(str(lm_dir), str(tok_dir), lm_device="cpu", tokenizer_device="cpu")
+        options = SynthesisOptions(max_new_groups=12, stream_chunk_groups=2)
+        (prompt,) = tts.prompts("Streaming check.", options, 0)
         chunks = []
-        piece = stream_piece(engine, prompt, gen, 0, chunks.append, 2, lambda m: None)
-        (reference,) = engine.generate_pieces([prompt], gen, 0, 1)
+        piece = tts.stream_piece(prompt, options, 0, chunks.append, lambda m: None)
+        (reference,) = tts.generate([prompt], options.generation_options(0), 0)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(piece.codes, reference.codes) and piece.note is None
-    one_shot = engine.decode([reference.codes])[0].cpu()
+    one_shot = tts.stage1.decode([reference.codes])[0].cpu()
     streamed = torch.cat(chunks)
     assert streamed.shape == one_shot.shape == (SPF * reference.codes.shape[1],)
     assert torch.equal(streamed, piece.audio)

@@ -134,7 +134,7 @@ def test_natural_instruction_on_the_fixture(invoke, tiny_a, cases):
     from mimo_tts.lm.generate import GenerationOptions, prefill
     from mimo_tts.lm.load import load_lm
     from mimo_tts.lm.text import TextTokenizer
-    from mimo_tts.tasks import build_prompt
+    from mimo_tts.prompts import build_prompt
 
     text = "用温柔的声音说：今天天气真好。"
     result = invoke("synth", *_fixture_args(tiny_a), "--task",

@@ -1,4 +1,4 @@
-"""Reliability test fixtures: the CLI runners of tests/cli, broken checkpoint copies, limits.
+"""Reliability test fixtures: broken checkpoint copies, limits (the CLI runners: tests/conftest).
 
 Every case runs the real thing: the installed entry point in a subprocess (real signals, real
 `setrlimit` limits) or the Typer app in-process, on real files and the tiny preset.
@@ -6,25 +6,17 @@ Every case runs the real thing: the installed entry point in a subprocess (real 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import resource
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "mimo_tts_tests_cli_conftest", Path(__file__).resolve().parents[1] / "cli" / "conftest.py")
-_cli = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_cli)
-
-# The same runners as tests/cli: `mimo` (entry point subprocess), `invoke` (in-process).
-tiny_cache, base_env, mimo, invoke = _cli.tiny_cache, _cli.base_env, _cli.mimo, _cli.invoke
-manifest, entry_point = _cli.manifest, _cli.entry_point
-ENTRY_POINT = _cli.ENTRY_POINT
+ENTRY_POINT = Path(sys.executable).with_name("mimo-tts")
 TEMP_MARK = ".mimo-tmp-"
 
 

@@ -47,7 +47,7 @@ def test_light_commands_never_import_torch(base_env, tiny_cache, tmp_path, args,
     assert returncode == code
     assert "safetensors.torch" not in heavy and "torchaudio" not in heavy
     probing = args[0] != "--help" and args[-1] != "--help"
-    if probing and getattr(devices, "accelerator_possible", lambda: True)():
+    if probing and devices.accelerator_possible():
         pytest.skip("a GPU driver is present: the device probe asks torch by design")
     assert "torch" not in heavy
 
@@ -72,7 +72,7 @@ def _busy_threads(fn) -> dict[str, int]:
 def test_thread_budgets_hold_per_thread():
     """LM thread with 2 intra-op threads, decode thread with 1, concurrently: 3 busy OS threads,
     and each thread reports its own budget."""
-    from mimo_tts.engine import thread_budget
+    from mimo_tts.runtime import thread_budget
 
     x = torch.randn(2_000_000)
     worked, release, seen = threading.Event(), threading.Event(), {}
@@ -107,25 +107,30 @@ def test_thread_budgets_hold_per_thread():
 
 @pytest.fixture
 def tiny_synth_options(tiny_cache):
-    from mimo_tts import models
+    from mimo_tts import checkpoints
 
-    lm, tok = models.ensure_tiny_preset({models.CACHE_ENV: str(tiny_cache)})
+    lm, tok = checkpoints.ensure_tiny_preset({checkpoints.CACHE_ENV: str(tiny_cache)})
     return dict(model=str(lm), tokenizer=str(tok), lm_device="cpu", tokenizer_device="cpu")
 
 
-def test_stream_in_memory_reports_stage_timings(tiny_synth_options):
-    """The benchmark path: `Synthesizer.run(items, None)` keeps the audio, times both stages."""
-    from mimo_tts.inputs import Item
-    from mimo_tts.options import SynthOptions
-    from mimo_tts.pipeline import Synthesizer
+def _runner(**values):
+    """A BatchRunner for option values (resolved without env or profile)."""
+    from mimo_tts.batch import BatchRunner
+    from mimo_tts.options import resolve
 
-    options = SynthOptions(**tiny_synth_options, stream=True, lm_threads=1,
-                           tokenizer_threads=1, max_new_groups=8,
-                           stream_chunk_groups=2).validate()
-    synth = Synthesizer(options, env={})
+    return BatchRunner(resolve(values, env={}), env={})
+
+
+def test_stream_in_memory_reports_stage_timings(tiny_synth_options):
+    """The benchmark path: a MemorySink keeps the audio; the result times both stages."""
+    from mimo_tts.inputs import Item
+    from mimo_tts.outputs import MemorySink
+
+    synth = _runner(**tiny_synth_options, stream=True, lm_threads=1, tokenizer_threads=1,
+                    max_new_groups=8, stream_chunk_groups=2)
     chunks = []
-    (result,) = synth.run([Item(id="a", text="Timing check.", source="test")], None,
-                          chunks.append)
+    (result,) = synth.run([Item(id="a", text="Timing check.", source="test")],
+                          MemorySink(chunks.append))
     assert result.status == "ok" and result.path is None, result.error
     assert synth.threads == {"lm": 1, "tokenizer": 1, "source": "options"}
     assert result.audio.shape == (960 * 4 * 8,) and torch.equal(torch.cat(chunks), result.audio)
@@ -136,17 +141,15 @@ def test_stream_in_memory_reports_stage_timings(tiny_synth_options):
 
 
 def test_stream_on_one_cpu_splits_the_threads_by_default(tiny_synth_options):
-    from mimo_tts.options import SynthOptions
-    from mimo_tts.pipeline import Synthesizer
+    from mimo_tts.batch import thread_budgets
 
     before = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
-        split = Synthesizer(SynthOptions(**tiny_synth_options, stream=True), env={})
-        plain = Synthesizer(SynthOptions(**tiny_synth_options), env={})
-        explicit = Synthesizer(SynthOptions(**tiny_synth_options, stream=True, lm_threads=3),
-                               env={})
-        budgets = [s.thread_budgets() for s in (split, plain, explicit)]
+        split = _runner(**tiny_synth_options, stream=True)
+        plain = _runner(**tiny_synth_options)
+        explicit = _runner(**tiny_synth_options, stream=True, lm_threads=3)
+        budgets = [thread_budgets(s.settings) for s in (split, plain, explicit)]
     finally:
         torch.set_num_threads(before)
     assert budgets[0] == {"lm": 2, "tokenizer": 2, "source": "auto (--stream, cpu)"}
@@ -154,34 +157,32 @@ def test_stream_on_one_cpu_splits_the_threads_by_default(tiny_synth_options):
     assert budgets[2] == {"lm": 3, "tokenizer": None, "source": "options"}
 
 
-def test_incremental_stream_mode_through_the_pipeline(tiny_synth_options):
+def test_incremental_stream_mode_through_the_runner(tiny_synth_options):
     """`stream_mode="incremental"` (the default) reaches the worker: whole frames, close to
     one-shot audio; the official scheme's outputs are kept apart by their resume keys."""
     from mimo_tts.inputs import Item
-    from mimo_tts.options import SynthOptions
-    from mimo_tts.pipeline import Synthesizer
+    from mimo_tts.options import SynthesisOptions
+    from mimo_tts.outputs import MemorySink
 
     item = Item(id="a", text="Incremental.", source="test")
     common = dict(**tiny_synth_options, lm_threads=1, tokenizer_threads=1, max_new_groups=8)
-    streamed = Synthesizer(SynthOptions(**common, stream=True, stream_mode="incremental",
-                                        stream_chunk_groups=2).validate(), env={})
-    (result,) = streamed.run([item], None)
-    one_shot = Synthesizer(SynthOptions(**common).validate(), env={})
-    (reference,) = one_shot.run([item], None)
+    streamed = _runner(**common, stream=True, stream_mode="incremental", stream_chunk_groups=2)
+    (result,) = streamed.run([item], MemorySink())
+    one_shot = _runner(**common)
+    (reference,) = one_shot.run([item], MemorySink())
     assert result.status == reference.status == "ok", (result.error, reference.error)
     assert result.generated_text_ids == reference.generated_text_ids
     assert result.audio.shape == reference.audio.shape == (960 * 4 * 8,)
     assert (result.audio - reference.audio).abs().max() < 5e-3
-    assert SynthOptions().stream_mode == "incremental"
-    assert streamed.item_key(item) != Synthesizer(
-        SynthOptions(**common, stream=True, stream_mode="official").validate(),
-        env={}).item_key(item)
+    assert SynthesisOptions().stream_mode == "incremental"
+    assert streamed.item_key(item) != _runner(**common, stream=True,
+                                              stream_mode="official").item_key(item)
 
 
 def test_chunk_schedule_grows_from_the_first_chunk_to_the_cap():
     from itertools import islice
 
-    from mimo_tts.stream import chunk_schedule
+    from mimo_tts.overlap import chunk_schedule
 
     assert list(islice(chunk_schedule(5, 30), 6)) == [5, 10, 20, 30, 30, 30]
     assert list(islice(chunk_schedule(3), 3)) == [3, 3, 3]  # no cap: fixed chunks
@@ -190,23 +191,22 @@ def test_chunk_schedule_grows_from_the_first_chunk_to_the_cap():
 
 def test_stream_pushes_follow_the_chunk_schedule(tiny_synth_options, monkeypatch):
     """Stage-1 gets the first audio after `stream_chunk_groups`, then ever larger chunks."""
-    from mimo_tts import stream
+    from mimo_tts import overlap
     from mimo_tts.inputs import Item
-    from mimo_tts.options import SynthOptions
-    from mimo_tts.pipeline import Synthesizer
+    from mimo_tts.options import SynthesisOptions
+    from mimo_tts.outputs import MemorySink
 
     pushed = []
-    push = stream.DecodeWorker.push
+    push = overlap.DecodeWorker.push
 
     def record(self, codes, last=False):
         pushed.append((codes.shape[1], last))
         return push(self, codes, last=last)
 
-    monkeypatch.setattr(stream.DecodeWorker, "push", record)
-    options = SynthOptions(**tiny_synth_options, stream=True, lm_threads=1, tokenizer_threads=1,
-                           max_new_groups=16, stream_chunk_groups=2,
-                           stream_max_chunk_groups=6).validate()
-    (result,) = Synthesizer(options, env={}).run([Item(id="a", text="Chunks.", source="t")], None)
+    monkeypatch.setattr(overlap.DecodeWorker, "push", record)
+    runner = _runner(**tiny_synth_options, stream=True, lm_threads=1, tokenizer_threads=1,
+                     max_new_groups=16, stream_chunk_groups=2, stream_max_chunk_groups=6)
+    (result,) = runner.run([Item(id="a", text="Chunks.", source="t")], MemorySink())
     assert result.status == "ok", result.error
     frames = result.audio.shape[0] // 960
     assert sum(n for n, _ in pushed) == frames and frames > 8 * 4
@@ -214,15 +214,14 @@ def test_stream_pushes_follow_the_chunk_schedule(tiny_synth_options, monkeypatch
     assert all(n == 24 for n, _ in pushed[3:-1]) and pushed[-1][0] <= 24
     assert [last for _, last in pushed] == [False] * (len(pushed) - 1) + [True]
     with pytest.raises(UsageError, match="stream_max_chunk_groups"):
-        SynthOptions(**tiny_synth_options, stream_chunk_groups=8, stream_max_chunk_groups=4
-                     ).validate()
+        SynthesisOptions(stream_chunk_groups=8, stream_max_chunk_groups=4)
 
 
 def test_incremental_worker_merges_queued_chunks_without_changing_the_audio(tiny_synth_options):
     """While Stage-1 is busy, later chunks queue up; the incremental worker decodes them in one
     push, and the audio equals decoding the same frames in one stream of small pushes."""
     from mimo_tts.codec import StreamingDecoder, load_audio_tokenizer
-    from mimo_tts.stream import DecodeWorker
+    from mimo_tts.overlap import DecodeWorker
 
     codec = load_audio_tokenizer(tiny_synth_options["tokenizer"])
     generator = torch.Generator().manual_seed(5)

@@ -15,7 +15,7 @@ from mimo_tts.lm.load import load_lm
 from mimo_tts.lm.sampling import GREEDY
 from mimo_tts.lm.text import TextTokenizer
 from mimo_tts.presets import write_tiny_preset
-from mimo_tts.tasks import build_prompt
+from mimo_tts.prompts import build_prompt
 
 KV_BYTES = 64 << 20  # a small KV cache: the engine starts in seconds (issue 7)
 

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/setup_vllm_venv.sh)")
 
-from mimo_tts import models  # noqa: E402
+from mimo_tts import checkpoints  # noqa: E402
 
 ENTRY_POINT = Path(sys.executable).with_name("mimo-tts")
 LINES = "Hello there.\nThe weather is nice today, is it not?\n今天天气真好。\n"
@@ -27,7 +27,7 @@ def run(tmp_path_factory):
     """run(out_name, *args) -> {item id: (wav bytes, sidecar)} after `mimo-tts synth`."""
     root = tmp_path_factory.mktemp("vllm-cli")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MIMO_", "VLLM_"))}
-    env.update({models.CACHE_ENV: str(root / "cache"), "HF_HUB_OFFLINE": "1", "NO_COLOR": "1",
+    env.update({checkpoints.CACHE_ENV: str(root / "cache"), "HF_HUB_OFFLINE": "1", "NO_COLOR": "1",
                 "OMP_NUM_THREADS": "1"})
     (root / "lines.txt").write_text(LINES, encoding="utf-8")
 

@@ -4,6 +4,7 @@
 - `state.py`: per-request audio state, the batch-row tracker (a vLLM logits processor) and the
   worker extension the engine reads codes through.
 - `engine.py`: `VLLMEngine(model_dir, ...)` with `generate` / `stream` like `mimo_tts.lm.generate`.
+- `launch.py`: the import guard and the `VLLMOptions` a run asks for (no vLLM import).
 
 `register()` is the `vllm.general_plugins` entry point: vLLM calls it in every process it starts
 (engine core, workers), so the architecture is known there too. Design: docs/vllm-engine.md.

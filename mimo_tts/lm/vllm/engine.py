@@ -33,6 +33,7 @@ from mimo_tts.lm.generate import (
 )
 from mimo_tts.lm.load import load_config
 from mimo_tts.lm.text import TextTokenizer
+from mimo_tts.lm.vllm.launch import DEFAULT_MAX_NUM_SEQS
 
 # Set before vLLM is imported, unless the caller chose otherwise. The V1 model runner is the one
 # whose logits-processor hook the row tracker relies on (state.py); vLLM picks V2 on GPUs.
@@ -49,7 +50,7 @@ class VLLMOptions:
     --max-model-len). `kv_cache_memory_bytes` overrides the utilisation (CPU tests: 64 MiB)."""
 
     dtype: str = "auto"  # checkpoint dtype; float32 / bfloat16 / float16
-    max_num_seqs: int = 32
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_model_len: int | None = None  # groups, prompt included; default the model's 8192
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1

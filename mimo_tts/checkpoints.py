@@ -1,9 +1,9 @@
-"""Which checkpoints, and the loaded models: directory / HF id in the local cache / `tiny`.
+"""Which checkpoints: a directory, an HF id in the local cache, or the built-in `tiny` preset.
 
 Resolution never downloads unless the caller allows it; a missing model is a CheckpointError
 that spells out the command that would fetch it. Nothing here loads weights: `locate` and
 `mimo_tts.memory` read only `config.json` and safetensors headers (JSON), for preflights, so
-`mimo-tts devices` never imports torch. The loaded models live in `mimo_tts.engine`.
+`mimo-tts devices` never imports torch. The loaded models live in `mimo_tts.synth`.
 """
 
 from __future__ import annotations
@@ -171,12 +171,11 @@ def _first(*candidates):
     return next((str(v), s) for v, s in candidates if v is not None)
 
 
-def resolve_models(model=None, tokenizer=None, profile=None, env=None,
-                   allow_download: bool = False, seed: int = 0) -> tuple[ModelRef, ModelRef]:
-    """Both checkpoints, resolved to local directories (the tiny preset is written if needed)."""
-    (lm_name, lm_src), (tok_name, tok_src) = pick_names(model, tokenizer, profile, env)
-    lm = resolve(lm_name, lm_src, "model", allow_download, env, seed)
-    tok = resolve(tok_name, tok_src, "tokenizer", allow_download, env, seed)
+def resolve_names(names, env=None, seed: int = 0) -> tuple[ModelRef, ModelRef]:
+    """Both checkpoints of `options.CheckpointNames`, resolved to local directories (the tiny
+    preset is written if needed)."""
+    lm = resolve(*names.lm, "model", names.allow_download, env, seed)
+    tok = resolve(*names.tokenizer, "tokenizer", names.allow_download, env, seed)
     return lm, tok
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mimo_tts.codec import load_audio_tokenizer
-from mimo_tts.codec.quantize import quantize_int8
+from mimo_tts.codec.int8 import quantize_int8
 from mimo_tts.errors import UsageError
 
 

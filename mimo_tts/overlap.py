@@ -1,12 +1,12 @@
-"""Streaming: Stage-1 decodes in a worker thread while Stage-0 generates (`--stream`).
+"""Overlapped stages: Stage-1 decodes in a worker thread while Stage-0 generates (`--stream`).
 
 The generating thread pushes each chunk of new code frames to a `DecodeWorker`, which runs a
-`StreamingDecoder` (spec §7.2 scheme) on the tokenizer device and hands each decoded chunk to a
-sink (raw PCM on stdout, a list, ...). Stage-0 steps come from `Engine.stream_steps`: the native
-LM, or vLLM with `--engine vllm` (its audio groups arrive one step late). Each stage runs under
-its own CPU thread budget (`engine.thread_budget`), so on one CPU the two stages share the cores
-instead of fighting for them. Timings of both stages are recorded on the returned `Piece` for
-benchmarks.
+codec streaming decoder (incremental by default, or the official §7.2 re-decoding scheme) on the
+tokenizer device and hands each decoded chunk to a callback (raw PCM on stdout, a list, ...).
+Stage-0 steps come from `MiMoTTS.stream_steps`: the native LM, or vLLM with `--engine vllm`
+(its audio groups arrive one step late). Each stage runs under its own CPU thread budget
+(`runtime.thread_budget`), so on one CPU the two stages share the cores instead of fighting for
+them. Timings of both stages are recorded on the returned `Piece` for benchmarks.
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ import threading
 import time
 from collections.abc import Iterator
 
-from mimo_tts.engine import Piece, oom_advice, thread_budget
+from mimo_tts.io import PAUSE_FRAMES
+from mimo_tts.pieces import Piece
+from mimo_tts.runtime import oom_advice, thread_budget
 
 
 class DecodeWorker:
-    """Runs a StreamingDecoder on the tokenizer device in a thread; chunks go to the sink."""
+    """Runs a streaming decoder on the tokenizer device in a thread; chunks go to the sink."""
 
     def __init__(self, codec, sink, threads: int | None = None, mode: str = "incremental"):
         self.codec, self.sink, self.threads, self.mode = codec, sink, threads, mode
@@ -115,7 +117,7 @@ def _group_ids(step, empty_codes):
     return torch.cat((text, codes.T), dim=0)
 
 
-# Largest push (groups) when SynthOptions.stream_max_chunk_groups is None, per stream mode.
+# Largest push (groups) when stream_max_chunk_groups is None, per stream mode.
 # Every official push re-decodes a whole window (up to 250 + 40 frames), so fewer pushes save
 # compute. An incremental push costs a pass over the decoder's weights plus its frames: 10
 # groups keeps that near one-shot compute (docs/performance.md) while the tail left to decode
@@ -138,7 +140,7 @@ def chunk_schedule(first: int, most: int | None = None) -> Iterator[int]:
         size = min(2 * size, most)
 
 
-def stream_piece(engine, prompt, options, seed: int, sink, chunk_groups: int, log,
+def stream_piece(tts, prompt, options, seed: int, sink, chunk_groups: int, log,
                  mode: str = "incremental", max_chunk_groups: int | None = None) -> Piece:
     """Generate one prompt while decoding its audio frames as they arrive (spec §7.2 scheme).
 
@@ -155,22 +157,22 @@ def stream_piece(engine, prompt, options, seed: int, sink, chunk_groups: int, lo
     from mimo_tts.lm.extract import extract
 
     start = time.perf_counter()
-    worker = DecodeWorker(engine.codec, sink, getattr(engine, "tokenizer_threads", None), mode)
+    worker = DecodeWorker(tts.codec, sink, tts.tokenizer_threads, mode)
     try:
         cap = chunk_cap(mode, chunk_groups, max_chunk_groups)
-        blocks, sent = _generate_streaming(engine, prompt, options, worker,
+        blocks, sent = _generate_streaming(tts, prompt, options, worker,
                                            chunk_schedule(chunk_groups, cap))
         generated = time.perf_counter()
         audio = worker.join()
     except BaseException:
         worker.abort()
         raise
-    found = extract(torch.cat(blocks, dim=1), engine.text, engine.empty_ids, engine.group_size)
+    found = extract(torch.cat(blocks, dim=1), tts.text, tts.empty_ids, tts.group_size)
     note = None
     if found.codes is not None and not torch.equal(torch.cat(sent, dim=1), found.codes):
         note = "streamed frames differ from the extracted codes; the file is decoded one-shot"
         log(f"note: {note}")
-        audio = engine.decode([found.codes])[0]
+        audio = tts.stage1.decode([found.codes])[0]
     end = time.perf_counter()
     first = worker.first_chunk_at
     timings = {"stage0_s": generated - start, "stage1_s": worker.busy_s,
@@ -180,19 +182,18 @@ def stream_piece(engine, prompt, options, seed: int, sink, chunk_groups: int, lo
                  audio if found.codes is not None else None, note, timings)
 
 
-def _generate_streaming(engine, prompt, options, worker: DecodeWorker,
+def _generate_streaming(tts, prompt, options, worker: DecodeWorker,
                         schedule: Iterator[int]):
     """Stage-0 for one prompt in this thread, pushing audio frames to the worker in chunks
     of the schedule's sizes (in groups)."""
     import torch
 
-    special, empty0 = engine.text.special, engine.empty_ids[0]
-    empty_codes = torch.tensor(engine.empty_ids).unsqueeze(0).expand(engine.group_size, -1)
+    special, empty0 = tts.text.special, tts.empty_ids[0]
+    empty_codes = torch.tensor(tts.empty_ids).unsqueeze(0).expand(tts.group_size, -1)
     blocks, pending, sent = [], [], []
     size = next(schedule)
-    with thread_budget(getattr(engine, "lm_threads", None)), \
-            oom_advice("Stage-0 generation", engine.lm_device):
-        for step in engine.stream_steps([prompt.input_ids], options):
+    with thread_budget(tts.lm_threads), oom_advice("Stage-0 generation", tts.lm_device):
+        for step in tts.stream_steps([prompt.input_ids], options):
             blocks.append(_group_ids(step, empty_codes))
             if step.text_token == special.sostm:
                 pending.clear()  # official extraction reads audio after a generated <|sostm|>
@@ -205,3 +206,27 @@ def _generate_streaming(engine, prompt, options, worker: DecodeWorker,
     sent.append(torch.cat(pending, dim=1) if pending else empty_codes.T[:, :0])
     worker.push(sent[-1], last=True)
     return blocks, sent
+
+
+def stream_chunks(tts, prompts: list, o) -> Iterator:
+    """The library's streaming: each prompt's decoded chunks [S_i] as they come, with a pause
+    between prompts; Stage-0 runs in a background thread, an error is raised here."""
+    import torch
+
+    chunks: queue.Queue = queue.Queue()
+
+    def run():
+        try:
+            for i, prompt in enumerate(prompts):
+                if i:
+                    chunks.put(torch.zeros(PAUSE_FRAMES * tts.stage1.samples_per_frame))
+                tts.stream_piece(prompt, o, o.seed, chunks.put, lambda message: None)
+            chunks.put(None)
+        except BaseException as exc:  # re-raised in the caller's thread
+            chunks.put(exc)
+
+    threading.Thread(target=run, name="mimo-tts-stream", daemon=True).start()
+    while (chunk := chunks.get()) is not None:
+        if isinstance(chunk, BaseException):
+            raise chunk
+        yield chunk

@@ -1,0 +1,39 @@
+"""Helpers every benchmark and check script shares: where the fixtures are, how busy the machine is.
+
+Scripts run as `python scripts/NAME.py`, so `import _common` finds this file. The fixtures
+default to the repository's copy (`tests/fixtures`); `MIMO_TTS_FIXTURES` points elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = Path(os.environ.get("MIMO_TTS_FIXTURES") or REPO / "tests" / "fixtures")
+TINY_A = FIXTURES / "tiny-a"
+FULL_SIZE = FIXTURES / "full-size"
+
+
+def cpu_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of all CPUs since boot, from the first line of /proc/stat."""
+    with open("/proc/stat", encoding="ascii") as stat:
+        fields = [int(x) for x in stat.readline().split()[1:]]
+    total = sum(fields[:8])
+    return total - fields[3] - fields[4], total  # idle + iowait are not busy
+
+
+def cpu_busy_s() -> float:
+    """Seconds of CPU time all processes of the machine have used since boot (nan if unknown)."""
+    try:
+        return cpu_ticks()[0] / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return float("nan")
+
+
+def busy_cores(window_s: float = 5.0) -> float:
+    """Cores the machine's processes kept busy over the next `window_s` seconds."""
+    start, before = time.perf_counter(), cpu_busy_s()
+    time.sleep(window_s)
+    return (cpu_busy_s() - before) / (time.perf_counter() - start)
