@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mimo_tts.errors import InputError
+from mimo_tts.lm.config import TASK_STOP_TOKENS
 
 if TYPE_CHECKING:
     from mimo_tts.lm.sampling import SamplerConfig
@@ -64,7 +65,7 @@ class TaskSpec:
     instruct: str  # "required" | "optional" | "none"
     prompt_audio: str  # "required" | "optional" | "none"
     sampler: str = "tts"  # key of the per-task sampler defaults (spec §4.6)
-    stop_tokens: tuple[str, ...] = ("eos", "eostm", "im_end")  # SpecialTokens fields (spec §4.7)
+    stop_tokens: tuple[str, ...] = TASK_STOP_TOKENS["tts"]  # SpecialTokens fields (spec §4.7)
 
     def samplers(self) -> tuple[SamplerConfig, SamplerConfig]:
         """The task's official (text, audio) sampler defaults (spec §4.6)."""

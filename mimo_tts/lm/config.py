@@ -13,6 +13,16 @@ from mimo_tts.errors import CheckpointError
 
 # Positions the LM may ever hold, prompt included (spec §4.7: GenerationConfig.max_length).
 MAX_GROUPS = 8192
+# Special tokens that end a generation, by the official task family (spec §4.7); the one home
+# of the stop sets: lm.generate and the TTS task specs (mimo_tts.tasks) read them here.
+TASK_STOP_TOKENS: dict[str, tuple[str, ...]] = {
+    "tts": ("eos", "eostm", "im_end"),
+    "spoken_dialogue": ("eos", "eostm", "im_end"),
+    "asr": ("eos", "im_end"),
+    "audio_understanding": ("eos", "im_end"),
+    "text_chat": ("eos", "im_end"),
+    "in_context_learning_s2s": ("eos", "eostm"),
+}
 LM_QUANTS = ("int8",)  # opt-in weight-only quantizations of the LM (mimo_tts/lm/quant.py)
 
 

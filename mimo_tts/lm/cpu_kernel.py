@@ -78,8 +78,10 @@ class _Gemv(ctypes.Structure):
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "mimo-tts" / "kernels"
+    """`kernels/` in the project's cache root (MIMO_TTS_CACHE, else XDG_CACHE_HOME/mimo-tts)."""
+    from mimo_tts.checkpoints import cache_root
+
+    return cache_root() / "kernels"
 
 
 def _cpu_flags() -> str:

@@ -19,21 +19,13 @@ from torch import Tensor
 
 from mimo_tts.errors import InputError, UsageError
 from mimo_tts.lm import cpu_kernel
-from mimo_tts.lm.config import MAX_GROUPS
+from mimo_tts.lm.config import MAX_GROUPS, TASK_STOP_TOKENS
 from mimo_tts.lm.graph import GraphStep
 from mimo_tts.lm.model import KVCache, MiMoAudioLM
 from mimo_tts.lm.sampling import TASK_SAMPLERS, SamplerConfig, sample, task_samplers
 from mimo_tts.lm.step import DecodeStep, EagerStep
 
 # Stop sets by SpecialTokens field name (spec §4.7).
-TASK_STOP_TOKENS: dict[str, tuple[str, ...]] = {
-    "tts": ("eos", "eostm", "im_end"),
-    "spoken_dialogue": ("eos", "eostm", "im_end"),
-    "asr": ("eos", "im_end"),
-    "audio_understanding": ("eos", "im_end"),
-    "text_chat": ("eos", "im_end"),
-    "in_context_learning_s2s": ("eos", "eostm"),
-}
 
 LogitsHook = Callable[[int, Tensor], Tensor]
 # How decode steps run (GenerationOptions.decode_step); see `decode_step` below.
