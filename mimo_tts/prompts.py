@@ -74,11 +74,9 @@ def pad_prompt_codes(codes: torch.Tensor, n_channels: int) -> torch.Tensor:
         raise InputError(f"prompt codes have {codes.shape[0]} rows, need {n_channels}")
     if codes.shape[1] == 0:
         raise InputError("prompt audio has no codec frames")
-    codes = codes[:n_channels].to(device="cpu", dtype=torch.long)
-    pad = -codes.shape[1] % GROUP_SIZE
-    if pad:
-        codes = torch.cat([codes, codes[:, -1:].expand(-1, pad)], dim=1)  # [K, T'] (spec §10.5)
-    return codes
+    from mimo_tts.codec.tokenizer import pad_to_groups
+
+    return pad_to_groups(codes[:n_channels].to(device="cpu", dtype=torch.long))  # [K, T']
 
 
 def _check_codes(codes: torch.Tensor, empty_ids: Sequence[int]) -> None:

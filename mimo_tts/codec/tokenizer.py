@@ -25,6 +25,15 @@ DECODE_CHUNK_FRAMES = 1500
 # The LM consumes 8 RVQ channels in groups of 4 frames (spec §1, §6.1; defaults per spec §8.7).
 PROMPT_CHANNELS = 8
 GROUP_SIZE = 4
+
+
+def pad_to_groups(codes: Tensor) -> Tensor:
+    """[K, T] codes, T padded to whole LM groups by repeating the last frame (spec §10.5): the
+    one home of this rule (prompt building pads codes it is given the same way)."""
+    pad = -codes.shape[1] % GROUP_SIZE
+    return torch.cat([codes, codes[:, -1:].expand(-1, pad)], dim=1) if pad else codes
+
+
 # decode_batch pads sequences together up to this many frames per forward pass.
 BATCH_FRAMES = 4096
 
@@ -211,11 +220,7 @@ class AudioTokenizer:
             raise InputError(f"prompt audio is {1000 * samples / sample_rate:.1f} ms long "
                              f"({samples} samples at {sample_rate} Hz); a voice prompt needs "
                              f"at least {need:.0f} ms")
-        codes = self.encode(audio, sample_rate)[:PROMPT_CHANNELS]
-        pad = -codes.shape[1] % GROUP_SIZE
-        if pad:
-            codes = torch.cat([codes, codes[:, -1:].expand(-1, pad)], dim=1)
-        return codes
+        return pad_to_groups(self.encode(audio, sample_rate)[:PROMPT_CHANNELS])
 
     @_on_device
     def warmup(self) -> None:
