@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from mimo_tts.errors import AudioCheckError, InputError, NoAudioError, OutputError
+from mimo_tts.lm.config import AUDIO_CHANNELS
 
 SAMPLE_RATE = 24000
 PAUSE_FRAMES = 8  # silence between split text pieces: 8 frames = 0.32 s, whole frames
@@ -212,7 +213,7 @@ def save_codes(path: str | Path, pieces: list, metadata: dict) -> Path:
     return atomic_write(path, lambda f: f.write(data))
 
 
-CODE_CHANNELS = 8  # codebooks the LM emits and `decode` takes (spec §2.2 audio_channels)
+CODE_CHANNELS = AUDIO_CHANNELS  # codebooks the LM emits and `decode` takes
 MAX_PAUSE_FRAMES = 250  # 10 s of silence between pieces
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from mimo_tts.errors import InputError
+from mimo_tts.lm.config import GROUP_SIZE
 from mimo_tts.lm.text import SpecialTokens, TextTokenizer
 from mimo_tts.tasks import (
     SYS_ZH,
@@ -24,7 +25,6 @@ from mimo_tts.tasks import (
     validate_inputs,
 )
 
-GROUP_SIZE = 4  # codec frames per LM group (spec §1)
 IGNORE_ID = -100  # text slots 1..3 of a prompt group (spec §4.2)
 
 

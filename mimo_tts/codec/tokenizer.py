@@ -19,12 +19,12 @@ from mimo_tts.codec.config import CodecConfig
 from mimo_tts.codec.decoder import pad_hidden
 from mimo_tts.codec.mel import LogMel, prepare_audio
 from mimo_tts.errors import AudioCheckError, InputError
+from mimo_tts.lm.config import AUDIO_CHANNELS, GROUP_SIZE
 
 # Spec §7.1: official synthesis decodes independent 60 s chunks with no overlap.
 DECODE_CHUNK_FRAMES = 1500
 # The LM consumes 8 RVQ channels in groups of 4 frames (spec §1, §6.1; defaults per spec §8.7).
-PROMPT_CHANNELS = 8
-GROUP_SIZE = 4
+PROMPT_CHANNELS = AUDIO_CHANNELS
 
 
 def pad_to_groups(codes: Tensor) -> Tensor:

@@ -11,6 +11,11 @@ from dataclasses import dataclass
 
 from mimo_tts.errors import CheckpointError
 
+# The published LM reads and writes 8 RVQ channels in groups of 4 codec frames (spec §1, §2.2);
+# checkpoints state their own (LMConfig); these are for code that has no checkpoint at hand
+# (voice-prompt padding, saved-codes files). The one home of both numbers.
+GROUP_SIZE = 4
+AUDIO_CHANNELS = 8
 # Positions the LM may ever hold, prompt included (spec §4.7: GenerationConfig.max_length).
 MAX_GROUPS = 8192
 # Special tokens that end a generation, by the official task family (spec §4.7); the one home
