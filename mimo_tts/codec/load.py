@@ -18,7 +18,7 @@ from mimo_tts.codec.decoder import AudioDecoder
 from mimo_tts.codec.encoder import AudioEncoder
 from mimo_tts.codec.layers import prepack
 from mimo_tts.codec.tokenizer import AudioTokenizer
-from mimo_tts.devices import normalize_device
+from mimo_tts.devices import normalize_device, torch_dtype
 from mimo_tts.errors import UsageError
 from mimo_tts.weights import load_module_weights, read_config
 
@@ -26,11 +26,6 @@ from mimo_tts.weights import load_module_weights, read_config
 IGNORED_TENSORS = (
     r"encoder\.quantizer\.vq\.layers\.\d+\._codebook\.(embed_avg|cluster_size|inited)",
 )
-DTYPE_NAMES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}
 
 
 class CodecModel(nn.Module):
@@ -45,12 +40,13 @@ class CodecModel(nn.Module):
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     """A torch dtype from a dtype or a name (float32, bfloat16, float16 and short forms)."""
-    if isinstance(dtype, torch.dtype) and dtype in DTYPE_NAMES.values():
-        return dtype
-    name = str(dtype).lower()
-    if name not in DTYPE_NAMES:
-        raise UsageError(f"unsupported tokenizer dtype {dtype!r}: use float32, bfloat16 or float16")
-    return DTYPE_NAMES[name]
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    try:
+        return torch_dtype(dtype)
+    except UsageError:
+        raise UsageError(f"unsupported tokenizer dtype {dtype!r}: use float32, bfloat16 or "
+                         "float16") from None
 
 
 def build_model(config: CodecConfig, dtype: torch.dtype = torch.float32) -> CodecModel:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from mimo_tts.devices import torch_dtype
 from mimo_tts.errors import CheckpointError, DeviceError, UsageError
 from mimo_tts.lm.config import LMConfig
 from mimo_tts.lm.cpu_kernel import check_mode, mode_from_env
@@ -13,7 +14,6 @@ from mimo_tts.lm.model import MiMoAudioLM
 from mimo_tts.lm.quant import QUANTS, quantize_lm
 from mimo_tts.weights import load_module_weights, read_config
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Known checkpoint tensors that inference does not use (spec §4.9).
 IGNORED = (r"mel_transform\..*",)
 
@@ -37,9 +37,11 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu",
         raise UsageError(f"LM quantization must be one of {', '.join(QUANTS)}, got {quant!r}")
     if quant is not None and torch.device(device).type != "cpu":
         raise UsageError(f"--lm-quant {quant} runs on CPU only, the LM is placed on {device}")
-    dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-    if dtype not in DTYPES.values():
-        raise CheckpointError(f"unsupported LM dtype {dtype}: use float32, bfloat16 or float16")
+    try:
+        dtype = torch_dtype(str(dtype).removeprefix("torch."))
+    except UsageError:
+        raise CheckpointError(f"unsupported LM dtype {dtype}: use float32, bfloat16 or "
+                              "float16") from None
     cfg = load_config(path)
     with torch.device("meta"):
         model = MiMoAudioLM(cfg)
