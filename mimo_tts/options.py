@@ -20,13 +20,17 @@ from pathlib import Path
 from mimo_tts.checkpoints import checkpoint_dtype, pick_names
 from mimo_tts.devices import Placement, resolve_placement
 from mimo_tts.errors import MimoTTSError, UsageError
+from mimo_tts.inputs import MAX_SEED
 from mimo_tts.io import FORMATS, SAMPLE_RATE
 from mimo_tts.lm.config import LM_QUANTS, MAX_GROUPS
-from mimo_tts.tasks import TASKS
+from mimo_tts.tasks import TASKS, TTS_EN_TEMPLATES, TTS_ZH_TEMPLATES
 
 PROFILE_DIR = Path(__file__).resolve().parent / "configs"  # package data: built-in profiles
 USER_PROFILE_ENV = "MIMO_TTS_CONFIG_DIR"  # a folder of the user's own profiles
 STREAM_MODES = ("official", "incremental")
+MAX_TEMPERATURE = 100.0  # finite: inf/NaN would turn the softmax into NaN
+MAX_THREADS = 256  # torch/OpenMP crash or abort on absurd thread counts
+MAX_SAMPLE_RATE = 192000  # the highest rate libsndfile's FLAC writer takes
 ENGINES = ("native", "vllm")
 # Options of the vLLM engine only (`--engine vllm`); an error with the native engine.
 VLLM_FIELDS = ("gpu_memory_utilization", "max_num_seqs", "tensor_parallel_size", "max_model_len",
@@ -69,7 +73,7 @@ class SynthesisOptions:
 
     def __post_init__(self):
         _check(self.max_chars >= 0, "--max-chars must be >= 0 (0 disables splitting)")
-        _check(self.seed >= 0, "--seed must be >= 0")
+        _check(0 <= self.seed <= MAX_SEED, "--seed must be in [0, 2**64 - 1]")
         _check(self.max_new_groups is None or self.max_new_groups >= 1,
                "--max-new-groups must be >= 1")
         _check(self.stream_chunk_groups >= 1, "stream_chunk_groups must be >= 1")
@@ -79,13 +83,17 @@ class SynthesisOptions:
         _check(self.stream_mode in STREAM_MODES,
                f"--stream-mode must be one of {', '.join(STREAM_MODES)}")
         for name in ("temperature", "audio_temperature"):
-            _check(getattr(self, name) is None or getattr(self, name) >= 0, f"{name} must be >= 0")
+            value = getattr(self, name)
+            _check(value is None or 0 <= value <= MAX_TEMPERATURE,
+                   f"{name} must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy)")
         for name in ("top_p", "audio_top_p"):
             value = getattr(self, name)
             _check(value is None or 0 < value <= 1, f"{name} must be in (0, 1]")
         for name in ("top_k", "audio_top_k"):
             _check(getattr(self, name) is None or getattr(self, name) >= 0, f"{name} must be >= 0")
-        _check(self.template is None or self.template >= 0, "--template must be >= 0")
+        count = min(len(TTS_EN_TEMPLATES), len(TTS_ZH_TEMPLATES))
+        _check(self.template is None or 0 <= self.template < count,
+               f"--template must be in [0, {count - 1}]")
         spec = TASKS.get(self.task)
         _check(spec is not None, f"unknown --task {self.task!r}; choose one of {', '.join(TASKS)}")
         _check(not (self.prompt_audio and spec.prompt_audio == "none"),
@@ -146,7 +154,8 @@ class EngineOptions:
     def __post_init__(self):
         for name in ("lm_threads", "tokenizer_threads"):
             value = getattr(self, name)
-            _check(value is None or value >= 1, f"--{name.replace('_', '-')} must be >= 1")
+            _check(value is None or 1 <= value <= MAX_THREADS,
+                   f"--{name.replace('_', '-')} must be in [1, {MAX_THREADS}]")
         _check(self.engine in ENGINES, f"--engine must be one of {', '.join(ENGINES)}")
         _check(self.lm_quant is None or self.lm_quant in LM_QUANTS,
                f"--lm-quant must be one of {', '.join(LM_QUANTS)}")
@@ -180,7 +189,8 @@ class RunOptions:
 
     def __post_init__(self):
         _check(self.format in FORMATS, f"--format must be one of {', '.join(FORMATS)}")
-        _check(self.sample_rate >= 8000, "--sample-rate must be at least 8000")
+        _check(8000 <= self.sample_rate <= MAX_SAMPLE_RATE,
+               f"--sample-rate must be in [8000, {MAX_SAMPLE_RATE}]")
         _check(self.batch_size >= 1, "--batch-size must be >= 1")
 
     def check_combinations(self) -> RunOptions:
