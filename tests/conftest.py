@@ -155,3 +155,15 @@ def manifest():
 @pytest.fixture(scope="session")
 def entry_point() -> Path:
     return ENTRY_POINT
+
+
+@pytest.fixture
+def one_thread():
+    """One torch intra-op thread for the test, restored after: small models on a shared
+    2-core machine gain nothing from more, and oversubscribed threads make every op wait."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -34,12 +34,8 @@ MID_LM = dict(TINY_LM) | {"hidden_size": 1024, "num_hidden_layers": 8, "num_atte
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """Small models on a shared 2-core machine: one intra-op thread (restored after)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread):
+    """Small models on a shared 2-core machine: one intra-op thread (tests/conftest.py)."""
 
 
 def _special() -> dict[str, int]:

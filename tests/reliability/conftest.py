@@ -72,6 +72,24 @@ def read_lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
+@pytest.fixture
+def synth_broken(invoke, preset_copy, tmp_path):
+    """synth_broken(kind, build) -> (result, broken dir): one synth run with the tiny preset's
+    `kind` ("lm" or "tokenizer") copied and broken by `build`; no audio may be written."""
+
+    def run(kind: str, build):
+        broken = preset_copy(kind)
+        build(broken)
+        model = broken if kind == "lm" else "tiny"
+        tokenizer = broken if kind == "tokenizer" else "tiny"
+        result = invoke("synth", "--model", model, "--tokenizer", tokenizer, "--text", "Hello.",
+                        "--max-new-groups", "1")
+        assert not list(tmp_path.rglob("*.wav"))
+        return result, broken
+
+    return run
+
+
 @pytest.fixture(scope="session")
 def rel():
     """Helpers shared by the reliability tests (conftest modules are not importable here)."""

@@ -21,12 +21,8 @@ KV_BYTES = 64 << 20  # a small KV cache: the engine starts in seconds (issue 7)
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread (restored after)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread):
+    """Tiny models on a shared 2-core machine: one intra-op thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="session")
