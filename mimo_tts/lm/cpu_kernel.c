@@ -190,36 +190,82 @@ static void amx_release(void) {}
 
 /* ---- int8 weights with one float scale per row (weight-only quantization) --------------
  * y[j * ldy + r] = scale[r] * (W[r] . x[j]) + b[r], rounded to bfloat16 when `bf` (then the
- * bias is bfloat16, else float); x is float. */
+ * bias is bfloat16, else float); x is float. Each (row, vector) pair keeps one 16-lane
+ * accumulator over the columns, then a scalar tail, whatever the blocking. */
+static inline void finish_i8(const int8_t *row, float s, float scale, float bias, int bf,
+                             long from, long in, const float *xj, float *yr) {
+    for (long t = from; t < in; t++) s += row[t] * xj[t];
+    s = s * scale + bias;
+    *yr = bf ? bf2f(f2bf(s)) : s;
+}
+
+static inline float bias_i8(const void *b, int bf, long r) {
+    return b ? (bf ? bf2f(((const bf16 *)b)[r]) : ((const float *)b)[r]) : 0.f;
+}
+
+#if defined(__AVX512F__)
+/* Rows r..r+3 against vectors j0..j0+m-1 (m constant after inlining): 4 * m independent
+ * accumulators, so the FMA latency is hidden even for one vector; the next rows are
+ * prefetched meanwhile. */
+static inline __attribute__((always_inline)) void block_i8(
+        const int8_t *w, const float *scale, const void *b, int bf, long in, long r,
+        const float *x, int j0, const int m, float *y, long ldy, int prefetch) {
+    const int8_t *w0 = w + r * in;
+    long vin = in & ~15L;
+    __m512 acc[4][4];
+    for (int k = 0; k < 4; k++)
+        for (int j = 0; j < 4; j++) acc[k][j] = _mm512_setzero_ps();
+    for (long i = 0; i < vin; i += 16) {
+        if (prefetch && (i & 63) == 0)
+            for (int k = 4; k < 8; k++) _mm_prefetch((const char *)(w0 + k * in + i), _MM_HINT_T0);
+        __m512 wv[4];
+        for (int k = 0; k < 4; k++)
+            wv[k] = _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w0 + k * in + i))));
+        for (int j = 0; j < m; j++) {
+            __m512 xv = _mm512_loadu_ps(x + (long)(j0 + j) * in + i);
+            for (int k = 0; k < 4; k++) acc[k][j] = _mm512_fmadd_ps(wv[k], xv, acc[k][j]);
+        }
+    }
+    for (int k = 0; k < 4; k++)
+        for (int j = 0; j < m; j++)
+            finish_i8(w0 + k * in, _mm512_reduce_add_ps(acc[k][j]), scale[r + k],
+                      bias_i8(b, bf, r + k), bf, vin, in, x + (long)(j0 + j) * in,
+                      y + (long)(j0 + j) * ldy + r + k);
+}
+#endif
+
 static void rows_i8(const int8_t *w, const float *scale, const void *b, int bf, long in,
                     long r0, long r1, const float *x, int n, float *y, long ldy) {
-    for (long r = r0; r < r1; r++) {
-        const int8_t *row = w + r * in;
-        float bias = b ? (bf ? bf2f(((const bf16 *)b)[r]) : ((const float *)b)[r]) : 0.f;
-        for (int j0 = 0; j0 < n; j0 += 4) {
-            int m = n - j0 < 4 ? n - j0 : 4;
-            float sum[4] = {0.f, 0.f, 0.f, 0.f};
-            long i = 0;
+    long r = r0;
 #if defined(__AVX512F__)
-            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                             _mm512_setzero_ps()};
-            for (; i + 16 <= in; i += 16) {
-                __m512 wv = _mm512_cvtepi32_ps(
-                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + i))));
-                for (int j = 0; j < m; j++)
-                    acc[j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + (long)(j0 + j) * in + i),
-                                             acc[j]);
-            }
-            for (int j = 0; j < m; j++) sum[j] = _mm512_reduce_add_ps(acc[j]);
-#endif
-            for (int j = 0; j < m; j++) {
-                float s = sum[j];
-                for (long t = i; t < in; t++) s += row[t] * x[(long)(j0 + j) * in + t];
-                s = s * scale[r] + bias;
-                y[(long)(j0 + j) * ldy + r] = bf ? bf2f(f2bf(s)) : s;
+    for (; r + 4 <= r1; r += 4) {
+        int prefetch = r + 8 <= r1;
+        for (int j0 = 0; j0 < n; j0 += 4) {
+            switch (n - j0 < 4 ? n - j0 : 4) {
+            case 1: block_i8(w, scale, b, bf, in, r, x, j0, 1, y, ldy, prefetch && !j0); break;
+            case 2: block_i8(w, scale, b, bf, in, r, x, j0, 2, y, ldy, prefetch && !j0); break;
+            case 3: block_i8(w, scale, b, bf, in, r, x, j0, 3, y, ldy, prefetch && !j0); break;
+            default: block_i8(w, scale, b, bf, in, r, x, j0, 4, y, ldy, prefetch && !j0); break;
             }
         }
     }
+#endif
+    for (; r < r1; r++)
+        for (int j = 0; j < n; j++) {
+            const int8_t *row = w + r * in;
+            const float *xj = x + (long)j * in;
+            float s = 0.f;
+            long i = 0;
+#if defined(__AVX512F__)
+            __m512 acc = _mm512_setzero_ps();
+            for (; i + 16 <= in; i += 16)
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                    _mm_loadu_si128((const __m128i *)(row + i)))), _mm512_loadu_ps(xj + i), acc);
+            s = _mm512_reduce_add_ps(acc);
+#endif
+            finish_i8(row, s, scale[r], bias_i8(b, bf, r), bf, i, in, xj, y + (long)j * ldy + r);
+        }
 }
 
 /* Called by every thread of the team; ends in a barrier. `xp` scratch holds n * in floats.

@@ -38,11 +38,13 @@ def test_int8_is_opt_in_and_cpu_only(lm, lm_dir):
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 16])
-def test_int8_products_equal_the_dequantized_matrix(dtype, rows):
+@pytest.mark.parametrize("shape", [(80, 96), (83, 101)])  # 4-row blocks; odd rows and columns
+def test_int8_products_equal_the_dequantized_matrix(dtype, rows, shape):
+    out, size = shape
     gen = torch.Generator().manual_seed(rows)
-    q = quantize_rows(torch.randn(80, 96, generator=gen))
-    x = torch.randn(rows, 96, generator=gen).to(dtype)
-    bias = torch.randn(80, generator=gen).to(dtype)
+    q = quantize_rows(torch.randn(out, size, generator=gen))
+    x = torch.randn(rows, size, generator=gen).to(dtype)
+    bias = torch.randn(out, generator=gen).to(dtype)
     got = cpu_kernel.Products(cpu_kernel.library())(x, q, bias)
     assert got.dtype == dtype
     want = F.linear(x.float(), dequantize(q, torch.float32), bias.float())
