@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_lm import FIXTURES, SPECIAL, _cpu_name, audio_prompt, build_model  # noqa: E402
+from _common import TINY_A  # noqa: E402
+from bench_lm import SPECIAL, _cpu_name, audio_prompt, build_model  # noqa: E402
 
 from mimo_tts.lm.generate import (  # noqa: E402
     GenerationOptions,
@@ -96,12 +97,12 @@ def table(ref: list[dict], quant: list[dict], frames: int) -> dict:
 def tiny_a(dtype: str, groups: int) -> dict:
     from safetensors.torch import load_file
 
-    lm_dir = FIXTURES / "tiny-a" / "lm"
+    lm_dir = TINY_A / "lm"
     special = TextTokenizer.from_dir(lm_dir).special
-    cases = json.loads((FIXTURES / "tiny-a" / "cases" / "cases.json").read_text())
+    cases = json.loads((TINY_A / "cases" / "cases.json").read_text())
     prompts = []
     for group in ("lm_generate", "voice_prompt"):
-        tensors = load_file(FIXTURES / "tiny-a" / "cases" / f"{group}.safetensors")
+        tensors = load_file(TINY_A / "cases" / f"{group}.safetensors")
         prompts += [tensors[f"{c['name']}.input_ids"] for c in cases["groups"][group]["cases"]
                     if f"{c['name']}.input_ids" in tensors]
     ref = measure(load_lm(lm_dir, dtype=dtype), prompts, special, groups)
