@@ -27,17 +27,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import platform
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.resources import files
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -45,10 +39,10 @@ from torch import Tensor
 from mimo_tts.errors import UsageError
 from mimo_tts.lm.model import KVCache, MiMoAudioLM, linear
 from mimo_tts.lm.step import EagerStep
+from mimo_tts.native import build
 
 SOURCE = files("mimo_tts.lm") / "cpu_kernel.c"
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LAYER_FIELDS = ("in_norm", "qkv_w", "qkv_b", "o_w", "post_norm", "gate_up_w", "down_w",
                 "qkv_s", "o_s", "gate_up_s", "down_s")
 MAX_ROWS = 16  # rows a product takes through the kernel; more go to PyTorch's GEMM
@@ -77,50 +71,12 @@ class _Gemv(ctypes.Structure):
     ]
 
 
-def _cache_dir() -> Path:
-    """`kernels/` in the project's cache root (MIMO_TTS_CACHE, else XDG_CACHE_HOME/mimo-tts)."""
-    from mimo_tts.checkpoints import cache_root
-
-    return cache_root() / "kernels"
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags: -march=native code is only reused on the same kind of CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), platform.node())
-    except OSError:
-        return platform.node()
-
-
 @functools.cache
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    """(the compiled kernel, "") or (None, why not); built on first use, cached per source
-    and machine."""
-    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return None, f"needs Linux on x86-64, this is {sys.platform} on {platform.machine()}"
-    try:
-        source_text = SOURCE.read_text(encoding="utf-8")
-    except OSError:
-        return None, "this install has no cpu_kernel.c"
-    key = hashlib.sha256((source_text + " ".join(FLAGS) + _cpu_flags()).encode()).hexdigest()
-    target = _cache_dir() / f"lm_step_{key[:16]}.so"
-    try:
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory() as tmp:
-                source = Path(tmp) / "lm_step.c"
-                source.write_text(source_text)
-                built = Path(tmp) / target.name
-                subprocess.run(["cc", *FLAGS, str(source), "-o", str(built), "-lm"],
-                               check=True, capture_output=True, text=True, timeout=120)
-                os.replace(built, target)  # atomic: concurrent builders never see half a file
-        lib = ctypes.CDLL(str(target))
-    except subprocess.CalledProcessError as exc:
-        lines = (exc.stderr or "").strip().splitlines()
-        return None, f"cc failed: {lines[-1] if lines else f'exit {exc.returncode}'}"
-    except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"cannot build or load it ({exc})"
+    """(the compiled kernel, "") or (None, why not); built on first use (`native.build`)."""
+    lib, why = build(SOURCE, "lm_step")
+    if lib is None:
+        return None, why
     for name in ("step_bf16", "step_f32", "step_work_floats"):
         getattr(lib, name).argtypes = [ctypes.POINTER(_Step)]
     for name in ("gemv_bf16_call", "gemv_f32_call", "gemv_work_floats"):
