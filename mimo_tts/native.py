@@ -14,8 +14,11 @@ import platform
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from importlib.resources.abc import Traversable
 from pathlib import Path
+
+from mimo_tts.errors import UsageError
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
@@ -63,3 +66,25 @@ def build(source: Traversable, stem: str) -> tuple[ctypes.CDLL | None, str]:
         return None, f"cc failed: {lines[-1] if lines else f'exit {exc.returncode}'}"
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"cannot build or load it ({exc})"
+
+
+MODES = ("auto", "on", "off")
+
+
+def mode_from_env(name: str) -> str:
+    """The kernel mode the environment variable `name` asks for: auto (unset), on or off."""
+    value = os.environ.get(name, "auto").strip().lower()
+    spellings = {"on": ("1", "on", "true", "yes"), "off": ("0", "off", "false", "no"),
+                 "auto": ("", "auto")}
+    for mode, words in spellings.items():
+        if value in words:
+            return mode
+    raise UsageError(f"{name}={os.environ[name]!r}: use auto, 1 (on) or 0 (off)")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Whether a kernel runs, and why (or why not), in words."""
+
+    active: bool
+    reason: str

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import time
 from importlib.resources import files
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
-from mimo_tts.native import build
+from mimo_tts.native import Choice, build, mode_from_env
 
 SOURCE = files("mimo_tts.codec") / "gemm.c"
 
@@ -48,34 +50,116 @@ def _up(v: int) -> int:
 
 
 class PackedGemm:
-    """A float32 [N, K] weight (and bias) split and packed once; call with x [..., K]."""
+    """The float32 weights (and biases) of `modules` (nn.Linear, one product when several,
+    e.g. q/k/v) split and packed once; the modules' weights are REPLACED by meta-device
+    placeholders of the same shape, so memory stays that of the float32 weights. `unpack`
+    puts float32 weights back (hi + lo: within ~8e-6 relative of the originals)."""
 
-    def __init__(self, lib: ctypes.CDLL, weight: Tensor, bias: Tensor | None):
-        self.lib = lib
+    def __init__(self, lib: ctypes.CDLL, modules: list[nn.Linear]):
+        self.lib, self.modules = lib, modules
+        weights = [m.weight.detach() for m in modules]
+        weight = torch.cat(weights) if len(weights) > 1 else weights[0].contiguous()
         self.out_features, self.in_features = weight.shape
-        w = weight.detach().contiguous()
-        self.packed = torch.empty(lib.packed_bytes(*w.shape) // 2, dtype=torch.bfloat16)
-        lib.pack_weight(w.data_ptr(), *w.shape, torch.get_num_threads(), self.packed.data_ptr())
-        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.packed = torch.empty(lib.packed_bytes(*weight.shape) // 2, dtype=torch.bfloat16,
+                                  device="cpu")
+        lib.pack_weight(weight.data_ptr(), *weight.shape, torch.get_num_threads(),
+                        self.packed.data_ptr())
+        self.bias = None
+        if any(m.bias is not None for m in modules):
+            self.bias = torch.cat([m.bias.detach() if m.bias is not None else w.new_zeros(len(w))
+                                   for m, w in zip(modules, weights, strict=True)]).float()
+        del weight, weights
+        for m in modules:
+            m.weight = nn.Parameter(torch.empty(m.weight.shape, device="meta"),
+                                    requires_grad=False)
+        self.placeholders = [m.weight for m in modules]
 
-    def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        """x @ weight.T + bias (+ residual), float32, same leading shape as x."""
+    def current(self, weights: list, x: Tensor, residual: Tensor | None = None) -> bool:
+        """Whether the modules still hold the placeholders and x (and residual) are float32
+        on the CPU."""
+        return x.device.type == "cpu" and x.dtype == torch.float32 and \
+            (residual is None or residual.dtype == torch.float32) and \
+            len(weights) == len(self.placeholders) and \
+            all(w is p for w, p in zip(weights, self.placeholders, strict=True))
+
+    def __call__(self, x: Tensor, gelu: bool = False, residual: Tensor | None = None) -> Tensor:
+        """x @ weight.T + bias, then GELU(erf) or `+ residual`; float32, x's leading shape."""
         k, n = self.in_features, self.out_features
         flat = x.reshape(-1, k)
         if flat.stride(1) != 1:
             flat = flat.contiguous()
         m = flat.shape[0]
-        y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+        y = torch.empty(*x.shape[:-1], n, dtype=torch.float32, device="cpu")
         if m == 0:
             return y
         threads = torch.get_num_threads()
-        halves = torch.empty(2, _up(m), _up(k), dtype=torch.bfloat16)
+        halves = torch.empty(2, _up(m), _up(k), dtype=torch.bfloat16, device="cpu")
         self.lib.split_rows(flat.data_ptr(), m, k, flat.stride(0), threads,
                             halves[0].data_ptr(), halves[1].data_ptr())
-        res = None
-        if residual is not None:
-            res = residual.reshape(m, n).contiguous().data_ptr()
-        bias = None if self.bias is None else self.bias.data_ptr()
+        res = None if residual is None else residual.reshape(m, n).contiguous()
         self.lib.gemm(halves[0].data_ptr(), halves[1].data_ptr(), self.packed.data_ptr(),
-                      m, n, k, bias, res, y.data_ptr(), threads)
-        return y
+                      m, n, k, _ptr(self.bias), _ptr(res), y.data_ptr(), threads)
+        return torch._C._nn.gelu_(y) if gelu else y
+
+    def weights(self) -> list[Tensor]:
+        """The modules' float32 weights from the packed halves (hi + lo, exact sums)."""
+        bias, self.bias = self.bias, None
+        try:  # row i of eye . W^T is column i of W^T
+            weight = self(torch.eye(self.in_features, device="cpu")).t()
+        finally:
+            self.bias = bias
+        return [w.contiguous() for w in weight.split([m.weight.shape[0] for m in self.modules])]
+
+    def unpack(self) -> None:
+        """Give the modules plain float32 weights again (`weights`)."""
+        for m, w in zip(self.modules, self.weights(), strict=True):
+            m.weight = nn.Parameter(w, requires_grad=False)
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+@functools.cache
+def faster() -> tuple[bool, float, float]:
+    """Whether the GEMM beats torch's float32 F.linear here: (faster, GEMM GFLOP/s, torch
+    GFLOP/s), best of 3 alternating rounds on a [512, 1280] x [1280, 2560] product (the
+    codec's fc1 shape, halved), measured once per process."""
+    with torch.device("cpu"):  # also where the caller's default device is another one
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(512, 1280, generator=gen)
+        proj = nn.Linear(1280, 2560).requires_grad_(False)
+        weight, bias = proj.weight.clone(), proj.bias
+        packed = PackedGemm(library(), [proj])
+    best = {"gemm": float("inf"), "torch": float("inf")}
+    for _ in range(3):
+        best["gemm"] = min(best["gemm"], _timed(lambda: packed(x)))
+        best["torch"] = min(best["torch"], _timed(lambda: F.linear(x, weight, bias)))
+    flops = 2 * 512 * 1280 * 2560
+    return (best["gemm"] < best["torch"], round(flops / best["gemm"] / 1e9),
+            round(flops / best["torch"] / 1e9))
+
+
+ENV = "MIMO_TTS_CODEC_KERNEL"  # "auto" (default), "1" (wherever it can run) or "0" (never)
+
+
+def choose() -> Choice:
+    """Whether the codec's float32 CPU linears run through the GEMM, and why (not), under
+    MIMO_TTS_CODEC_KERNEL: "on" wherever AMX runs it, "auto" where it measured faster than
+    torch's float32 product (`faster`), "off" never."""
+    mode = mode_from_env(ENV)
+    if mode == "off":
+        return Choice(False, f"off ({ENV}=0)")
+    lib, why = _build()
+    if lib is None:
+        return Choice(False, why)
+    if mode == "on":
+        return Choice(True, f"on ({ENV}=1): bf16x3 AMX products")
+    ok, gemm, eager = faster()
+    return Choice(ok, f"auto: bf16x3 AMX {gemm} vs float32 {eager} GFLOP/s measured")

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from mimo_tts.codec.decoder import AudioDecoder
+from mimo_tts.codec.layers import plain_state_dict, unpack
 from mimo_tts.codec.tokenizer import AudioTokenizer
 from mimo_tts.errors import UsageError
 
@@ -32,7 +33,8 @@ def _copy_decoder(decoder: AudioDecoder) -> AudioDecoder:
     """An independent copy (deepcopy cannot copy the RoPE caches' locks)."""
     with torch.device("meta"):
         fresh = AudioDecoder(decoder.config)
-    fresh.load_state_dict({k: v.clone() for k, v in decoder.state_dict().items()}, assign=True)
+    fresh.load_state_dict({k: v.clone() for k, v in plain_state_dict(decoder).items()},
+                          assign=True)
     return fresh.eval().requires_grad_(False)
 
 
@@ -46,7 +48,9 @@ def quantize_int8(tokenizer: AudioTokenizer, inplace: bool = False) -> AudioToke
         raise UsageError("int8 decode needs a float32 tokenizer on CPU, got "
                          f"{tokenizer.dtype} on {tokenizer.device}")
     model = tokenizer.model
-    if not inplace:
+    if inplace:
+        unpack(model.decoder)  # quantize plain float32 weights, not the GEMM's packed halves
+    else:
         model = copy.copy(model)  # shares the encoder; the decoder is replaced below
         model._modules = dict(model._modules)
         model._modules["decoder"] = _copy_decoder(tokenizer.model.decoder)

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mimo_tts.codec import gemm
+
 # Query block of the windowed (local) attention: small enough that the masked key span
 # (block + left + right) stays close to the block, large enough to keep matmuls efficient.
 LOCAL_BLOCK = 128
@@ -307,6 +309,10 @@ class PackedLinear:
     little from packing). A weight replaced or changed later is detected and not used.
     """
 
+    @classmethod
+    def of(cls, modules: list[nn.Module]) -> PackedLinear:
+        return cls([m.weight for m in modules], [m.bias for m in modules])
+
     def __init__(self, weights: list[Tensor], biases: list[Tensor | None]):
         self.sources = [self._key(w) for w in weights]  # what was packed, checked every call
         weight = torch.cat([w.data for w in weights]) if len(weights) > 1 else weights[0].data
@@ -322,10 +328,10 @@ class PackedLinear:
             return None
         return weight.data_ptr(), weight.dtype, weight.shape, weight._version
 
-    def current(self, weights: list, x: Tensor) -> bool:
+    def current(self, weights: list, x: Tensor, residual: Tensor | None = None) -> bool:
         """Whether the packed copy still is `weights` and applies to x (CPU, same dtype)."""
-        return x.device.type == "cpu" and x.dtype == self.weight.dtype and x.is_contiguous() \
-            and [self._key(w) for w in weights] == self.sources
+        return _fusable(x, self.weight, residual) and \
+            [self._key(w) for w in weights] == self.sources
 
     def __call__(self, x: Tensor, gelu: bool = False, residual: Tensor | None = None) -> Tensor:
         return onednn_linear(x, self.weight, self.bias, gelu, residual)
@@ -345,9 +351,9 @@ def linear(proj: nn.Module, x: Tensor, gelu: bool = False,
     """proj(x), then GELU or `+ residual`: fused on CPU (packed weights where prepacked)."""
     weight = getattr(proj, "weight", None)
     packed = getattr(proj, "packed", None)
-    fusable = _fusable(x, weight, residual)
-    if fusable and packed is not None and packed.current([weight], x):
+    if packed is not None and packed.current([weight], x, residual):
         return packed(x, gelu, residual)
+    fusable = _fusable(x, weight, residual)
     if fusable and (gelu or residual is not None):
         return onednn_linear(x, weight, proj.bias, gelu, residual)
     y = proj(x)
@@ -452,14 +458,13 @@ class TransformerLayer(nn.Module):
         hidden = linear(self.fc1, layer_norm_fp32(self.final_layer_norm, x), gelu=True)
         return clamp_half_(linear(self.fc2, hidden, residual=x))
 
-    def prepack(self) -> None:
-        """Build the `PackedLinear`s of q/k/v (one product), out_proj, fc1 and fc2 (CPU only)."""
+    def prepack(self, pack) -> None:
+        """Pack q/k/v (one product), out_proj, fc1 and fc2 with `pack(list of nn.Linear)`
+        (`PackedLinear.of` or `gemm.PackedGemm`)."""
         attn = self.self_attn
-        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-        attn.packed_qkv = PackedLinear([p.weight for p in projections],
-                                       [p.bias for p in projections])
+        attn.packed_qkv = pack([attn.q_proj, attn.k_proj, attn.v_proj])
         for proj in (attn.out_proj, self.fc1, self.fc2):
-            proj.packed = PackedLinear([proj.weight], [proj.bias])
+            proj.packed = pack([proj])
 
 
 def _run_local(layers: nn.ModuleList, rotary: Rotary, x: Tensor, spec: AttnSpec,
@@ -479,14 +484,48 @@ def _run_local(layers: nn.ModuleList, rotary: Rotary, x: Tensor, spec: AttnSpec,
 
 
 def prepack(model: nn.Module) -> None:
-    """Prepack every CPU bfloat16 `TransformerLayer` of `model` (see `PackedLinear`)."""
-    if not packable():
-        return
+    """Prepack the linears of every CPU `TransformerLayer` of `model`: bfloat16 ones in
+    oneDNN's layout (`PackedLinear`), float32 ones for the bf16x3 AMX GEMM where
+    `gemm.choose()` picks it (`gemm.PackedGemm`, which replaces the float32 weights)."""
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer) and
+              isinstance(m.fc1, nn.Linear) and m.fc1.weight.device.type == "cpu"]
+    dtypes = {m.fc1.weight.dtype for m in layers}
+    if torch.bfloat16 in dtypes and packable():
+        for m in layers:
+            if m.fc1.weight.dtype == torch.bfloat16:
+                m.prepack(PackedLinear.of)
+    if torch.float32 in dtypes and gemm.choose().active:
+        lib = gemm.library()
+        for m in layers:
+            if m.fc1.weight.dtype == torch.float32:
+                m.prepack(lambda modules: gemm.PackedGemm(lib, modules))
+
+
+def _packed_gemms(model: nn.Module):
+    """(module, attribute name, `gemm.PackedGemm`) of every GEMM-packed linear of `model`."""
     for module in model.modules():
-        if isinstance(module, TransformerLayer) and isinstance(module.fc1, nn.Linear) and \
-                module.fc1.weight.device.type == "cpu" and \
-                module.fc1.weight.dtype == torch.bfloat16:
-            module.prepack()
+        for name in ("packed", "packed_qkv"):
+            packed = getattr(module, name, None)
+            if isinstance(packed, gemm.PackedGemm):
+                yield module, name, packed
+
+
+def unpack(model: nn.Module) -> None:
+    """Undo `prepack`'s float32 GEMM packing: plain float32 weights again (`PackedGemm.unpack`)."""
+    for module, name, packed in list(_packed_gemms(model)):
+        packed.unpack()
+        delattr(module, name)
+
+
+def plain_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """`model.state_dict()` with float32 weights where the GEMM holds them packed; the model
+    itself is left as it is."""
+    state = model.state_dict()
+    names = {id(m): n for n, m in model.named_modules()}
+    for _, _, packed in _packed_gemms(model):
+        for m, w in zip(packed.modules, packed.weights(), strict=True):
+            state[f"{names[id(m)]}.weight"] = w
+    return state
 
 
 def run_layers(

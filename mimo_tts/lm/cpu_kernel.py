@@ -27,19 +27,18 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from importlib.resources import files
 
 import torch
 from torch import Tensor
 
+from mimo_tts import native
 from mimo_tts.errors import UsageError
 from mimo_tts.lm.model import KVCache, MiMoAudioLM, linear
 from mimo_tts.lm.step import EagerStep
-from mimo_tts.native import build
+from mimo_tts.native import MODES, Choice, build
 
 SOURCE = files("mimo_tts.lm") / "cpu_kernel.c"
 
@@ -265,32 +264,17 @@ class CpuKernelStep(EagerStep):
 
 
 ENV = "MIMO_TTS_CPU_KERNEL"  # "auto" (default), "1" (wherever it can run) or "0" (never)
-MODES = ("auto", "on", "off")
 
 
 def mode_from_env() -> str:
     """The kernel mode MIMO_TTS_CPU_KERNEL asks for: auto, on or off."""
-    value = os.environ.get(ENV, "auto").strip().lower()
-    spellings = {"on": ("1", "on", "true", "yes"), "off": ("0", "off", "false", "no"),
-                 "auto": ("", "auto")}
-    for mode, words in spellings.items():
-        if value in words:
-            return mode
-    raise UsageError(f"{ENV}={os.environ[ENV]!r}: use auto, 1 (on) or 0 (off)")
+    return native.mode_from_env(ENV)
 
 
 def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise UsageError(f"cpu kernel mode must be one of {', '.join(MODES)}, got {mode!r}")
     return mode
-
-
-@dataclass(frozen=True)
-class Choice:
-    """Whether a model's decode steps run in the kernel, and why (or why not), in words."""
-
-    active: bool
-    reason: str
 
 
 def choose(model: MiMoAudioLM) -> Choice:
