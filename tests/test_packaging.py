@@ -25,5 +25,5 @@ def test_wheel_ships_profiles_and_kernel_source(tmp_path):
     profiles = {p.name for p in (REPO / "mimo_tts" / "configs").glob("*.toml")}
     assert profiles == {"ci-smoke.toml", "cpu-tokenizer.toml", "default.toml"}
     assert {f"mimo_tts/configs/{name}" for name in profiles} <= names
-    assert "mimo_tts/lm/cpu_kernel.c" in names
+    assert {"mimo_tts/lm/cpu_kernel.c", "mimo_tts/codec/gemm.c"} <= names
     assert not any(n.startswith(("tests/", "configs/")) for n in names)
