@@ -112,6 +112,11 @@ class Stage1:
                                          placement.tokenizer_dtype.value,
                                          cuda_graph=bool(placement.cuda_graph.value))
         log(f"audio tokenizer loaded from {tok_path}")
+        if codec.device.type == "cpu" and codec.dtype == torch.float32:
+            from mimo_tts.codec.gemm import choose
+
+            choice = choose()
+            log(f"tokenizer float32 GEMM: {'on' if choice.active else 'off'}, {choice.reason}")
         return cls(codec, threads)
 
     def prompt_codes(self, path: str) -> torch.Tensor:

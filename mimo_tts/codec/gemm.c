@@ -5,6 +5,7 @@
  * Shapes: M rows of x, K inputs, N outputs; weights packed once (`pack_weight`), x split per
  * call into a zero-padded scratch (`split_rows`). */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
@@ -100,18 +101,28 @@ static void configure(void) {  /* eight 16 x 64-byte tiles: C 0-3, A 4-5, B 6-7 
 #define DP4() do { _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); \
                    _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7); } while (0)
 
-/* One 32 x 32 block of y at rows r, columns 32 * b (hi, lo: `split_rows`; w: `pack_weight`). */
+/* One 32 x 32 block of y at rows r, columns 32 * b, over input chunks q0..q1 of 32 (hi, lo:
+ * `split_rows`; w: `pack_weight`). Partial sums of earlier chunks wait in acc [., ldacc]; the
+ * last chunk adds bias (and res) and writes y. */
 static void block(const bf16 *hi, const bf16 *lo, const bf16 *w, long m, long n, long k,
-                  long r, long b, const float *bias, const float *res, float *y) {
+                  long r, long b, long q0, long q1, float *acc, long ldacc,
+                  const float *bias, const float *res, float *y) {
     long cols = up(k, 32), chunks = cols / 32, stride = cols * 2;
     const bf16 *w0 = w + 2 * b * chunks * 1024, *w1 = w0 + chunks * 1024;
     const bf16 *h0 = hi + r * cols, *h1 = h0 + 16 * cols, *l0 = lo + r * cols, *l1 = l0 + 16 * cols;
-    float tile[32][32];
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (long q = 0; q < chunks; q++) {
+    float *a = acc ? acc + r * ldacc + 32 * b : NULL;
+    if (q0 == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    } else {
+        _tile_loadd(0, a, ldacc * 4);
+        _tile_loadd(1, a + 16, ldacc * 4);
+        _tile_loadd(2, a + 16 * ldacc, ldacc * 4);
+        _tile_loadd(3, a + 16 * ldacc + 16, ldacc * 4);
+    }
+    for (long q = q0; q < q1; q++) {
         const bf16 *b0 = w0 + q * 1024, *b1 = w1 + q * 1024;
         _tile_loadd(4, h0 + q * 32, stride);
         _tile_loadd(5, h1 + q * 32, stride);
@@ -127,6 +138,14 @@ static void block(const bf16 *hi, const bf16 *lo, const bf16 *w, long m, long n,
         _tile_loadd(7, b1, 64);
         DP4();
     }
+    if (q1 < chunks) {
+        _tile_stored(0, a, ldacc * 4);
+        _tile_stored(1, a + 16, ldacc * 4);
+        _tile_stored(2, a + 16 * ldacc, ldacc * 4);
+        _tile_stored(3, a + 16 * ldacc + 16, ldacc * 4);
+        return;
+    }
+    float tile[32][32];
     _tile_stored(0, &tile[0][0], 128);
     _tile_stored(1, &tile[0][16], 128);
     _tile_stored(2, &tile[16][0], 128);
@@ -140,27 +159,45 @@ static void block(const bf16 *hi, const bf16 *lo, const bf16 *w, long m, long n,
     }
 }
 
-/* y [m, n] = x . w^T + bias (+ res [m, n]); hi/lo from `split_rows`, w from `pack_weight`. */
-void gemm(const bf16 *hi, const bf16 *lo, const bf16 *w, long m, long n, long k,
-          const float *bias, const float *res, float *y, int threads) {
-    long row_blocks = up(m, 32) / 32, col_blocks = up(n, 32) / 32;
+#define K_CHUNKS 40  /* inputs per pass (x 32): a pass's weight panels and rows stay in L2 */
+#define GROUP_BYTES (1L << 20)  /* weight bytes of the column blocks one row block passes */
+
+/* y [m, n] = x . w^T + bias (+ res [m, n]); hi/lo from `split_rows`, w from `pack_weight`;
+ * 0, or -1 where the partial sums found no memory. Inputs go in passes of K_CHUNKS chunks; in a pass each thread takes (column group, row
+ * block) pairs in order, so a group's weight panels are reused from L2 by consecutive rows. */
+int gemm(const bf16 *hi, const bf16 *lo, const bf16 *w, long m, long n, long k,
+         const float *bias, const float *res, float *y, int threads) {
+    long row_blocks = up(m, 32) / 32, col_blocks = up(n, 32) / 32, chunks = up(k, 32) / 32;
+    long pass = chunks < K_CHUNKS ? chunks : K_CHUNKS;
+    long group = GROUP_BYTES / (pass * 32 * 32 * 4);
+    group = group < 1 ? 1 : group > col_blocks ? col_blocks : group;
+    long groups = (col_blocks + group - 1) / group, ldacc = up(n, 32);
+    float *acc = chunks > pass ? aligned_alloc(64, up(m, 32) * ldacc * 4) : NULL;
+    if (chunks > pass && !acc) return -1;
 #pragma omp parallel num_threads(threads)
     {
         configure();
+        for (long q0 = 0; q0 < chunks; q0 += pass) {
+            long q1 = q0 + pass < chunks ? q0 + pass : chunks;
 #pragma omp for collapse(2) schedule(static)
-        for (long b = 0; b < col_blocks; b++)
-            for (long r = 0; r < row_blocks; r++)
-                block(hi, lo, w, m, n, k, r * 32, b, bias, res, y);
+            for (long g = 0; g < groups; g++)
+                for (long r = 0; r < row_blocks; r++)
+                    for (long b = g * group; b < (g + 1) * group && b < col_blocks; b++)
+                        block(hi, lo, w, m, n, k, r * 32, b, q0, q1, acc, ldacc, bias, res, y);
+        }
         _tile_release();
     }
+    free(acc);
+    return 0;
 }
 #else
 int amx_enable(void) { return 0; }
 
-void gemm(const bf16 *hi, const bf16 *lo, const bf16 *w, long m, long n, long k,
-          const float *bias, const float *res, float *y, int threads) {
+int gemm(const bf16 *hi, const bf16 *lo, const bf16 *w, long m, long n, long k,
+         const float *bias, const float *res, float *y, int threads) {
     (void)hi, (void)lo, (void)w, (void)m, (void)n, (void)k, (void)bias, (void)res, (void)y;
     (void)threads;
+    return -1;
 }
 #endif
 

@@ -29,7 +29,8 @@ def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 @needs_amx
 @pytest.mark.parametrize(("rows", "inputs", "outputs"), [
-    (1, 33, 17), (37, 77, 45), (16, 32, 16), (33, 1280, 100), (500, 96, 1280), (3, 5, 1)])
+    (1, 33, 17), (37, 77, 45), (16, 32, 16), (33, 1280, 100), (500, 96, 1280), (3, 5, 1),
+    (40, 2600, 70), (5, 1300, 33)])  # K > 1280: partial sums across passes
 @pytest.mark.parametrize("epilogue", ["bias", "none", "gelu", "residual"])
 def test_product_matches_float64(rows, inputs, outputs, epilogue):
     gen = torch.Generator().manual_seed(rows * 1000 + inputs)
