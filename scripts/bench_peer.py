@@ -225,7 +225,13 @@ def worker(side: str, part: str, dtype_name: str, threads: int, inputs_path: str
     op = (ours_runner if side == "ours" else peer_runner)(part, dtype_name)
     inputs = torch.load(inputs_path)
     op(inputs)  # warm-up
-    replies.write(json.dumps({"ready": True}) + "\n")
+    ready = {"ready": True}
+    if side == "ours" and dtype_name == "float32":
+        from mimo_tts.codec.gemm import choose
+
+        ready["engine"] = ("bf16x3 GEMM " if choose().active else "float32 oneDNN ") + \
+            f"({choose().reason})"
+    replies.write(json.dumps(ready) + "\n")
     replies.flush()
     for line in sys.stdin:
         command, _, arg = line.strip().partition(" ")
@@ -247,7 +253,7 @@ class Worker:
             [str(python), __file__, "--worker", side, part, dtype, str(threads), str(inputs)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.side = side
-        self._reply()
+        self.engine = self._reply().get("engine")
 
     def _reply(self) -> dict:
         line = self.process.stdout.readline()
@@ -309,12 +315,14 @@ def compare(op: str, dtype: str, args, inputs: Path) -> dict:
     finally:
         for handle in workers.values():
             handle.close()
+    engine = workers["ours"].engine
     ours_best = min(r["ours_s"] for r in rounds)
     peer_best = min(r["peer_s"] for r in rounds)
     return {"op": op, "dtype": dtype, "audio_s": args.seconds, "ours_s": ours_best,
             "peer_s": peer_best, "ratio": round(peer_best / ours_best, 3),
             "ratio_min_round": min(r["ratio"] for r in rounds), "rounds": rounds,
-            "fidelity": fidelity(op, outputs["ours"], outputs["peer"])}
+            "fidelity": fidelity(op, outputs["ours"], outputs["peer"]),
+            **({"ours_engine": engine} if engine else {})}
 
 
 def machine() -> dict:
