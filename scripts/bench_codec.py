@@ -273,11 +273,12 @@ def load_child(path: str, dtype: str) -> None:
     model while this runs); VmHWM (this process's own high-water mark) is reported alongside.
     """
     from mimo_tts.codec import load_audio_tokenizer
+    from mimo_tts.codec.layers import weight_tensors
 
     baseline = _status_bytes("VmRSS")
     tok = load_audio_tokenizer(path, dtype=dtype)
     loading = {"peak_rss_loading": _maxrss(), "vm_hwm_loading": _status_bytes("VmHWM")}
-    tensors = list(tok.model.state_dict().values())
+    tensors = weight_tensors(tok.model)  # the float32 GEMM's packed halves included
     checksum = sum(float(t.float().sum()) for t in tensors)  # faults in every page
     weights = sum(t.numel() * t.element_size() for t in tensors)
     print(json.dumps({"dtype": dtype, "weights_bytes": weights, "baseline_rss": baseline,

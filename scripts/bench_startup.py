@@ -48,6 +48,7 @@ LOAD = """
 import json, resource, sys, time
 import torch
 from mimo_tts.codec import load_audio_tokenizer
+from mimo_tts.codec.layers import weight_tensors
 torch.set_num_threads(1)
 kib = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 base = kib()
@@ -56,7 +57,7 @@ tok = load_audio_tokenizer(sys.argv[1], "cpu", sys.argv[2])
 seconds = time.perf_counter() - start
 loaded = kib()
 with torch.no_grad():  # read every weight once, as the first decode would (maps fault in)
-    for tensor in tok.model.state_dict().values():
+    for tensor in weight_tensors(tok.model):
         tensor.sum()
 print(json.dumps({{"baseline_kib": base, "loaded_kib": loaded, "peak_kib": kib(),
                   "load_s": seconds}}))

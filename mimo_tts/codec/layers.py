@@ -517,6 +517,15 @@ def unpack(model: nn.Module) -> None:
         delattr(module, name)
 
 
+def weight_tensors(model: nn.Module) -> list[Tensor]:
+    """The tensors that hold `model`'s weights in memory: its parameters and buffers (less the
+    GEMM's meta placeholders) and the GEMM's packed halves and biases."""
+    held = [t for t in model.state_dict().values() if not t.is_meta]
+    for _, _, packed in _packed_gemms(model):
+        held += [packed.packed] + ([] if packed.bias is None else [packed.bias])
+    return held
+
+
 def plain_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """`model.state_dict()` with float32 weights where the GEMM holds them packed; the model
     itself is left as it is."""
