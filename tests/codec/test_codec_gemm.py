@@ -133,3 +133,16 @@ def test_bfloat16_layers_are_not_gemm_packed(monkeypatch):
     layer = TransformerLayer(64, 4, 128).bfloat16().eval().requires_grad_(False)
     prepack(layer)
     assert not _packed(layer) and layer.fc1.weight.dtype == torch.bfloat16
+
+
+def test_dropping_pages_keeps_values(tmp_path):
+    """File-mapped weights read back the file after their pages are dropped; anonymous memory
+    (which would read back zeros) is never dropped."""
+    values = torch.randn(1 << 20)
+    path = tmp_path / "w.bin"
+    path.write_bytes(values.numpy().tobytes())
+    mapped = torch.from_file(str(path), shared=False, size=values.numel())
+    anonymous = values.clone()
+    for t in (mapped, anonymous):
+        gemm._drop_file_pages(t)
+        assert torch.equal(t, values)
