@@ -309,8 +309,8 @@ def synth(
     def body() -> int:
         if dry_run:
             return _preflight(reporter, flags, config)
-        if quiet:  # vLLM (--engine vllm, from a flag or a profile) logs only errors
-            os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
+        if quiet:
+            _quiet_libraries()
         from mimo_tts import commands
         from mimo_tts.results import exit_code_for
 
@@ -326,6 +326,18 @@ def synth(
         return exit_code_for(results)
 
     run_command(reporter, body)
+
+
+def _quiet_libraries() -> None:
+    """--quiet: what the libraries print on stderr is cut to errors too (vLLM's logs and its
+    loading bar, torch's C++ and Python warnings), set before they are imported; a variable
+    the user set stays."""
+    import warnings
+
+    for name, value in (("VLLM_LOGGING_LEVEL", "ERROR"), ("TORCH_CPP_LOG_LEVEL", "ERROR"),
+                        ("TORCH_LOGS", "-torch"), ("TQDM_DISABLE", "1")):
+        os.environ.setdefault(name, value)
+    warnings.simplefilter("ignore")
 
 
 def _preflight(reporter: Reporter, flags: dict, config: str | None) -> int:

@@ -181,14 +181,23 @@ def test_10_binary_to_a_terminal_is_refused(base_env, entry_point, tmp_path, fla
     assert screen == b"" and "terminal" in stderr
 
 
-def test_10_quiet_vllm_logs_only_errors(invoke, monkeypatch):
-    """Without vLLM installed the run ends with exit 2; -q has set vLLM's level by then."""
-    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+def test_10_quiet_cuts_the_libraries_to_errors(invoke, monkeypatch):
+    """Without vLLM installed the run ends with exit 2, after -q has set vLLM's and torch's log
+    levels (before any import); a level the user set stays. (With vLLM installed:
+    tests/vllm/test_vllm_cli.py::test_vllm_quiet_leaves_stderr_empty.)"""
+    names = ("VLLM_LOGGING_LEVEL", "TORCH_CPP_LOG_LEVEL", "TORCH_LOGS", "TQDM_DISABLE")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    loud = invoke(*TINY, "--text", "hi", "--engine", "vllm")
+    assert loud.exit_code == EXIT_USAGE and not any(name in os.environ for name in names[1:])
+    assert os.environ.get("VLLM_LOGGING_LEVEL") in (None, "WARNING")  # the engine's default
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)  # a fresh process has none
     result = invoke(*TINY, "--text", "hi", "--engine", "vllm", "-q")
-    assert os.environ.get("VLLM_LOGGING_LEVEL") == "ERROR", result.stderr
-    monkeypatch.delenv("VLLM_LOGGING_LEVEL")
-    invoke(*TINY, "--text", "hi", "--engine", "vllm")
-    assert "VLLM_LOGGING_LEVEL" not in os.environ
+    assert result.exit_code == EXIT_USAGE and "vLLM" in result.stderr
+    assert [os.environ.get(n) for n in names] == ["ERROR", "ERROR", "-torch", "1"]
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+    invoke(*TINY, "--text", "hi", "--engine", "vllm", "-q")
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"
 
 
 def test_10_rerun_of_output_file_is_skipped(invoke, tmp_path):
