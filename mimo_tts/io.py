@@ -2,8 +2,9 @@
 
 Nothing here imports torch at module level, so the CLI can import it cheaply. Every regular
 file is written through a temp file in the destination directory followed by `os.replace`, so
-an output is either complete or absent, even after `kill -9`; `clean_temp_files` removes what
-a killed run left behind. A target that is not a regular file (`/dev/null`, a FIFO) is written
+an output is either complete or absent, even after `kill -9`; temp files are created with
+O_EXCL | O_NOFOLLOW (never written through a link) and `clean_temp_files` removes what a killed
+run left behind. A target that is not a regular file (`/dev/null`, a FIFO) is written
 in place: renaming over it would replace the device or pipe.
 """
 

@@ -4,9 +4,11 @@
   then sidecar, then audio, each atomic: audio present => done). One run at a time may write a
   task directory: opening takes an exclusive `flock` on `.mimo-tts.lock` (released by the
   kernel even after `kill -9`), then removes temp files a killed run left behind.
-  `results.jsonl` holds one line per item; a line cut by a killed writer is dropped next time.
-- `FileSink` (`-o FILE`, also `decode`'s files), `StdoutSink` (`-o -`), `RawPcmSink` (`--raw`:
-  PCM chunks on stdout as they are decoded) and `MemorySink` (results keep their samples).
+  `results.jsonl` holds one line per item and format; a line cut by a killed writer is dropped
+  next time. The lock and the manifest are never opened through a symbolic link.
+- `FileSink` (`-o FILE`, also `decode`'s files; a same-input re-run is skipped),
+  `StdoutSink` (`-o -`), `RawPcmSink` (`--raw`: PCM on stdout, chunks as they are decoded or
+  each finished item) and `MemorySink` (results keep their samples).
 
 Every sink has `check(result)` (resume or refuse before work), `on_chunk` (streamed audio, or
 None), `write(result, samples, codes, record)` and `finished(result, task)`.
