@@ -123,7 +123,8 @@ class BatchRunner:
         yield from self._flush(window, sink)
 
     def _prepare(self, item: Item, sink) -> ItemResult:
-        result = ItemResult(item=item, status="pending", seed=item.seed)
+        result = ItemResult(item=item, status="pending", seed=item.seed,
+                            format=self.settings.run.format)
         try:
             if item.error is not None:
                 raise item.error

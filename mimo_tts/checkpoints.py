@@ -56,6 +56,7 @@ def tiny_preset_dir(env=None, seed: int = 0) -> Path:
 def ensure_tiny_preset(env=None, seed: int = 0) -> tuple[Path, Path]:
     """The tiny preset's (lm, tokenizer) directories, written once (atomically) when missing."""
     final = tiny_preset_dir(env, seed)
+    _remove_stale_staging(final)
     if (final / "complete").is_file():
         return final / "lm", final / "tokenizer"
     from mimo_tts.presets import write_tiny_preset
@@ -74,6 +75,17 @@ def ensure_tiny_preset(env=None, seed: int = 0) -> tuple[Path, Path]:
     finally:
         _remove_tree(staging)
     return final / "lm", final / "tokenizer"
+
+
+def _remove_stale_staging(final: Path) -> None:
+    """Remove the half-built `<preset>.tmp-<pid>` folders of builds killed before their rename
+    (a live pid's folder is another build in progress and is left alone)."""
+    from mimo_tts.io import pid_alive
+
+    for staging in final.parent.glob(f"{final.name}.tmp-*"):
+        pid = staging.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            _remove_tree(staging)
 
 
 def _remove_tree(path: Path) -> None:

@@ -10,12 +10,12 @@ after cleaning up (exit 130): finished items are kept and a re-run resumes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import sys
 import time
-from contextlib import contextmanager
 from typing import Annotated
 
 import typer
@@ -90,11 +90,12 @@ Config = Annotated[str | None, typer.Option(
     help="TOML profile: a path, or a name in ~/.config/mimo-tts (MIMO_TTS_CONFIG_DIR) or the "
          "built-in default, cpu-tokenizer, ci-smoke.")]
 Fmt = Annotated[str | None, typer.Option(
-    "--format", rich_help_panel=OUT, help="wav (PCM16, default), wav-float or flac.")]
+    "--format", rich_help_panel=OUT, help="wav (PCM16, default), wav-float, flac, mp3, opus or "
+    "ogg (Vorbis); with -o FILE the extension names it.")]
 Rate = Annotated[int | None, typer.Option(
     rich_help_panel=OUT, help="Resample the output to this rate (default 24000).")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=RUN,
-                                     help="Only errors on stderr.")]
+                                     help="Only errors on stderr (data still on stdout).")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", rich_help_panel=RUN,
                                        help="More detail on stderr (loading, placement).")]
 AsJson = Annotated[bool, typer.Option("--json", rich_help_panel=RUN,
@@ -109,6 +110,7 @@ class Reporter:
     def __init__(self, quiet=False, verbose=False, as_json=False, debug=False, stdout_data=True):
         self.quiet, self.verbose, self.as_json, self.debug = quiet, verbose, as_json, debug
         self.err = Console(stderr=True, highlight=False, soft_wrap=True)
+        self.stdout_text = stdout_data  # stdout takes text (not audio bytes: -o -, --raw)
         self.stdout_data = stdout_data and not as_json
         self.progress = None
 
@@ -129,7 +131,7 @@ class Reporter:
         text = json.dumps(obj, ensure_ascii=False) if isinstance(obj, dict) else str(obj)
         write_stdout_line(text)
 
-    @contextmanager
+    @contextlib.contextmanager
     def bar(self, total: int):
         """A progress bar on stderr, only on a terminal and never with --quiet/--json."""
         if self.quiet or self.as_json or not self.err.is_terminal or total < 2:
@@ -137,9 +139,12 @@ class Reporter:
             return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
+        # Data lines stay on stdout: rich may only route them above the bar when stdout is
+        # the very terminal the bar is drawn on.
         with Progress("[progress.description]{task.description}", BarColumn(),
                       MofNCompleteColumn(), TimeElapsedColumn(), console=self.err,
-                      transient=True) as progress:
+                      transient=True, redirect_stdout=_same_terminal(),
+                      redirect_stderr=False) as progress:
             task = progress.add_task("synthesising", total=total)
             yield lambda: progress.advance(task)
 
@@ -151,8 +156,17 @@ class Reporter:
             self.err.print(f"failed {result.item.id}: {result.error}", markup=False)
         elif result.status == "skipped":
             self.log(f"skipped {result.path} (done with the same inputs)")
-        elif result.path is not None and self.stdout_data and not self.quiet:
+        elif result.path is not None and self.stdout_data:
             self.data(str(result.path))
+
+
+def _same_terminal() -> bool:
+    """Whether stdout and stderr are one terminal (device and inode)."""
+    try:
+        out, err = os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError, AttributeError):  # no real fds (e.g. captured streams)
+        return False
+    return os.isatty(sys.stdout.fileno()) and os.path.samestat(out, err)
 
 
 def run_command(reporter: Reporter, body) -> None:
@@ -164,17 +178,25 @@ def run_command(reporter: Reporter, body) -> None:
     except MimoTTSError as exc:
         if reporter.debug:
             reporter.err.print_exception()
-        reporter.error(str(exc))
-        code = exc.exit_code
+        code = _run_error(reporter, str(exc), exc.exit_code)
     except KeyboardInterrupt:
-        reporter.error("interrupted; finished items are kept: re-run the same command to resume")
-        code = EXIT_INTERRUPTED
+        code = _run_error(reporter, "interrupted; finished items are kept: re-run the same "
+                          "command to resume", EXIT_INTERRUPTED)
     except Exception as exc:  # a bug: say so, with the trace under --debug
         if reporter.debug:
             reporter.err.print_exception()
-        reporter.error(f"unexpected {type(exc).__name__}: {exc} (re-run with --debug)")
-        code = EXIT_BUG
+        code = _run_error(reporter, f"unexpected {type(exc).__name__}: {exc} (re-run with "
+                          "--debug)", EXIT_BUG)
     raise typer.Exit(code or EXIT_OK)
+
+
+def _run_error(reporter: Reporter, message: str, code: int) -> int:
+    """A run-level error: the `Error:` line, and under --json one JSON object on stdout."""
+    reporter.error(message)
+    if reporter.as_json and reporter.stdout_text:
+        with contextlib.suppress(MimoTTSError):  # stdout itself may be what failed
+            reporter.data({"status": "error", "error": message, "exit_code": code})
+    return code
 
 
 def _raise_interrupt(signum, frame):
@@ -287,6 +309,8 @@ def synth(
     def body() -> int:
         if dry_run:
             return _preflight(reporter, flags, config)
+        if quiet:
+            _quiet_libraries()
         from mimo_tts import commands
         from mimo_tts.results import exit_code_for
 
@@ -302,6 +326,18 @@ def synth(
         return exit_code_for(results)
 
     run_command(reporter, body)
+
+
+def _quiet_libraries() -> None:
+    """--quiet: what the libraries print on stderr is cut to errors too (vLLM's logs and its
+    loading bar, torch's C++ and Python warnings), set before they are imported; a variable
+    the user set stays."""
+    import warnings
+
+    for name, value in (("VLLM_LOGGING_LEVEL", "ERROR"), ("TORCH_CPP_LOG_LEVEL", "ERROR"),
+                        ("TORCH_LOGS", "-torch"), ("TQDM_DISABLE", "1")):
+        os.environ.setdefault(name, value)
+    warnings.simplefilter("ignore")
 
 
 def _preflight(reporter: Reporter, flags: dict, config: str | None) -> int:
@@ -349,7 +385,11 @@ def decode(
     output: Annotated[str | None, typer.Option("--output", "-o", rich_help_panel=OUT,
         help="Output file ('-' = stdout); default <codes stem>.decoded.wav beside the codes.")
     ] = None,
-    format: Fmt = None, sample_rate: Rate = None, quiet: Quiet = False, debug: Debug = False,
+    format: Fmt = None, sample_rate: Rate = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", rich_help_panel=OUT,
+        help="Replace existing output files (kept otherwise: that file fails, exit 5).")
+    ] = False,
+    quiet: Quiet = False, debug: Debug = False,
 ) -> None:
     """Stage-1 alone: decode saved codes to audio on the tokenizer device.
 
@@ -365,11 +405,11 @@ def decode(
         for result in commands.decode_files(
                 codes, reporter.log, output=output, fmt=format, sample_rate=sample_rate,
                 tokenizer=tokenizer, tokenizer_device=tokenizer_device,
-                tokenizer_dtype=tokenizer_dtype, cuda_graph=cuda_graph):
+                tokenizer_dtype=tokenizer_dtype, cuda_graph=cuda_graph, overwrite=overwrite):
             results.append(result)
             if result.error is not None:
                 reporter.err.print(f"failed {result.source}: {result.error}", markup=False)
-            elif result.path is not None and reporter.stdout_data and not quiet:
+            elif result.path is not None and reporter.stdout_data:
                 reporter.data(str(result.path))
         return exit_code_for(results)
 

@@ -32,6 +32,13 @@ def _check(ok: bool, message: str) -> None:
 # --- synth --------------------------------------------------------------------------------------
 
 
+def _check_binary_stdout(to_stdout: bool, flag: str) -> None:
+    """Audio bytes are never dumped on a terminal (like gzip): pipe or redirect stdout."""
+    _check(not (to_stdout and os.isatty(1)),
+           f"{flag} writes audio bytes to stdout, which is a terminal; pipe it (| aplay) or "
+           "redirect it (> file)")
+
+
 def settings_for(flags: Mapping[str, object], config: str | None) -> Settings:
     """The command's options, resolved once: flag > env > profile > default."""
     return resolve(flags, load_profile(config), os.environ)
@@ -45,6 +52,7 @@ def prepare_synth(flags: Mapping[str, object], config: str | None, stdin, log):
     run = settings.run
     _check(not (flags.get("as_json") and run.to_stdout),
            "--json prints to stdout, which -o - / --raw already use")
+    _check_binary_stdout(run.to_stdout, "--raw" if run.raw else "-o -")
     items = read_items(flags.get("text") or [], flags.get("input") or [], stdin)
     _check(bool(items), "nothing to say: give --text, --input FILE or --input -")
     _check(run.output is None or run.raw or len(items) == 1,
@@ -57,7 +65,7 @@ def sink_for(settings: Settings):
     """The one sink a synth run writes through: raw PCM, stdout, one file or a directory."""
     run = settings.run
     if run.raw:
-        return RawPcmSink()
+        return RawPcmSink(streamed=run.stream)
     if run.output == "-":
         return StdoutSink(run.format, run.sample_rate)
     if run.output:
@@ -114,17 +122,20 @@ class DecodeResult:
 def decode_files(codes: list[str], log, *, output: str | None = None, fmt: str | None = None,
                  sample_rate: int | None = None, tokenizer: str | None = None,
                  tokenizer_device: str | None = None, tokenizer_dtype: str | None = None,
-                 cuda_graph: bool | None = None) -> Iterator[DecodeResult]:
+                 cuda_graph: bool | None = None,
+                 overwrite: bool = False) -> Iterator[DecodeResult]:
     """`mimo-tts decode`: saved codes -> audio files, decoded on the tokenizer device.
 
     A bad codes file (unreadable, codes out of range, audio failing its check) fails alone;
-    the other files are still decoded.
+    the other files are still decoded. An existing output is kept unless `overwrite`.
     """
     from mimo_tts.synth import Stage1
 
-    paths, fmt, rate = [Path(p) for p in codes], fmt or "wav", sample_rate or mio.SAMPLE_RATE
-    _check(fmt in mio.FORMATS, f"--format must be one of {', '.join(mio.FORMATS)}")
+    paths, rate = [Path(p) for p in codes], sample_rate or mio.SAMPLE_RATE
+    fmt = mio.output_format(output, fmt)
+    mio.check_format_rate(fmt, rate)
     _check(output is None or len(paths) == 1, "-o/--output takes exactly one codes file")
+    _check_binary_stdout(output == "-", "-o -")
     loaded = {p: _try(lambda p=p: mio.load_codes(p)) for p in paths}
     first = next((v for v in loaded.values() if not isinstance(v, MimoTTSError)), None)
     placement = resolve_placement(tokenizer_device=tokenizer_device,
@@ -140,14 +151,15 @@ def decode_files(codes: list[str], log, *, output: str | None = None, fmt: str |
             if isinstance(found, MimoTTSError):
                 raise found
             pieces, meta = found
-            audio = stage1.join(pieces, int(meta.get("pause_frames", mio.PAUSE_FRAMES)),
-                                path.name)
-            samples = mio.resample(audio, mio.SAMPLE_RATE, rate)
             stem = path.name.removesuffix(".safetensors").removesuffix(".codes")
             sink = StdoutSink(fmt, rate) if output == "-" else FileSink(
                 output or path.with_name(stem + ".decoded" + mio.FORMATS[fmt][2]), fmt, rate,
-                overwrite=True, audio_only=True)
-            sink.write(result, samples, {}, {})
+                overwrite=overwrite, audio_only=True)
+            with sink:
+                sink.check(result)  # an existing file is kept: before any decoding
+                audio = stage1.join(pieces, int(meta.get("pause_frames", mio.PAUSE_FRAMES)),
+                                    path.name)
+                sink.write(result, mio.resample(audio, mio.SAMPLE_RATE, rate), {}, {})
         except MimoTTSError as exc:
             result.error, result.exit_code = str(exc), exc.exit_code
         yield result

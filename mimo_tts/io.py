@@ -2,14 +2,16 @@
 
 Nothing here imports torch at module level, so the CLI can import it cheaply. Every regular
 file is written through a temp file in the destination directory followed by `os.replace`, so
-an output is either complete or absent, even after `kill -9`; `clean_temp_files` removes what
-a killed run left behind. A target that is not a regular file (`/dev/null`, a FIFO) is written
+an output is either complete or absent, even after `kill -9`; temp files are created with
+O_EXCL | O_NOFOLLOW (never written through a link) and `clean_temp_files` removes what a killed
+run left behind. A target that is not a regular file (`/dev/null`, a FIFO) is written
 in place: renaming over it would replace the device or pipe.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import io as _io
 import json
 import os
@@ -18,15 +20,57 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from mimo_tts.errors import AudioCheckError, InputError, NoAudioError, OutputError
+from mimo_tts.errors import AudioCheckError, InputError, NoAudioError, OutputError, UsageError
 from mimo_tts.lm.config import AUDIO_CHANNELS
 
 SAMPLE_RATE = 24000
 PAUSE_FRAMES = 8  # silence between split text pieces: 8 frames = 0.32 s, whole frames
 SILENCE_PEAK = 1e-4  # peak |sample| below this is "all silent"
 TEMP_MARK = ".mimo-tmp-"
+# format name: (libsndfile container, subtype, file extension)
 FORMATS = {"wav": ("WAV", "PCM_16", ".wav"), "wav-float": ("WAV", "FLOAT", ".wav"),
-           "flac": ("FLAC", "PCM_16", ".flac")}
+           "flac": ("FLAC", "PCM_16", ".flac"), "mp3": ("MP3", "MPEG_LAYER_III", ".mp3"),
+           "opus": ("OGG", "OPUS", ".opus"), "ogg": ("OGG", "VORBIS", ".ogg")}
+# The sample rates libsndfile's MP3 and Opus encoders take (any other rate is refused).
+FORMAT_RATES = {"mp3": (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000),
+                "opus": (8000, 12000, 16000, 24000, 48000)}
+EXTENSIONS = {".wav": "wav", ".flac": "flac", ".mp3": "mp3", ".opus": "opus", ".ogg": "ogg"}
+
+
+def output_format(path: str | None, given: str | None) -> str:
+    """The format of an output file: `given` (--format) or its extension's, which must agree.
+
+    No extension (`/dev/null`, `-`) means wav unless --format says otherwise; an extension that
+    names no format needs --format.
+    """
+    if given is not None and given not in FORMATS:
+        raise UsageError(f"--format must be one of {', '.join(FORMATS)}")
+    suffix = Path(path).suffix.lower() if path and path != "-" else ""
+    named = EXTENSIONS.get(suffix)
+    if given is None:
+        if suffix and named is None:
+            raise UsageError(f"cannot tell the audio format from {Path(path).name!r}; name it "
+                             f"{', '.join(EXTENSIONS)} or give --format")
+        return named or "wav"
+    if named is not None and FORMATS[given][2] != suffix:
+        raise UsageError(f"--format {given} disagrees with the file name {Path(path).name!r} "
+                         f"({named}); drop --format or rename the file")
+    return given
+
+
+def check_format_rate(fmt: str, sample_rate: int) -> None:
+    """MP3 and Opus take only some rates: another is a usage error, before any work."""
+    rates = FORMAT_RATES.get(fmt)
+    if rates is not None and sample_rate not in rates:
+        raise UsageError(f"--format {fmt} takes --sample-rate {', '.join(map(str, rates))}, "
+                         f"not {sample_rate}")
+
+
+def companion_paths(audio: Path) -> tuple[Path, Path]:
+    """The sidecar and codes files of an audio file: `x.json` beside `x.wav`, `x.flac.json`
+    beside `x.flac` (each format has its own, so formats in one folder never share one)."""
+    base = audio.stem if audio.suffix.lower() in ("", ".wav") else audio.name
+    return audio.with_name(base + ".json"), audio.with_name(base + ".codes.safetensors")
 
 
 # --- atomic files -------------------------------------------------------------------------------
@@ -53,7 +97,7 @@ def atomic_write(path: str | Path, writer) -> Path:
         return _write_in_place(path, writer)
     temp = _temp_path(path)
     try:
-        with open(temp, "wb") as handle:
+        with _create_temp(temp) as handle:
             writer(handle)
             handle.flush()
             os.fsync(handle.fileno())
@@ -67,6 +111,28 @@ def atomic_write(path: str | Path, writer) -> Path:
             temp.unlink()
         raise
     return path
+
+
+def _create_temp(temp: Path):
+    """A new temp file, never through a link: a file of that name (a reused pid's leftover, or
+    a planted symlink) is removed first, and O_EXCL | O_NOFOLLOW refuse one that reappears."""
+    with contextlib.suppress(FileNotFoundError):
+        temp.unlink()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return os.fdopen(os.open(temp, flags, 0o666), "wb")
+
+
+def open_no_follow(path: Path, flags: int):
+    """A binary file object on `path` opened with O_NOFOLLOW (O_CREAT: mode 0o666 - umask);
+    a symbolic link there is an OutputError, so nothing outside the output folder changes."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OutputError(f"{path} is a symbolic link; remove it (mimo-tts never writes "
+                              "through links in its output folder)") from None
+        raise
+    return os.fdopen(fd, "r+b" if flags & os.O_RDWR else "ab" if flags & os.O_APPEND else "wb")
 
 
 def _write_in_place(path: Path, writer) -> Path:
@@ -83,14 +149,30 @@ def write_json(path: str | Path, data: dict) -> Path:
     return atomic_write(path, lambda f: f.write(payload))
 
 
-def clean_temp_files(directory: str | Path) -> list[Path]:
-    """Remove temp files left by killed runs (call while holding the directory lock)."""
+def clean_temp_files(directory: str | Path, names: tuple[str, ...] | None = None) -> list[Path]:
+    """Remove temp files left by killed runs: all of them (holding the directory lock), or
+    with `names` only those for these target names whose writer's pid is dead (no lock)."""
     removed = []
     for path in Path(directory).glob(f"{TEMP_MARK}*"):
+        if names is not None:
+            pid, _, rest = path.name[len(TEMP_MARK):].partition("-")
+            if rest.removesuffix(".part") not in names or not pid.isdigit() or pid_alive(int(pid)):
+                continue
         with contextlib.suppress(OSError):
             path.unlink()
             removed.append(path)
     return removed
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (ours, or another user's)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
 
 
 def remove_quietly(*paths: Path | None) -> None:
@@ -167,6 +249,8 @@ def encode_audio(audio, sample_rate: int, fmt: str) -> bytes:
     samples = to_numpy(audio)
     if subtype == "PCM_16":
         samples = np.frombuffer(pcm16(samples), dtype="<i2")
+    elif container != "WAV":  # the lossy encoders take [-1, 1]
+        samples = np.clip(samples, -1.0, 1.0)
     buffer = _io.BytesIO()
     sf.write(buffer, samples, sample_rate, format=container, subtype=subtype)
     return buffer.getvalue()
@@ -273,24 +357,32 @@ def _broken_pipe() -> OutputError:
     return OutputError("stdout was closed by the reader (broken pipe)")
 
 
-def write_stdout_pcm(chunk, stream=None) -> None:
-    """Streamed audio as PCM16 on stdout (`--raw`), flushed at once."""
+def write_stdout_bytes(data: bytes, stream=None) -> None:
+    """Bytes on stdout, all of them, flushed: a short write is retried until the reader has
+    everything or has gone away (then an OutputError: the data did not arrive)."""
     stream = stream or sys.stdout.buffer
+    view = memoryview(data)
     try:
-        stream.write(pcm16(chunk))
+        while view:
+            written = stream.write(view)
+            if not written:
+                raise OutputError("cannot write to stdout: the write made no progress")
+            view = view[written:]
         stream.flush()
     except BrokenPipeError:
         raise _broken_pipe() from None
+    except OSError as exc:
+        raise OutputError(f"cannot write to stdout: {exc.strerror or exc}") from None
+
+
+def write_stdout_pcm(chunk, stream=None) -> None:
+    """Audio as PCM16 on stdout (`--raw`), flushed at once."""
+    write_stdout_bytes(pcm16(chunk), stream)
 
 
 def write_stdout_audio(audio, sample_rate: int, fmt: str, stream=None) -> None:
     """A whole item's encoded audio file on stdout (`-o -`)."""
-    stream = stream or sys.stdout.buffer
-    try:
-        stream.write(encode_audio(audio, sample_rate, fmt))
-        stream.flush()
-    except BrokenPipeError:
-        raise _broken_pipe() from None
+    write_stdout_bytes(encode_audio(audio, sample_rate, fmt), stream)
 
 
 def write_stdout_line(text: str) -> None:

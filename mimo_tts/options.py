@@ -21,7 +21,7 @@ from mimo_tts.checkpoints import checkpoint_dtype, pick_names
 from mimo_tts.devices import Placement, resolve_placement
 from mimo_tts.errors import MimoTTSError, UsageError
 from mimo_tts.inputs import MAX_SEED
-from mimo_tts.io import FORMATS, SAMPLE_RATE
+from mimo_tts.io import FORMATS, SAMPLE_RATE, check_format_rate, output_format
 from mimo_tts.lm.config import LM_QUANTS, MAX_GROUPS
 from mimo_tts.tasks import TASKS, TTS_EN_TEMPLATES, TTS_ZH_TEMPLATES
 
@@ -180,7 +180,7 @@ class RunOptions:
     batch_size: int = 1
     output_dir: str = "output_audio"
     output: str | None = None
-    format: str = "wav"
+    format: str = "wav"  # with `output`: the file's extension's (resolve_options)
     sample_rate: int = SAMPLE_RATE
     save_codes: bool = False
     overwrite: bool = False
@@ -192,6 +192,7 @@ class RunOptions:
         _check(8000 <= self.sample_rate <= MAX_SAMPLE_RATE,
                f"--sample-rate must be in [8000, {MAX_SAMPLE_RATE}]")
         _check(self.batch_size >= 1, "--batch-size must be >= 1")
+        check_format_rate(self.format, self.sample_rate)
 
     def check_combinations(self) -> RunOptions:
         """Flags that exclude each other (checked by `resolve` once every value is valid)."""
@@ -269,6 +270,10 @@ def resolve_options(flags: Mapping[str, object],
             groups[name] = cls(**values)
     except TypeError as exc:
         raise UsageError(f"bad option value: {exc}") from None
+    run = groups["run"]
+    if run.output is not None:  # `-o x.flac` writes FLAC; a --format that disagrees is refused
+        given = run.format if sources["format"] != "default" else None
+        groups["run"] = replace(run, format=output_format(run.output, given))
     groups["run"].check_combinations()
     return Settings(**groups, sources=sources)
 

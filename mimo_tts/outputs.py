@@ -4,9 +4,11 @@
   then sidecar, then audio, each atomic: audio present => done). One run at a time may write a
   task directory: opening takes an exclusive `flock` on `.mimo-tts.lock` (released by the
   kernel even after `kill -9`), then removes temp files a killed run left behind.
-  `results.jsonl` holds one line per item; a line cut by a killed writer is dropped next time.
-- `FileSink` (`-o FILE`, also `decode`'s files), `StdoutSink` (`-o -`), `RawPcmSink` (`--raw`:
-  PCM chunks on stdout as they are decoded) and `MemorySink` (results keep their samples).
+  `results.jsonl` holds one line per item and format; a line cut by a killed writer is dropped
+  next time. The lock and the manifest are never opened through a symbolic link.
+- `FileSink` (`-o FILE`, also `decode`'s files; a same-input re-run is skipped),
+  `StdoutSink` (`-o -`), `RawPcmSink` (`--raw`: PCM on stdout, chunks as they are decoded or
+  each finished item) and `MemorySink` (results keep their samples).
 
 Every sink has `check(result)` (resume or refuse before work), `on_chunk` (streamed audio, or
 None), `write(result, samples, codes, record)` and `finished(result, task)`.
@@ -28,22 +30,30 @@ MANIFEST_NAME = "results.jsonl"
 
 
 class Manifest:
-    """`results.jsonl`: one line per item (the last line for an id wins), crash tolerant.
+    """`results.jsonl`: one line per item and format (the last line wins), crash tolerant.
 
-    A new id is appended; a re-recorded id rewrites the file atomically, so the file always
-    holds one line per id. An identical record is not written again (bad lines re-reported
-    by a resumed run cost nothing).
+    A new item is appended; a re-recorded one rewrites the file atomically, so the file always
+    holds one line per item and format. An identical record is not written again (bad lines
+    re-reported by a resumed run cost nothing). A manifest path that is a directory, a link or
+    a device is an OutputError: it is never read through or appended to.
     """
 
     def __init__(self, path: Path):
         self.path = path
-        self.records: dict[str, dict] = {}
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            kind = "a symbolic link" if path.is_symlink() else "not a regular file"
+            raise OutputError(f"{path} is {kind}; remove it or use another --output-dir")
+        self.records: dict[tuple[str, str], dict] = {}
         lines = 0
-        for record in iter_jsonl(path):
-            lines += 1
-            if "id" in record:
-                self.records[str(record["id"])] = record
-        if self._needs_compaction(lines):
+        try:
+            for record in iter_jsonl(path):
+                lines += 1
+                if "id" in record:
+                    self.records[_manifest_key(record)] = record
+            needs_compaction = self._needs_compaction(lines)
+        except OSError as exc:
+            raise OutputError(f"cannot read {path}: {exc.strerror or exc}") from None
+        if needs_compaction:
             self.compact()
 
     def _needs_compaction(self, parsed: int) -> bool:
@@ -54,31 +64,76 @@ class Manifest:
         return not complete or data.count(b"\n") != parsed or parsed != len(self.records)
 
     def compact(self) -> None:
-        """Rewrite the file with exactly one line per id (atomically)."""
+        """Rewrite the file with exactly one line per item and format (atomically)."""
         payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.records.values())
         atomic_write(self.path, lambda f: f.write(payload.encode("utf-8")))
 
-    def get(self, item_id: str) -> dict | None:
-        return self.records.get(item_id)
+    def get(self, item_id: str, fmt: str | None = None) -> dict | None:
+        return self.records.get((item_id, _suffix(fmt)))
 
     def add(self, record: dict) -> None:
-        """Record an item: append a line, or rewrite the file when the id is already present."""
-        previous = self.records.get(record["id"])
+        """Record an item: append a line, or rewrite the file when it is already present."""
+        key = _manifest_key(record)
+        previous = self.records.get(key)
         if previous == record:
             return
-        self.records[record["id"]] = record
+        self.records[key] = record
         if previous is not None:
             self.compact()
             return
         line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
         try:
-            with open(self.path, "ab") as handle:
+            with mio.open_no_follow(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT) as handle:
                 handle.write(line)
                 handle.flush()
                 os.fsync(handle.fileno())
         except OSError as exc:
-            del self.records[record["id"]]
+            del self.records[key]
             raise OutputError(f"cannot write {self.path}: {exc.strerror or exc}") from None
+        except OutputError:
+            del self.records[key]
+            raise
+
+
+def _suffix(fmt: str | None) -> str:
+    """The audio file extension of a format (lines from before formats were recorded: wav)."""
+    return FORMATS.get(fmt or "wav", FORMATS["wav"])[2]
+
+
+def _manifest_key(record: dict) -> tuple[str, str]:
+    """Lines are per item and audio file: wav and flac of one id each keep their own line."""
+    return str(record["id"]), _suffix(record.get("format"))
+
+
+def _done_record(audio: Path, sidecar: Path, key: str) -> dict | None:
+    """The result of a finished item with this input key, or None.
+
+    The sidecar (holding the key and the result) is written before the audio, so an audio
+    file whose sidecar carries the same key is complete, even if the run was then killed
+    before anything else was recorded.
+    """
+    if not audio.is_file():
+        return None
+    result = _sidecar_result(sidecar)
+    if result is not None and result.get("key") == key and result.get("status") == "ok":
+        return result
+    return None
+
+
+def _sidecar_result(sidecar: Path) -> dict | None:
+    if sidecar.is_symlink():
+        return None
+    try:
+        data = json.loads(sidecar.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    result = data.get("result") if isinstance(data, dict) else None
+    return result if isinstance(result, dict) else None
+
+
+def _skip(result, path: Path, done: dict) -> None:
+    result.status, result.path = "skipped", path
+    result.seconds, result.rtf = done.get("seconds", 0.0), done.get("rtf")
 
 
 class Sink:
@@ -127,19 +182,27 @@ class StdoutSink(Sink):
 
 
 class RawPcmSink(Sink):
-    """`--raw`: 16-bit PCM chunks on a binary stream (stdout) as they are decoded."""
+    """`--raw`: 16-bit PCM on a binary stream (stdout): chunks as they are decoded when the
+    run streams, else each item's whole audio once it is finished."""
 
-    def __init__(self, stream=None):
-        self.stream = stream
+    def __init__(self, stream=None, streamed: bool = True):
+        self.stream, self.streamed = stream, streamed
 
     def on_chunk(self, chunk) -> None:
         mio.write_stdout_pcm(chunk, self.stream)
+
+    def write(self, result, samples, codes, record) -> None:
+        if not self.streamed:
+            mio.write_stdout_pcm(samples, self.stream)
 
 
 class FileSink(Sink):
     """`-o FILE`: one item's audio, with its sidecar (and codes) beside it unless `audio_only`.
 
-    A target that is not a regular file (`/dev/null`, a FIFO) gets the audio only.
+    A re-run with the same inputs is skipped (the sidecar holds the resume key); any other
+    existing file among the item's (audio, sidecar, codes) is kept unless `overwrite`. Missing
+    folders are created. Temp files a killed run left beside the target are removed (those of
+    dead pids). A target that is not a regular file (`/dev/null`, a FIFO) gets the audio only.
     """
 
     def __init__(self, path: str | Path, fmt: str = "wav", sample_rate: int = mio.SAMPLE_RATE,
@@ -148,25 +211,49 @@ class FileSink(Sink):
         self.save_codes, self.overwrite, self.audio_only = save_codes, overwrite, audio_only
 
     def __enter__(self) -> FileSink:
-        if self.path.exists() and not mio.is_special_file(self.path) and not self.overwrite:
-            raise OutputError(f"{self.path} exists; use --overwrite to replace it")
+        if not mio.is_special_file(self.path):
+            _make_folder(self.path.parent, "directory")
+            mio.clean_temp_files(self.path.parent,
+                                 tuple(p.name for p in self._own_files(self.path)))
         return self
 
+    def _own_files(self, path: Path) -> tuple[Path, ...]:
+        sidecar, codes = mio.companion_paths(path)
+        return (path,) if self.audio_only else (path, sidecar, codes)
+
     def targets(self, result) -> tuple[Path, Path, Path]:
-        path = self.path
-        return (path, path.with_name(path.stem + ".json"),
-                path.with_name(path.stem + ".codes.safetensors"))
+        return (self.path, *mio.companion_paths(self.path))
+
+    def check(self, result) -> None:
+        """Skip an item done with the same inputs; refuse to replace anything else."""
+        path, sidecar, codes = self.targets(result)
+        if self.overwrite or mio.is_special_file(path):
+            return
+        if not self.audio_only:
+            done = _done_record(path, sidecar, result.key)
+            if done is not None:
+                _skip(result, path, done)
+                return
+        ours = not self.audio_only and (_sidecar_result(sidecar) or {}).get("key") == result.key
+        mine = () if self.audio_only or ours else (sidecar, codes) if self.save_codes else (
+            sidecar,)
+        for taken in (path, *mine):
+            if taken.exists() or taken.is_symlink():
+                raise OutputError(f"{taken} exists; use --overwrite to replace it")
 
     def write(self, result, samples, codes, record) -> None:
         """Codes, then the sidecar (with the result), then the audio: audio present => done.
 
-        A failed item leaves none of its files behind.
+        Audio being replaced is removed first, so a run stopped half-way leaves the item absent
+        (redone next time), never old audio beside a new sidecar. A failed item leaves none of
+        its files behind.
         """
         path, sidecar, codes_path = self.targets(result)
         if self.audio_only or mio.is_special_file(path):
             result.path = mio.write_audio(path, samples, self.sample_rate, self.fmt)
             return
-        self._replacing(path)
+        if path.is_file() or path.is_symlink():
+            mio.remove_quietly(path)
         try:
             if self.save_codes:
                 result.codes_path = mio.save_codes(codes_path, codes["pieces"],
@@ -179,15 +266,20 @@ class FileSink(Sink):
             result.path = result.sidecar = result.codes_path = None
             raise
 
-    def _replacing(self, path: Path) -> None:
-        """Called before an item's files are written over an existing audio file."""
+
+def _make_folder(folder: Path, what: str) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create {what} {folder}: {exc.strerror or exc}") from None
 
 
 class DirectorySink(FileSink):
     """`<output-dir>/<task>/` with its lock, manifest and per-item file names; resumable.
 
-    Audio replaced by `--overwrite` is removed first, so a run stopped half-way leaves the item
-    absent (redone next time), never old audio beside a new sidecar.
+    Each format has its own files (`<id>.wav` + `<id>.json`, `<id>.flac` + `<id>.flac.json`)
+    and manifest line. A failed or refused item never replaces the `ok` line of an output that
+    is still there. The lock file is opened without following links.
     """
 
     def __init__(self, root: str | Path, task: str, fmt: str = "wav",
@@ -200,9 +292,9 @@ class DirectorySink(FileSink):
         self.manifest: Manifest | None = None
 
     def open(self) -> DirectorySink:
+        _make_folder(self.dir, "output directory")
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            self._lock = open(self.dir / LOCK_NAME, "a+")  # noqa: SIM115 (held open)
+            self._lock = mio.open_no_follow(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT)
         except OSError as exc:
             raise OutputError(f"cannot create output directory {self.dir}: "
                               f"{exc.strerror or exc}") from None
@@ -222,7 +314,7 @@ class DirectorySink(FileSink):
             fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             self._lock.seek(0)
-            holder = self._lock.read().strip() or "?"
+            holder = self._lock.read().decode("utf-8", "replace").strip() or "?"
             self._lock.close()
             self._lock = None
             raise OutputError(f"another mimo-tts run (pid {holder}) is writing to {self.dir}; "
@@ -230,7 +322,7 @@ class DirectorySink(FileSink):
         with contextlib.suppress(OSError):  # e.g. a full disk: the lock is held all the same
             self._lock.seek(0)
             self._lock.truncate()
-            self._lock.write(str(os.getpid()))
+            self._lock.write(str(os.getpid()).encode())
             self._lock.flush()
 
     def close(self) -> None:
@@ -249,50 +341,35 @@ class DirectorySink(FileSink):
         item_id = result.item.id
         return self.audio_path(item_id), self.sidecar_path(item_id), self.codes_path(item_id)
 
-    def _replacing(self, path: Path) -> None:
-        if path.exists():
-            mio.remove_quietly(path)
-
     def check(self, result) -> None:
         """Skip an item whose audio and sidecar say it is done with the same inputs."""
         item = result.item
         path = self.audio_path(item.id)
         done = self.done_record(item.id, result.key)
         if done is not None and not self.overwrite:
-            result.status, result.path = "skipped", path
-            result.seconds, result.rtf = done.get("seconds", 0.0), done.get("rtf")
-            manifest = self.manifest.get(item.id) or {}
-            if manifest.get("status") != "ok" or manifest.get("key") != result.key:
-                self.manifest.add(done)  # killed after the audio was written: complete the line
-        elif path.exists() and not self.overwrite:
+            _skip(result, path, done)
+            line = self.manifest.get(item.id, self.fmt) or {}
+            if line.get("status") != "ok" or line.get("key") != result.key:
+                self.manifest.add({"format": self.fmt, **done})  # killed before its line
+        elif (path.exists() or path.is_symlink()) and not self.overwrite:
             raise OutputError(f"{path} exists from other inputs; use --overwrite to replace it")
 
     def finished(self, result, task: str) -> None:
+        line = self.manifest.get(result.item.id, self.fmt) or {}
+        if result.status == "error" and line.get("status") == "ok" and \
+                self.audio_path(result.item.id).is_file():
+            return  # the output that line describes was kept: the line stays true
         self.manifest.add(result.record(task))
 
     def audio_path(self, item_id: str) -> Path:
         return self.dir / f"{item_id}{self.suffix}"
 
     def sidecar_path(self, item_id: str) -> Path:
-        return self.dir / f"{item_id}.json"
+        return mio.companion_paths(self.audio_path(item_id))[0]
 
     def codes_path(self, item_id: str) -> Path:
-        return self.dir / f"{item_id}.codes.safetensors"
+        return mio.companion_paths(self.audio_path(item_id))[1]
 
     def done_record(self, item_id: str, key: str) -> dict | None:
-        """The result of a finished item with this input key, or None.
-
-        The sidecar (holding the key and the result) is written before the audio, so an audio
-        file whose sidecar carries the same key is complete, even if the run was then killed
-        before its manifest line was written.
-        """
-        if not self.audio_path(item_id).is_file():
-            return None
-        try:
-            sidecar = json.loads(self.sidecar_path(item_id).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            return None
-        result = sidecar.get("result") if isinstance(sidecar, dict) else None
-        if isinstance(result, dict) and result.get("key") == key and result.get("status") == "ok":
-            return result
-        return None
+        """The result of a finished item with this input key, or None (`_done_record`)."""
+        return _done_record(self.audio_path(item_id), self.sidecar_path(item_id), key)

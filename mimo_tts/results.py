@@ -22,6 +22,7 @@ class ItemResult:
     item: Item
     status: str
     key: str = ""
+    format: str | None = None  # the output format (each format of an item has its own files)
     path: Path | None = None
     sidecar: Path | None = None
     codes_path: Path | None = None
@@ -39,7 +40,7 @@ class ItemResult:
     def record(self, task: str) -> dict:
         """The manifest line / `--json` object of this item."""
         return {
-            "id": self.item.id, "text": self.item.text, "task": task,
+            "id": self.item.id, "text": self.item.text, "task": task, "format": self.format,
             "path": str(self.path) if self.path else None, "seconds": round(self.seconds, 4),
             "seed": self.seed, "rtf": None if self.rtf is None else round(self.rtf, 4),
             "status": self.status, "error": self.error, "exit_code": self.exit_code,

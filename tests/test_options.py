@@ -45,7 +45,7 @@ def test_env_sits_between_flag_and_profile_for_devices_and_checkpoints(tmp_path)
 
 
 @pytest.mark.parametrize("cls, change, match", [
-    (RunOptions, {"format": "mp3"}, "--format"), (RunOptions, {"batch_size": 0}, "--batch-size"),
+    (RunOptions, {"format": "aiff"}, "--format"), (RunOptions, {"batch_size": 0}, "--batch-size"),
     (SynthesisOptions, {"top_p": 1.5}, "top_p"),
     (SynthesisOptions, {"temperature": -1}, "temperature"),
     (RunOptions, {"sample_rate": 100}, "--sample-rate"),

@@ -38,7 +38,7 @@ def _error_line(stderr: str) -> str:
 
 @pytest.mark.parametrize("args, match", [
     (("synth", "--model", "tiny"), "nothing to say"),
-    ((*TINY, "--text", "x", "--format", "mp3"), "--format"),
+    ((*TINY, "--text", "x", "--format", "aiff"), "--format"),
     ((*TINY, "--text", "a", "--text", "b", "-o", "-"), "exactly one item"),
     ((*TINY, "--text", "x", "--task", "sing"), "unknown --task 'sing'"),
     ((*TINY, "--text", "x", "--stream", "--batch-size", "2"), "--stream"),

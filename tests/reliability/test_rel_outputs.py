@@ -30,14 +30,6 @@ def test_read_only_output_directory(invoke, tmp_path, rel):
     assert "cannot create output directory" in rel.error_line(result.stderr)
 
 
-def test_output_file_in_a_missing_directory(invoke, tmp_path):
-    result = invoke(*TINY, "--text", "hi", "-o", tmp_path / "nowhere" / "x.wav", "--json")
-    assert result.exit_code == EXIT_IO
-    record = json.loads(result.stdout)
-    assert "cannot write" in record["error"] and "No such file or directory" in record["error"]
-    assert not list(tmp_path.rglob("*.wav")) and not list(tmp_path.rglob("*.json"))
-
-
 def test_disk_full_fails_items_cleanly_and_a_rerun_completes(limited, mimo, tmp_path, rel):
     """RLIMIT_FSIZE (16 KiB per file): each 23 KiB wav fails to write with EFBIG."""
     lines = tmp_path / "lines.txt"

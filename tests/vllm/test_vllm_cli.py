@@ -24,7 +24,8 @@ GREEDY = ("--dtype", "float32", "--temperature", "0", "--audio-temperature", "0"
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """run(out_name, *args) -> {item id: (wav bytes, sidecar)} after `mimo-tts synth`."""
+    """run(out_name, *args) -> {item id: (wav bytes, sidecar)} after `mimo-tts synth`
+    (`run.stderr`: that run's stderr)."""
     root = tmp_path_factory.mktemp("vllm-cli")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MIMO_", "VLLM_"))}
     env.update({checkpoints.CACHE_ENV: str(root / "cache"), "HF_HUB_OFFLINE": "1", "NO_COLOR": "1",
@@ -37,6 +38,7 @@ def run(tmp_path_factory):
              "--output-dir", out, "--json", *args],
             cwd=root, env=env, capture_output=True, timeout=240)
         assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+        synth.stderr = proc.stderr.decode()
         records = [json.loads(line) for line in proc.stdout.decode().splitlines()]
         assert [r["status"] for r in records] == ["ok"] * 3, records
         found = {}
@@ -74,3 +76,10 @@ def test_vllm_stream_writes_what_native_stream_writes(run):
     vllm = run("vllm-stream", "--stream", "--engine", "vllm")
     _same_outputs(native, vllm)
     assert all(s["stream"] for _, s in vllm.values())
+
+
+def test_vllm_quiet_leaves_stderr_empty(run):
+    """`-q` (issue 13 item 10): vLLM's logs and loading bar, torch's C++ and Python warnings are
+    cut to errors; 36 lines and a traceback were printed before."""
+    outputs = run("vllm-quiet", "--engine", "vllm", "-q")
+    assert len(outputs) == 3 and run.stderr == ""

@@ -293,5 +293,7 @@ def _start_llm(model_dir: Path, options: VLLMOptions, empty_token: int):
         worker_extension_cls="mimo_tts.lm.vllm.state.AudioWorkerExtension",
         max_num_seqs=options.max_num_seqs, max_model_len=options.max_model_len or MAX_GROUPS,
         gpu_memory_utilization=options.gpu_memory_utilization,
+        # its weight-loading bar is a log line: none when only errors are logged (--quiet)
+        use_tqdm_on_load=os.environ.get("VLLM_LOGGING_LEVEL", "").upper() != "ERROR",
         tensor_parallel_size=options.tensor_parallel_size, seed=options.seed, **extra,
     )
