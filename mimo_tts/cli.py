@@ -30,6 +30,7 @@ from mimo_tts.errors import (
     EXIT_DEVICE,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_USAGE,
     MimoTTSError,
 )
 from mimo_tts.io import FORMATS, write_stdout_line
@@ -77,10 +78,40 @@ class Command(TyperCommand):
 
 
 class App(TyperGroup):
-    """The mimo-tts group: plain metavars in the help."""
+    """The mimo-tts group: plain metavars in the help; parse errors as one line off a terminal."""
 
     def get_params(self, ctx):
         return _plain_metavars(super().get_params(ctx))
+
+    def make_context(self, *args, **kwargs):
+        with _parse_errors():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx):  # a command's own parse runs in here
+        with _parse_errors():
+            return super().invoke(ctx)
+
+
+@contextmanager
+def _parse_errors():
+    """Typer's usage errors (exit 2) as one `Error:` line naming the help command when stderr
+    is not a terminal, so a CI log's last line says what went wrong; a terminal gets the box.
+
+    Typer keeps its Click exceptions private: a usage error is known by exit code 2 and
+    `format_message`, and a bare `mimo-tts` (help, then exit 2) is left to Typer."""
+    try:
+        yield
+    except Exception as exc:
+        if (getattr(exc, "exit_code", None) != EXIT_USAGE or not hasattr(exc, "format_message")
+                or type(exc).__name__ == "NoArgsIsHelpError"):
+            raise
+        reporter = Reporter()
+        if reporter.err.is_terminal:
+            raise
+        ctx = getattr(exc, "ctx", None)
+        message = " ".join(exc.format_message().split())
+        reporter.error(message.rstrip(".") + (f"; see {ctx.command_path} --help" if ctx else ""))
+        raise typer.Exit(EXIT_USAGE) from None
 
 
 app = typer.Typer(
