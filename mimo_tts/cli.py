@@ -29,11 +29,12 @@ from mimo_tts.errors import (
     EXIT_CHECKPOINT,
     EXIT_DEVICE,
     EXIT_INTERRUPTED,
+    EXIT_IO,
     EXIT_OK,
     EXIT_USAGE,
     MimoTTSError,
 )
-from mimo_tts.io import FORMATS, write_stdout_line
+from mimo_tts.io import FORMATS, _broken_pipe, write_stdout_line
 from mimo_tts.lm.config import LM_QUANTS
 from mimo_tts.options import ENGINES, STREAM_MODES
 from mimo_tts.tasks import TASKS
@@ -96,11 +97,19 @@ class App(TyperGroup):
 def _parse_errors():
     """Typer's usage errors (exit 2) as one `Error:` line naming the help command when stderr
     is not a terminal, so a CI log's last line says what went wrong; a terminal gets the box.
+    Help or version text into a closed pipe is exit 5, as any data (Typer and rich exit 1).
 
     Typer keeps its Click exceptions private: a usage error is known by exit code 2 and
     `format_message`, and a bare `mimo-tts` (help, then exit 2) is left to Typer."""
     try:
         yield
+    except (BrokenPipeError, SystemExit) as exc:
+        # rich's Console answers a broken pipe with SystemExit(1), raised while handling it
+        if not isinstance(exc, BrokenPipeError) and not isinstance(exc.__context__,
+                                                                   BrokenPipeError):
+            raise
+        Reporter().error(str(_broken_pipe()))
+        raise typer.Exit(EXIT_IO) from None
     except Exception as exc:
         if (getattr(exc, "exit_code", None) != EXIT_USAGE or not hasattr(exc, "format_message")
                 or type(exc).__name__ == "NoArgsIsHelpError"):

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from mimo_tts.cli import app
 from mimo_tts.devices import DTYPES
-from mimo_tts.errors import EXIT_USAGE
+from mimo_tts.errors import EXIT_IO, EXIT_USAGE
 from mimo_tts.io import FORMATS
 from mimo_tts.lm.config import LM_QUANTS
 from mimo_tts.options import ENGINES, STREAM_MODES
@@ -89,3 +89,23 @@ def test_choices_are_listed_and_enforced(invoke, where, choices):
     result = invoke(command, option, "bogus", *tail)
     assert result.exit_code == EXIT_USAGE, result.output
     assert all(choice in result.stderr for choice in choices), result.stderr
+
+
+@pytest.mark.parametrize("args", [["--help"], ["synth", "--help"], ["decode", "-h"],
+                                  ["--version"], []], ids=lambda a: " ".join(a) or "bare")
+def test_help_into_a_closed_pipe_is_an_io_error(base_env, tmp_path, entry_point, args):
+    """`mimo-tts --help | head -c 10`: the reader is gone before the help is written; exit 5
+    and one line, as for any data on a closed stdout (Typer and rich exited 1)."""
+    import os
+    import subprocess
+
+    read, write = os.pipe()
+    os.close(read)  # the reader has gone: every write to stdout fails with EPIPE
+    try:
+        proc = subprocess.run([str(entry_point), *args], stdout=write, stderr=subprocess.PIPE,
+                              stdin=subprocess.DEVNULL, env=base_env, cwd=tmp_path, timeout=60)
+    finally:
+        os.close(write)
+    assert proc.returncode == EXIT_IO, proc.stderr
+    assert proc.stderr.decode().splitlines() == [
+        "Error: stdout was closed by the reader (broken pipe)"]
