@@ -55,7 +55,6 @@ IN, MODELS, DEV, GEN, OUT, RUN = "Inputs", "Models", "Devices", "Generation", "O
 VLLM = "vLLM engine"
 
 
-
 def _plain_metavars(params: list) -> list:
     """A flag takes no value: no `<bool>` beside it (`--help` included); an argument shows its
     metavar alone, without `<list[str]>` (Typer's options already do)."""
@@ -149,7 +148,7 @@ Dtype = Annotated[str | None, typer.Option(
     rich_help_panel=DEV, metavar="DTYPE", help="LM dtype: auto (default: the checkpoint's, where "
     f"the device runs it natively), {', '.join(DTYPES)} (env MIMO_TTS_DTYPE).")]
 TokDtype = Annotated[str | None, typer.Option(
-    rich_help_panel=DEV, metavar="DTYPE", help=f"Tokenizer dtype: auto (default), "
+    rich_help_panel=DEV, metavar="DTYPE", help="Tokenizer dtype: auto (default), "
     f"{', '.join(DTYPES)} (env MIMO_TTS_TOKENIZER_DTYPE).")]
 NoMemoryCheck = Annotated[bool | None, typer.Option(
     "--no-memory-check", rich_help_panel=DEV, show_default=False,
