@@ -20,17 +20,24 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from mimo_tts import __version__
+from mimo_tts.devices import DTYPES
 from mimo_tts.errors import (
     EXIT_BUG,
     EXIT_CHECKPOINT,
     EXIT_DEVICE,
     EXIT_INTERRUPTED,
+    EXIT_IO,
     EXIT_OK,
+    EXIT_USAGE,
     MimoTTSError,
 )
-from mimo_tts.io import write_stdout_line
+from mimo_tts.io import FORMATS, _broken_pipe, write_stdout_line
+from mimo_tts.lm.config import LM_QUANTS
+from mimo_tts.options import ENGINES, STREAM_MODES
+from mimo_tts.tasks import TASKS
 
 EXAMPLES = """\
 [b]Examples[/b]
@@ -47,53 +54,128 @@ EXAMPLES = """\
 IN, MODELS, DEV, GEN, OUT, RUN = "Inputs", "Models", "Devices", "Generation", "Outputs", "Run"
 VLLM = "vLLM engine"
 
+
+def _plain_metavars(params: list) -> list:
+    """A flag takes no value: no `<bool>` beside it (`--help` included); an argument shows its
+    metavar alone, without `<list[str]>` (Typer's options already do)."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+        elif isinstance(param, TyperArgument) and param.metavar:
+            param.display_type_rich = lambda ctx: None
+    return params
+
+
+class Command(TyperCommand):
+    """Every mimo-tts command: plain metavars in the help and the usage line."""
+
+    def get_params(self, ctx):
+        return _plain_metavars(super().get_params(ctx))
+
+    def collect_usage_pieces(self, ctx):
+        # Typer writes a required argument as `{CODES}...`; the usual form is `CODES...`
+        return [p.replace("{", "").replace("}", "") for p in super().collect_usage_pieces(ctx)]
+
+
+class App(TyperGroup):
+    """The mimo-tts group: plain metavars in the help; parse errors as one line off a terminal."""
+
+    def get_params(self, ctx):
+        return _plain_metavars(super().get_params(ctx))
+
+    def make_context(self, *args, **kwargs):
+        with _parse_errors():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx):  # a command's own parse runs in here
+        with _parse_errors():
+            return super().invoke(ctx)
+
+
+@contextlib.contextmanager
+def _parse_errors():
+    """Typer's usage errors (exit 2) as one `Error:` line naming the help command when stderr
+    is not a terminal, so a CI log's last line says what went wrong; a terminal gets the box.
+    Help or version text into a closed pipe is exit 5, as any data (Typer and rich exit 1).
+
+    Typer keeps its Click exceptions private: a usage error is known by exit code 2 and
+    `format_message`, and a bare `mimo-tts` (help, then exit 2) is left to Typer."""
+    try:
+        yield
+    except (BrokenPipeError, SystemExit) as exc:
+        # rich's Console answers a broken pipe with SystemExit(1), raised while handling it
+        if not isinstance(exc, BrokenPipeError) and not isinstance(exc.__context__,
+                                                                   BrokenPipeError):
+            raise
+        Reporter().error(str(_broken_pipe()))
+        raise typer.Exit(EXIT_IO) from None
+    except Exception as exc:
+        if (getattr(exc, "exit_code", None) != EXIT_USAGE or not hasattr(exc, "format_message")
+                or type(exc).__name__ == "NoArgsIsHelpError"):
+            raise
+        reporter = Reporter()
+        if reporter.err.is_terminal:
+            raise
+        ctx = getattr(exc, "ctx", None)
+        message = " ".join(exc.format_message().split())
+        reporter.error(message.rstrip(".") + (f"; see {ctx.command_path} --help" if ctx else ""))
+        raise typer.Exit(EXIT_USAGE) from None
+
+
 app = typer.Typer(
     name="mimo-tts", no_args_is_help=True, rich_markup_mode="rich", epilog=EXAMPLES,
-    pretty_exceptions_enable=False,
+    pretty_exceptions_enable=False, cls=App,
+    context_settings={"help_option_names": ["--help", "-h"]},  # inherited by every command
     help="Offline text-to-speech with Xiaomi MiMo-Audio: Stage-0 LM -> codes, Stage-1 -> wav.",
 )
 
 # --- shared option types ------------------------------------------------------------------------
+# Each option has a metavar naming what it takes; lists of values come from their one home.
 Model = Annotated[str | None, typer.Option(
-    "--model", "-m", rich_help_panel=MODELS,
+    "--model", "-m", rich_help_panel=MODELS, metavar="MODEL",
     help="LM checkpoint: a directory, a Hugging Face id (local cache) or 'tiny' (built-in preset). "
          "Default XiaomiMiMo/MiMo-Audio-7B-Instruct.")]
 Tokenizer = Annotated[str | None, typer.Option(
-    rich_help_panel=MODELS, help="Audio tokenizer: a directory or HF id (default "
-    "XiaomiMiMo/MiMo-Audio-Tokenizer; env MIMO_AUDIO_TOKENIZER_PATH).")]
+    rich_help_panel=MODELS, metavar="TOKENIZER", help="Audio tokenizer: a directory or HF id "
+    "(default XiaomiMiMo/MiMo-Audio-Tokenizer; env MIMO_AUDIO_TOKENIZER_PATH).")]
 LmDevice = Annotated[str | None, typer.Option(
-    rich_help_panel=DEV, help="Stage-0 device: cpu, cuda, cuda:N, mps (env MIMO_TTS_LM_DEVICE).")]
+    rich_help_panel=DEV, metavar="DEVICE",
+    help="Stage-0 device: cpu, cuda, cuda:N, mps (env MIMO_TTS_LM_DEVICE).")]
 TokDevice = Annotated[str | None, typer.Option(
-    rich_help_panel=DEV, help="Stage-1 device (env MIMO_AUDIO_TOKENIZER_DEVICE).")]
+    rich_help_panel=DEV, metavar="DEVICE",
+    help="Stage-1 device (env MIMO_AUDIO_TOKENIZER_DEVICE).")]
 Dtype = Annotated[str | None, typer.Option(
-    rich_help_panel=DEV, help="LM dtype: auto (default: the checkpoint's, where the device runs "
-    "it natively), float32, bfloat16, float16 (env MIMO_TTS_DTYPE).")]
+    rich_help_panel=DEV, metavar="DTYPE", help="LM dtype: auto (default: the checkpoint's, where "
+    f"the device runs it natively), {', '.join(DTYPES)} (env MIMO_TTS_DTYPE).")]
 TokDtype = Annotated[str | None, typer.Option(
-    rich_help_panel=DEV, help="Tokenizer dtype: auto (default), float32, bfloat16, float16 "
-    "(env MIMO_TTS_TOKENIZER_DTYPE).")]
+    rich_help_panel=DEV, metavar="DTYPE", help="Tokenizer dtype: auto (default), "
+    f"{', '.join(DTYPES)} (env MIMO_TTS_TOKENIZER_DTYPE).")]
 NoMemoryCheck = Annotated[bool | None, typer.Option(
     "--no-memory-check", rich_help_panel=DEV, show_default=False,
     help="Load even when the memory preflight says the run does not fit (exit 4 otherwise).")]
 LmThreads = Annotated[int | None, typer.Option(
-    rich_help_panel=DEV, help="CPU threads for Stage-0 (default: torch's; --stream on one CPU "
-    "splits the cores between the stages).")]
+    rich_help_panel=DEV, metavar="N", help="CPU threads for Stage-0 (default: torch's; --stream "
+    "on one CPU splits the cores between the stages).")]
 TokThreads = Annotated[int | None, typer.Option(
-    rich_help_panel=DEV, help="CPU threads for Stage-1 decode and prompt encode.")]
+    rich_help_panel=DEV, metavar="N", help="CPU threads for Stage-1 decode and prompt encode.")]
 Graph = Annotated[bool | None, typer.Option(
     "--cuda-graph/--no-cuda-graph", rich_help_panel=DEV, show_default=False,
     help="CUDA-graph decode on CUDA (env MIMO_AUDIO_TOKENIZER_CUDA_GRAPH; never on CPU).")]
 EngineName = Annotated[str | None, typer.Option(
-    rich_help_panel=VLLM, help="Stage-0 engine: native (default) or vllm (needs "
-    "pip install 'mimo-tts[vllm]'; without it exit 2). Stage-1 stays on the tokenizer device.")]
+    rich_help_panel=VLLM, metavar="ENGINE", help=f"Stage-0 engine: {', '.join(ENGINES)} "
+    # `\\[` keeps rich markup from eating the extra's name
+    "(default native; vllm needs pip install 'mimo-tts\\[vllm]', without it exit 2). Stage-1 "
+    "stays on the tokenizer device.")]
 Config = Annotated[str | None, typer.Option(
-    "--config", "-c", rich_help_panel=RUN,
+    "--config", "-c", rich_help_panel=RUN, metavar="PROFILE",
     help="TOML profile: a path, or a name in ~/.config/mimo-tts (MIMO_TTS_CONFIG_DIR) or the "
          "built-in default, cpu-tokenizer, ci-smoke.")]
 Fmt = Annotated[str | None, typer.Option(
-    "--format", rich_help_panel=OUT, help="wav (PCM16, default), wav-float, flac, mp3, opus or "
-    "ogg (Vorbis); with -o FILE the extension names it.")]
+    "--format", rich_help_panel=OUT, metavar="FORMAT",
+    help=f"Audio format: {', '.join(FORMATS)} (default wav: PCM16); with -o FILE the extension "
+    "names it.")]
 Rate = Annotated[int | None, typer.Option(
-    rich_help_panel=OUT, help="Resample the output to this rate (default 24000).")]
+    rich_help_panel=OUT, metavar="HZ", help="Resample the output to this rate (default 24000).")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=RUN,
                                      help="Only errors on stderr (data still on stdout).")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", rich_help_panel=RUN,
@@ -217,24 +299,24 @@ def main_callback(
     """Offline text-to-speech with Xiaomi MiMo-Audio."""
 
 
-@app.command(epilog=EXAMPLES)
+@app.command(cls=Command, epilog=EXAMPLES)
 def synth(
     text: Annotated[list[str] | None, typer.Option(
-        "--text", "-t", rich_help_panel=IN, help="Text to speak (repeatable; '-' reads stdin).")
-    ] = None,
+        "--text", "-t", rich_help_panel=IN, metavar="TEXT",
+        help="Text to speak (repeatable; '-' reads stdin).")] = None,
     input: Annotated[list[str] | None, typer.Option(
-        "--input", "-i", rich_help_panel=IN,
+        "--input", "-i", rich_help_panel=IN, metavar="FILE",
         help=".txt (one item per line) or .jsonl (id, text, instruct, prompt_audio, seed); "
              "'-' reads stdin.")] = None,
-    task: Annotated[str | None, typer.Option(rich_help_panel=IN, help="Prompt task: tts_sft, "
-        "tts_sft_with_instruct, tts_sft_with_audio, tts_sft_with_natural_instruction.")] = None,
-    instruct: Annotated[str | None, typer.Option(rich_help_panel=IN,
+    task: Annotated[str | None, typer.Option(rich_help_panel=IN, metavar="TASK",
+        help=f"Prompt task: {', '.join(TASKS)} (default tts_sft).")] = None,
+    instruct: Annotated[str | None, typer.Option(rich_help_panel=IN, metavar="TEXT",
                                                  help="Style instruction.")] = None,
-    prompt_audio: Annotated[str | None, typer.Option(rich_help_panel=IN,
+    prompt_audio: Annotated[str | None, typer.Option(rich_help_panel=IN, metavar="FILE",
                                                      help="Voice prompt audio file.")] = None,
-    template: Annotated[int | None, typer.Option(rich_help_panel=IN,
+    template: Annotated[int | None, typer.Option(rich_help_panel=IN, metavar="N",
         help="Fix the instruction template index (default: drawn from the seed).")] = None,
-    max_chars: Annotated[int | None, typer.Option(rich_help_panel=IN,
+    max_chars: Annotated[int | None, typer.Option(rich_help_panel=IN, metavar="N",
         help="Split longer text on sentence ends (default 300; 0 = never).")] = None,
     model: Model = None,
     tokenizer: Tokenizer = None,
@@ -247,31 +329,33 @@ def synth(
     tokenizer_dtype: TokDtype = None,
     cuda_graph: Graph = None,
     no_memory_check: NoMemoryCheck = None,
-    lm_quant: Annotated[str | None, typer.Option(rich_help_panel=DEV,
-        help="Opt-in int8 weight-only LM on CPU (faster, slightly less exact; "
-             "default off).")] = None,
+    lm_quant: Annotated[str | None, typer.Option(rich_help_panel=DEV, metavar="QUANT",
+        help=f"Opt-in weight-only LM quantization on CPU: {', '.join(LM_QUANTS)} (faster, "
+             "slightly less exact; default off).")] = None,
     lm_threads: LmThreads = None,
     tokenizer_threads: TokThreads = None,
-    seed: Annotated[int | None, typer.Option(rich_help_panel=GEN,
+    seed: Annotated[int | None, typer.Option(rich_help_panel=GEN, metavar="SEED",
                                              help="Sampling seed (default 0).")] = None,
-    temperature: Annotated[float | None, typer.Option(rich_help_panel=GEN,
+    temperature: Annotated[float | None, typer.Option(rich_help_panel=GEN, metavar="T",
         help="Text temperature (0 = greedy; task default 0.6).")] = None,
-    top_k: Annotated[int | None, typer.Option(rich_help_panel=GEN, help="Text top-k.")] = None,
-    top_p: Annotated[float | None, typer.Option(rich_help_panel=GEN, help="Text top-p.")] = None,
-    audio_temperature: Annotated[float | None, typer.Option(rich_help_panel=GEN,
+    top_k: Annotated[int | None, typer.Option(rich_help_panel=GEN, metavar="K",
+                                              help="Text top-k.")] = None,
+    top_p: Annotated[float | None, typer.Option(rich_help_panel=GEN, metavar="P",
+                                                help="Text top-p.")] = None,
+    audio_temperature: Annotated[float | None, typer.Option(rich_help_panel=GEN, metavar="T",
         help="Audio temperature (0 = greedy; task default 0.9).")] = None,
-    audio_top_k: Annotated[int | None, typer.Option(rich_help_panel=GEN,
+    audio_top_k: Annotated[int | None, typer.Option(rich_help_panel=GEN, metavar="K",
                                                     help="Audio top-k.")] = None,
-    audio_top_p: Annotated[float | None, typer.Option(rich_help_panel=GEN,
+    audio_top_p: Annotated[float | None, typer.Option(rich_help_panel=GEN, metavar="P",
                                                       help="Audio top-p.")] = None,
-    max_new_groups: Annotated[int | None, typer.Option(rich_help_panel=GEN,
+    max_new_groups: Annotated[int | None, typer.Option(rich_help_panel=GEN, metavar="N",
         help="Cap on generated groups (one group = 160 ms).")] = None,
-    batch_size: Annotated[int | None, typer.Option(rich_help_panel=GEN,
+    batch_size: Annotated[int | None, typer.Option(rich_help_panel=GEN, metavar="N",
         help="Prompts generated together.")] = None,
-    output_dir: Annotated[str | None, typer.Option(rich_help_panel=OUT,
+    output_dir: Annotated[str | None, typer.Option(rich_help_panel=OUT, metavar="DIR",
         help="Root of <dir>/<task>/<id>.wav (default output_audio).")] = None,
     output: Annotated[str | None, typer.Option("--output", "-o", rich_help_panel=OUT,
-        help="One item: write to this file, or '-' for stdout.")] = None,
+        metavar="FILE", help="One item: write to this file, or '-' for stdout.")] = None,
     format: Fmt = None,
     sample_rate: Rate = None,
     save_codes: Annotated[bool | None, typer.Option("--save-codes", rich_help_panel=OUT,
@@ -282,17 +366,19 @@ def synth(
         help="Decode audio while the LM generates (streaming Stage-1).")] = None,
     raw: Annotated[bool | None, typer.Option("--raw", rich_help_panel=OUT,
         help="Stream 16-bit 24 kHz mono PCM to stdout as it is decoded.")] = None,
-    stream_mode: Annotated[str | None, typer.Option(rich_help_panel=OUT,
-        help="Streaming decoder: incremental (default: each frame decoded once, closest to "
-             "one-shot) or official (re-decodes overlapping windows, spec §7.2).")] = None,
+    stream_mode: Annotated[str | None, typer.Option(rich_help_panel=OUT, metavar="MODE",
+        help=f"Streaming decoder ({', '.join(STREAM_MODES)}): incremental (default) decodes "
+             "each frame once, closest to one-shot; official re-decodes overlapping windows "
+             "(spec §7.2).")] = None,
     engine: EngineName = None,
     gpu_memory_utilization: Annotated[float | None, typer.Option(rich_help_panel=VLLM,
+        metavar="FRACTION",
         help="vLLM: share of GPU memory for weights + KV cache (default 0.9).")] = None,
-    max_num_seqs: Annotated[int | None, typer.Option(rich_help_panel=VLLM,
+    max_num_seqs: Annotated[int | None, typer.Option(rich_help_panel=VLLM, metavar="N",
         help="vLLM: prompts generated concurrently (default 32).")] = None,
-    tensor_parallel_size: Annotated[int | None, typer.Option(rich_help_panel=VLLM,
+    tensor_parallel_size: Annotated[int | None, typer.Option(rich_help_panel=VLLM, metavar="N",
         help="vLLM: GPUs to shard the LM over (default 1).")] = None,
-    max_model_len: Annotated[int | None, typer.Option(rich_help_panel=VLLM,
+    max_model_len: Annotated[int | None, typer.Option(rich_help_panel=VLLM, metavar="GROUPS",
         help="vLLM: longest sequence in groups, prompt included (default 8192).")] = None,
     config: Config = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", rich_help_panel=RUN,
@@ -360,7 +446,7 @@ def _preflight(reporter: Reporter, flags: dict, config: str | None) -> int:
     return EXIT_OK
 
 
-@app.command()
+@app.command(cls=Command)
 def devices(
     model: Model = None, tokenizer: Tokenizer = None, lm_device: LmDevice = None,
     tokenizer_device: TokDevice = None, dtype: Dtype = None, tokenizer_dtype: TokDtype = None,
@@ -377,12 +463,14 @@ def devices(
     run_command(reporter, lambda: _preflight(reporter, flags, config))
 
 
-@app.command()
+@app.command(cls=Command)
 def decode(
-    codes: Annotated[list[str], typer.Argument(help="Codes file(s) written by --save-codes.")],
+    codes: Annotated[list[str], typer.Argument(
+        metavar="CODES", help="Codes file(s) written by --save-codes.")],
     tokenizer: Tokenizer = None, tokenizer_device: TokDevice = None,
     tokenizer_dtype: TokDtype = None, cuda_graph: Graph = None,
     output: Annotated[str | None, typer.Option("--output", "-o", rich_help_panel=OUT,
+        metavar="FILE",
         help="Output file ('-' = stdout); default <codes stem>.decoded.wav beside the codes.")
     ] = None,
     format: Fmt = None, sample_rate: Rate = None,
@@ -416,10 +504,11 @@ def decode(
     run_command(reporter, body)
 
 
-@app.command()
+@app.command(cls=Command)
 def download(
-    model: Annotated[str, typer.Option(help="LM repo id.")] = "XiaomiMiMo/MiMo-Audio-7B-Instruct",
-    tokenizer: Annotated[str, typer.Option(help="Tokenizer repo id.")] =
+    model: Annotated[str, typer.Option(metavar="REPO", help="LM repo id.")] =
+        "XiaomiMiMo/MiMo-Audio-7B-Instruct",
+    tokenizer: Annotated[str, typer.Option(metavar="REPO", help="Tokenizer repo id.")] =
         "XiaomiMiMo/MiMo-Audio-Tokenizer",
     debug: Debug = False,
 ) -> None:
@@ -436,7 +525,7 @@ def download(
     run_command(reporter, body)
 
 
-@app.command()
+@app.command(cls=Command)
 def selftest(
     lm_device: LmDevice = None, tokenizer_device: TokDevice = None,
     as_json: AsJson = False, debug: Debug = False,

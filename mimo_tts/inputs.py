@@ -275,7 +275,7 @@ def _make_item(raw_id, text, label: str, record: dict) -> Item:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
                                  or not 0 <= seed <= MAX_SEED):
             raise InputError(f"{label}: seed must be an integer in [0, 2**64 - 1], "
-                             f"got {_short(seed)}")
+                             f"got {short_repr(seed)}")
         for key in ("instruct", "prompt_audio"):
             if record.get(key) is not None and not isinstance(record[key], str):
                 raise InputError(f"{label}: {key} must be a string")
@@ -291,7 +291,8 @@ def _make_item(raw_id, text, label: str, record: dict) -> Item:
                 source_id=str(raw_id) if raw_id is not None else None)
 
 
-def _short(value, limit: int = 40) -> str:
+def short_repr(value, limit: int = 40) -> str:
+    """A value's repr for an error message, cut at `limit` characters."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
 

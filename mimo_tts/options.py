@@ -11,16 +11,18 @@ this same pass. No torch here.
 
 from __future__ import annotations
 
+import difflib
 import os
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import get_args, get_type_hints
 
 from mimo_tts.checkpoints import checkpoint_dtype, pick_names
 from mimo_tts.devices import Placement, resolve_placement
 from mimo_tts.errors import MimoTTSError, UsageError
-from mimo_tts.inputs import MAX_SEED
+from mimo_tts.inputs import MAX_SEED, short_repr
 from mimo_tts.io import FORMATS, SAMPLE_RATE, check_format_rate, output_format
 from mimo_tts.lm.config import LM_QUANTS, MAX_GROUPS
 from mimo_tts.tasks import TASKS, TTS_EN_TEMPLATES, TTS_ZH_TEMPLATES
@@ -35,9 +37,10 @@ ENGINES = ("native", "vllm")
 # Options of the vLLM engine only (`--engine vllm`); an error with the native engine.
 VLLM_FIELDS = ("gpu_memory_utilization", "max_num_seqs", "tensor_parallel_size", "max_model_len",
                "kv_cache_mib")
-# Resolved with their env variables by devices.py and checkpoints.py.
-PLACEMENT_FIELDS = ("lm_device", "tokenizer_device", "dtype", "tokenizer_dtype", "cuda_graph")
-CHECKPOINT_FIELDS = ("model", "tokenizer", "allow_download")
+# Resolved with their env variables by devices.py and checkpoints.py: name -> type of a value.
+PLACEMENT_FIELDS = {"lm_device": str, "tokenizer_device": str, "dtype": str,
+                    "tokenizer_dtype": str, "cuda_graph": bool}
+CHECKPOINT_FIELDS = {"model": str, "tokenizer": str, "allow_download": bool}
 
 
 def _check(ok: bool, message: str) -> None:
@@ -220,8 +223,18 @@ class CheckpointNames:
 
 # Built in this order, so the first of several bad values is reported as before the split.
 GROUPS = {"run": RunOptions, "synthesis": SynthesisOptions, "engine": EngineOptions}
-PROFILE_KEYS = frozenset({f.name for cls in GROUPS.values() for f in fields(cls)}
-                         | set(PLACEMENT_FIELDS) | set(CHECKPOINT_FIELDS))
+
+
+def _value_type(hint) -> type:
+    """The type an option field holds when set (`int | None` -> int)."""
+    return next(t for t in get_args(hint) or (hint,) if t is not type(None))
+
+
+# Profile key -> the type its value must have (a field's own annotation).
+PROFILE_TYPES = {**{f.name: _value_type(get_type_hints(cls)[f.name])
+                    for cls in GROUPS.values() for f in fields(cls)},
+                 **PLACEMENT_FIELDS, **CHECKPOINT_FIELDS}
+PROFILE_KEYS = frozenset(PROFILE_TYPES)
 
 
 @dataclass(frozen=True)
@@ -267,7 +280,8 @@ def resolve_options(flags: Mapping[str, object],
                 if value is not None:
                     values[spec.name] = value
                 sources[spec.name] = source
-            groups[name] = cls(**values)
+            groups[name] = _build(cls, values, [k for k in values if sources[k] == "config"],
+                                  profile)
     except TypeError as exc:
         raise UsageError(f"bad option value: {exc}") from None
     run = groups["run"]
@@ -307,6 +321,21 @@ def place(settings: Settings, flags: Mapping[str, object],
                    checkpoints=CheckpointNames(lm, tok, bool(download)), sources=sources)
 
 
+def _build(cls, values: dict, from_profile: list[str], profile: Mapping):
+    """`cls(**values)`; an error that one profile value alone causes names its file and key."""
+    try:
+        return cls(**values)
+    except UsageError as exc:
+        for key in from_profile:
+            try:
+                cls(**{k: v for k, v in values.items() if k != key})
+            except UsageError:
+                continue
+            raise UsageError(f"{getattr(profile, 'path', 'config profile')}: {key} = "
+                             f"{short_repr(values[key])}: {exc}") from None
+        raise
+
+
 def _pick(name: str, flags: Mapping, profile: Mapping) -> tuple[object, str]:
     if flags.get(name) is not None:
         return flags[name], "flag"
@@ -323,8 +352,19 @@ def profile_dirs(env: Mapping[str, str] | None = None) -> list[Path]:
     return [Path(base).expanduser(), PROFILE_DIR]
 
 
+class Profile(dict):
+    """A loaded profile's values, and the file they came from (its errors name it)."""
+
+    def __init__(self, values: Mapping[str, object], path: Path):
+        super().__init__(values)
+        self.path = path
+
+
 def load_profile(name: str | None, env: Mapping[str, str] | None = None) -> dict:
-    """A TOML profile: a path, or a name in the user's config folder or the built-in profiles."""
+    """A TOML profile: a path, or a name in the user's config folder or the built-in profiles.
+
+    Every key must be an option's, with a value of that option's type (ranges are checked with
+    the flags, `resolve_options`); an error names the file and the key."""
     if not name:
         return {}
     path = Path(name).expanduser()
@@ -341,5 +381,31 @@ def load_profile(name: str | None, env: Mapping[str, str] | None = None) -> dict
         raise UsageError(f"cannot read config profile {path}: {exc.strerror or exc}") from None
     unknown = sorted(set(profile) - PROFILE_KEYS)
     if unknown:
-        raise UsageError(f"{path}: unknown key(s) {', '.join(unknown)}")
-    return profile
+        raise UsageError(f"{path}: unknown key(s) {', '.join(map(_suggest, unknown))}")
+    for key, value in profile.items():
+        kind = PROFILE_TYPES[key]
+        if not _is_a(value, kind):
+            raise UsageError(f"{path}: {key} must be {_TYPE_NAMES[kind]}, got {_toml_kind(value)}")
+    return Profile(profile, path)
+
+
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _is_a(value: object, kind: type) -> bool:
+    if isinstance(value, bool):  # TOML's true/false are ints to Python
+        return kind is bool
+    return isinstance(value, int | float) if kind is float else isinstance(value, kind)
+
+
+def _toml_kind(value: object) -> str:
+    """A TOML value as an error shows it: `a string 'no'`, `an array`, `a date`."""
+    scalars = {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}
+    if type(value) in scalars:
+        return f"{scalars[type(value)]} {short_repr(value)}"
+    return {list: "an array", dict: "a table"}.get(type(value), f"a {type(value).__name__}")
+
+
+def _suggest(key: str) -> str:
+    close = difflib.get_close_matches(key, PROFILE_KEYS, n=1)
+    return f"{key} (did you mean {close[0]}?)" if close else key

@@ -28,7 +28,8 @@ class SamplerConfig:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # below float32's smallest normal number the logits cannot be divided by it: its limit
+        return self.temperature < torch.finfo(torch.float32).tiny
 
 
 GREEDY = SamplerConfig()
@@ -52,7 +53,9 @@ def task_samplers(task: str) -> tuple[SamplerConfig, SamplerConfig]:
 
 def filter_logits(logits: Tensor, cfg: SamplerConfig) -> Tensor:
     """Temperature, top-k (clipped to the vocab, ties kept) and top-p; dropped -> -inf."""
-    logits = logits / cfg.temperature
+    # the best logit shifted to 0 first: a tiny temperature then sends the others to -inf,
+    # never the best to inf (inf - inf in the softmax is NaN)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / cfg.temperature
     if cfg.top_k:
         k = min(cfg.top_k, logits.shape[-1])
         kth = torch.topk(logits, k, dim=-1).values[..., -1:]

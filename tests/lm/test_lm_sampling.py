@@ -48,7 +48,8 @@ def test_temperature_scales_before_top_p():
     # At T = 0.5 the best token alone holds > 0.7 of the mass: 0.5^2 / sum(p^2) = 0.66.
     hot = filter_logits(LOGITS, SamplerConfig(0.5, None, 0.6))
     assert _kept(hot) == [1]
-    torch.testing.assert_close(hot[0, 1], LOGITS[0, 1] / 0.5)
+    scaled = filter_logits(LOGITS, SamplerConfig(0.5))
+    torch.testing.assert_close(scaled - scaled[0, 1], (LOGITS - LOGITS[0, 1]) / 0.5)
 
 
 def test_sampling_follows_the_filtered_distribution_and_the_seed():
@@ -61,6 +62,17 @@ def test_sampling_follows_the_filtered_distribution_and_the_seed():
     assert counts[0] == counts[2] == 0
     share = counts[1] / len(draws)
     assert math.isclose(share, 0.5 / 0.8, abs_tol=0.03)
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-40, 2e-38])
+def test_a_tiny_temperature_samples_the_best_token(temperature):
+    """Issue 13 (found by tests/reliability/test_properties.py): logits / 1e-300 overflowed to
+    inf and inf - inf made the softmax NaN (exit 1 from torch.multinomial); now the sampler
+    tends to argmax as the temperature tends to 0."""
+    logits = torch.tensor([[0.1, 20.0, -1.0, 19.0], [-30.0, -20.0, -50.0, -90.0]])
+    for cfg in (SamplerConfig(temperature), SamplerConfig(temperature, 2, 0.5)):
+        draws = sample(logits, cfg, torch.Generator().manual_seed(0))
+        assert draws.tolist() == [1, 1]
 
 
 def test_task_defaults_table():
