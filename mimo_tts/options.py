@@ -23,6 +23,7 @@ from mimo_tts.errors import MimoTTSError, UsageError
 from mimo_tts.inputs import MAX_SEED
 from mimo_tts.io import FORMATS, SAMPLE_RATE
 from mimo_tts.lm.config import LM_QUANTS, MAX_GROUPS
+from mimo_tts.shards import Shard, resolve_shard
 from mimo_tts.tasks import TASKS, TTS_EN_TEMPLATES, TTS_ZH_TEMPLATES
 
 PROFILE_DIR = Path(__file__).resolve().parent / "configs"  # package data: built-in profiles
@@ -232,6 +233,7 @@ class Settings:
     run: RunOptions = field(default_factory=RunOptions)
     placement: Placement | None = None
     checkpoints: CheckpointNames | None = None
+    shard: Shard | None = None  # synth's --shard K/N (or its env default); None: every item
     sources: Mapping[str, str] = field(default_factory=dict)
 
     def replace(self, **changes) -> Settings:
@@ -300,6 +302,14 @@ def place(settings: Settings, flags: Mapping[str, object],
     sources.update({"model": lm[1], "tokenizer": tok[1]})
     return replace(settings, placement=placement,
                    checkpoints=CheckpointNames(lm, tok, bool(download)), sources=sources)
+
+
+def with_shard(settings: Settings, flags: Mapping[str, object],
+               env: Mapping[str, str] | None = None) -> Settings:
+    """Add synth's shard (`shards.resolve_shard`: flag > Slurm array / Indexed Job env)."""
+    shard = resolve_shard(flags.get("shard"), os.environ if env is None else env)
+    sources = {**settings.sources, "shard": shard.source if shard else "default"}
+    return replace(settings, shard=shard, sources=sources)
 
 
 def _pick(name: str, flags: Mapping, profile: Mapping) -> tuple[object, str]:
