@@ -65,7 +65,15 @@ def main() -> None:
     ap.add_argument("--max-new-groups", type=int, default=8)
     ap.add_argument("--out")
     a = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="bench-ray-"))
+    with tempfile.TemporaryDirectory(prefix="bench-ray-") as tmp:
+        report = measure(a, Path(tmp))
+    text = json.dumps(report, indent=2)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+
+
+def measure(a, work: Path) -> dict:
     lines = work / "lines.txt"
     lines.write_text("".join(f"Benchmark sentence number {i}, read aloud.\n"
                              for i in range(a.items)))
@@ -92,7 +100,7 @@ def main() -> None:
             for kind in runs}
     audio = audio_seconds(work / "cli-0")
     best = {kind: min(x["wall_s"] for x in v) for kind, v in runs.items()}
-    report = {
+    return {
         "machine": machine(), "model": a.model, "items": a.items,
         "max_new_groups": a.max_new_groups, "audio_s": round(audio, 2),
         "runs": runs, "best_wall_s": best,
@@ -106,10 +114,6 @@ def main() -> None:
         "ray_layout": "local Ray on all cores: 1 Stage-0 actor (1 CPU), 1 Stage-1 actor (1 CPU)",
         "cli_layout": "one mimo-tts synth process: torch's default threads (cli), one (cli_1t)",
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":
