@@ -5,7 +5,9 @@ order: written, skipped (the sink holds it done with the same inputs: the resume
 with its exit code (a failed item never stops the batch). Items are generated `batch_size` at a
 time (vLLM: max(batch_size, max_num_seqs)), prompts of one seed in one call. Each finished item
 goes to the sink as data: its samples, codes and provenance record (`sidecar_record`); the sink
-decides where the bytes go and never calls back into the runner.
+decides where the bytes go and never calls back into the runner. `BatchRunner.codes` (Stage-0
+of a window) and `finish_item` (Stage-1 of one item) are also what the Ray pipeline's actors
+run (`mimo_tts/ray.py`).
 """
 
 from __future__ import annotations

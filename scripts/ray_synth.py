@@ -7,9 +7,6 @@
 import argparse
 import sys
 
-import ray
-
-from mimo_tts import ray as mray
 from mimo_tts.errors import MimoTTSError
 from mimo_tts.results import exit_code_for
 
@@ -23,6 +20,10 @@ p.add_argument("--stage0-gpus", type=float, help="GPUs per Stage-0 actor (defaul
 p.add_argument("--stage1-actors", type=int, default=1)
 p.add_argument("--max-new-groups", type=int)
 a = p.parse_args()
+import ray  # noqa: E402 (pip install 'mimo-tts[ray]'; --help works without it)
+
+from mimo_tts import ray as mray  # noqa: E402
+
 ray.init(address=a.address, log_to_driver=False)
 flags = {"input": [a.input], "output_dir": a.output_dir, "model": a.model,
          "max_new_groups": a.max_new_groups}
