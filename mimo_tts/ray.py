@@ -9,15 +9,17 @@ Three callable classes for `Dataset.map_batches`, each a thin shell around the C
   and runs `batch.finish_item`: decode, join, check, resample, sidecar record.
 - `Writer`: writes through the CLI's `DirectorySink` (layout, sidecars, manifest, lock, shard).
 
-`run` is the driver: it resolves options as `mimo-tts synth` does, opens the sink, drops the
-items already done (the resume keys, before Stage-0), records bad items, runs the two stages on
-Ray and writes each result through `Writer` in the driver, so one process holds the output
-folder. Rows carry one pickled payload each (`ItemResult`, pieces, codes, samples). Seeds and
-code paths are the CLI's, so the wavs are byte-identical to `mimo-tts synth` at batch size 1.
+`run` is the driver: `planned` resolves options as `mimo-tts synth` does, opens the sink, drops
+the items already done (the resume keys, before Stage-0) and records bad items; `pipeline` runs
+the two stages on Ray; each result is written through `Writer` in the driver, so one process
+holds the output folder. Rows carry one pickled payload each (`ItemResult`, pieces, codes,
+samples). Seeds and code paths are the CLI's, so the wavs are byte-identical to `mimo-tts
+synth`'s at batch size 1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import sys
 from collections.abc import Iterator, Mapping
@@ -100,50 +102,65 @@ class Writer:
             yield result
 
 
-def run(flags: Mapping[str, object], *, config: str | None = None, stage0_actors: int = 1,
-        stage1_actors: int = 1, stage0_gpus: float | None = None, stage0_cpus: float = 1,
-        stage1_cpus: float = 1, batch_size: int | None = None, log=None,
-        stdin=None) -> Iterator[ItemResult]:
-    """`mimo-tts synth` on a Ray cluster (call `ray.init` first): `flags` are synth's options
-    by name (`{"model": "tiny", "input": ["lines.txt"], "output_dir": "out"}`).
+def pipeline(settings, pending: list[ItemResult], *, stage0_actors: int = 1,
+             stage1_actors: int = 1, stage0_gpus: float | None = None, stage0_cpus: float = 1,
+             stage1_cpus: float = 1, batch_size: int | None = None):
+    """The Ray Dataset of pending results through `Stage0` then `Stage1` actors; its rows are
+    ready for `Writer` (in the driver, or mapped as a third stage with one actor).
 
-    Yields one `ItemResult` per item: skipped and bad items first, then the rest as they are
-    written. `stage0_gpus` defaults to 1 per actor when the LM device is CUDA; `batch_size`
-    (rows per actor call) defaults to the run's `--batch-size`.
+    `stage0_gpus` defaults to 1 per actor when the LM device is CUDA; `batch_size` (rows per
+    Stage-0 call) to the run's `--batch-size`.
     """
     import ray
 
-    items, settings, runner = commands.prepare_synth(flags, config, stdin or sys.stdin,
-                                                     log or (lambda m: None))
-    run_options = settings.run
-    if run_options.stream or run_options.output or run_options.raw:
-        raise UsageError("the Ray pipeline writes an --output-dir; drop --stream, -o and --raw")
     gpus = stage0_gpus if stage0_gpus is not None else (
         1 if settings.placement.lm_device.value.startswith("cuda") else 0)
-    rows = batch_size or run_options.batch_size
+    return (
+        ray.data.from_items([{PAYLOAD: p} for p in _rows(pending)[PAYLOAD]],
+                            override_num_blocks=max(len(pending), 1))
+        .map_batches(Stage0, fn_constructor_kwargs={"settings": settings, "argv": sys.argv[1:]},
+                     batch_size=batch_size or settings.run.batch_size, num_gpus=gpus,
+                     num_cpus=stage0_cpus, compute=ray.data.ActorPoolStrategy(size=stage0_actors))
+        .map_batches(Stage1, fn_constructor_kwargs={"settings": settings}, batch_size=1,
+                     num_cpus=stage1_cpus, compute=ray.data.ActorPoolStrategy(size=stage1_actors)))
+
+
+@contextlib.contextmanager
+def planned(flags: Mapping[str, object], *, config: str | None = None, log=None, stdin=None):
+    """`mimo-tts synth`'s settings and items (its shard's), each checked against the output
+    folder: yields (settings, the opened sink, pending results for Stage-0, the others), the
+    folder's lock held until the block ends. Done items are skipped (the resume keys), bad
+    ones recorded in the manifest.
+    """
+    items, settings, runner = commands.prepare_synth(flags, config, stdin or sys.stdin,
+                                                     log or (lambda m: None))
+    run = settings.run
+    if run.stream or run.output or run.raw:
+        raise UsageError("the Ray pipeline writes an --output-dir; drop --stream, -o and --raw")
     runner.resolve()  # a missing checkpoint ends the run here (exit 3)
     with commands.sink_for(settings) as sink:
-        pending = []
+        pending, others = [], []
         for item in items:
-            result = runner.prepare(item, sink)  # resume keys: done items never reach Stage-0
-            if result.status == "pending":
-                pending.append(result)
-                continue
+            result = runner.prepare(item, sink)
             if result.status == "error":
                 sink.finished(result, settings.synthesis.task)
-            yield result
+            (pending if result.status == "pending" else others).append(result)
+        yield settings, sink, pending, others
+
+
+def run(flags: Mapping[str, object], *, config: str | None = None, log=None, stdin=None,
+        **actors) -> Iterator[ItemResult]:
+    """`mimo-tts synth` on a Ray cluster (call `ray.init` first): `flags` are synth's options
+    by name (`{"model": "tiny", "input": ["lines.txt"], "output_dir": "out"}`), `actors` the
+    sizes of `pipeline`. The driver holds the output folder from the resume check to the last
+    write. Yields one `ItemResult` per item: skipped and bad items first, then the rest as
+    they are written.
+    """
+    with planned(flags, config=config, log=log, stdin=stdin) as (settings, sink, pending, others):
+        yield from others
         if not pending:
             return
-        dataset = (
-            ray.data.from_items([{PAYLOAD: p} for p in _rows(pending)[PAYLOAD]],
-                                override_num_blocks=len(pending))
-            .map_batches(Stage0, fn_constructor_kwargs={"settings": settings,
-                                                        "argv": sys.argv[1:]},
-                         batch_size=rows, num_gpus=gpus, num_cpus=stage0_cpus,
-                         compute=ray.data.ActorPoolStrategy(size=stage0_actors))
-            .map_batches(Stage1, fn_constructor_kwargs={"settings": settings},
-                         batch_size=1, num_cpus=stage1_cpus,
-                         compute=ray.data.ActorPoolStrategy(size=stage1_actors)))
         writer = Writer(settings, sink)
-        for batch in dataset.iter_batches(batch_size=1, batch_format="numpy"):
+        for batch in pipeline(settings, pending, **actors).iter_batches(batch_size=1,
+                                                                          batch_format="numpy"):
             yield from writer.results(batch)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 
 import pytest
 
@@ -87,3 +88,20 @@ def test_ray_resumes_done_items_before_stage0_and_records_bad_ones(local_ray, tm
     assert {r["id"]: r["exit_code"] for r in lines}["bad"] == 9
     # everything done: no Ray work at all
     assert {r.status for r in _ray(tmp_path, _batch(tmp_path, ITEMS[:3]), "out")} == {"skipped"}
+
+
+def test_writer_as_a_third_stage_writes_the_same_folder(local_ray, tmp_path, manifest):
+    """The classes compose by hand: `Writer` mapped on one actor (every node sees the folder)."""
+    flags = {**FLAGS, "input": [_batch(tmp_path, ITEMS[:2])]}
+    with mray.planned({**flags, "output_dir": str(tmp_path / "a")}) as (settings, _, pending, _):
+        pass  # the driver lets go of the folder: the writer actor takes it
+    rows = mray.pipeline(settings, pending).map_batches(
+        mray.Writer, fn_constructor_kwargs={"settings": settings}, num_cpus=0,
+        compute=ray.data.ActorPoolStrategy(size=1)).take_all()
+    written = sorted(pickle.loads(r["payload"]).item.id for r in rows)
+    assert written == ["item-0", "item-1"]
+    by_hand, by_run = tmp_path / "a" / "tts_sft", tmp_path / "b" / "tts_sft"
+    _ray(tmp_path, flags["input"][0], "b")
+    for name in ("item-0.wav", "item-1.wav"):
+        assert (by_hand / name).read_bytes() == (by_run / name).read_bytes()
+    assert sorted(r["id"] for r in manifest(by_hand)) == written
