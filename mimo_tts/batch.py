@@ -5,7 +5,9 @@ order: written, skipped (the sink holds it done with the same inputs: the resume
 with its exit code (a failed item never stops the batch). Items are generated `batch_size` at a
 time (vLLM: max(batch_size, max_num_seqs)), prompts of one seed in one call. Each finished item
 goes to the sink as data: its samples, codes and provenance record (`sidecar_record`); the sink
-decides where the bytes go and never calls back into the runner.
+decides where the bytes go and never calls back into the runner. `BatchRunner.codes` (Stage-0
+of a window) and `finish_item` (Stage-1 of one item) are also what the Ray pipeline's actors
+run (`mimo_tts/ray.py`).
 """
 
 from __future__ import annotations
@@ -116,13 +118,14 @@ class BatchRunner:
                                    1 if self.settings.run.stream else self.batch_window())
         window: list[ItemResult] = []
         for item in items:
-            window.append(self._prepare(item, sink))
+            window.append(self.prepare(item, sink))
             if sum(r.status == "pending" for r in window) >= self.batch_window():
                 yield from self._flush(window, sink)
                 window = []
         yield from self._flush(window, sink)
 
-    def _prepare(self, item: Item, sink) -> ItemResult:
+    def prepare(self, item: Item, sink) -> ItemResult:
+        """A pending result with its seed and resume key, or skipped (done) or failed."""
         result = ItemResult(item=item, status="pending", seed=item.seed,
                             format=self.settings.run.format)
         try:
@@ -146,19 +149,25 @@ class BatchRunner:
             yield result
 
     def _synthesize(self, results: list[ItemResult], sink) -> None:
-        """Prompts for every item, one generate call per seed (batched), then finish each item."""
+        """Stage-0 for every item (`codes`), then finish each item into the sink."""
+        pieces = self.codes(results, sink.on_chunk)
+        for r in results:
+            if r.status == "pending" and pieces.get(id(r)) is not None:
+                _guard(r, self._finish, r, pieces[id(r)], sink)
+
+    def codes(self, results: list[ItemResult], on_chunk=None) -> dict[int, list[Piece] | None]:
+        """Stage-0: prompts for every item, one generate call per seed (batched), or each
+        streamed; {id(result): pieces}. A failing item is marked failed, the rest go on."""
         pieces: dict[int, list[Piece] | None] = {}
         prompts = {id(r): self._prompts(r) for r in results}
         ready = [r for r in results if r.status == "pending"]
         if self.settings.run.stream:
             for r in ready:
-                pieces[id(r)] = _guard(r, self._stream_item, r, prompts[id(r)], sink.on_chunk)
+                pieces[id(r)] = _guard(r, self._stream_item, r, prompts[id(r)], on_chunk)
         else:
             for seed in dict.fromkeys(r.seed for r in ready):
                 self._generate_group([r for r in ready if r.seed == seed], prompts, pieces)
-        for r in results:
-            if r.status == "pending" and pieces.get(id(r)) is not None:
-                _guard(r, self._finish, r, pieces[id(r)], sink)
+        return pieces
 
     def _prompts(self, result: ItemResult) -> list:
         item, start = result.item, time.perf_counter()
@@ -203,38 +212,54 @@ class BatchRunner:
         return pieces
 
     def _finish(self, result: ItemResult, pieces: list[Piece], sink) -> None:
-        """Decode (unless streamed), join, check and resample; then the sink writes it."""
-        run = self.settings.run
-        result.generated_text_ids = [p.new_text_ids for p in pieces]
-        result.text_out = [p.text for p in pieces]
-        start = time.perf_counter()
-        decoding = all(p.codes is not None for p in pieces) and any(p.audio is None
-                                                                    for p in pieces)
-        audio = self.tts.finish(pieces, result.item.id)
-        if decoding:
-            result.timings["decode_s"] = time.perf_counter() - start
-        samples = mio.resample(audio, mio.SAMPLE_RATE, run.sample_rate)
-        result.seconds = len(samples) / run.sample_rate
-        busy = sum(v for k, v in result.timings.items() if k in BUSY_TIMINGS)
-        result.timings["total_s"] = busy
-        result.rtf = busy / max(result.seconds, 1e-9)
-        result.status = "ok"
-        codes = {"pieces": [p.codes for p in pieces],
-                 "metadata": {"pause_frames": mio.PAUSE_FRAMES, "id": result.item.id,
-                              "tokenizer": str(self.refs[1].path)}}
-        sink.write(result, samples, codes, sidecar_record(self, result, pieces))
+        """Stage-1 (`finish_item`); then the sink writes it."""
+        sink.write(result, *finish_item(self.tts.stage1, self.settings, self.context(), result,
+                                        pieces))
 
-def sidecar_record(runner: BatchRunner, result: ItemResult, pieces: list[Piece]) -> dict:
+    def context(self) -> dict:
+        """What every sidecar of this run shares: checkpoints, placement, engine, threads,
+        load timings, argv (the Ray pipeline ships it from Stage-0 to Stage-1)."""
+        return {"described": self.tts.describe(self.settings.synthesis),
+                "tokenizer": str(self.refs[1].path), "threads": self.threads,
+                "timings": dict(self.timings), "argv": sys.argv[1:]}
+
+
+def finish_item(stage1, settings: Settings, context: dict, result: ItemResult,
+                pieces: list[Piece]) -> tuple:
+    """Stage-1 for one item: decode (unless streamed), join, check and resample ->
+    (samples, codes, sidecar record), the result marked ok with its length and timings."""
+    run = settings.run
+    result.generated_text_ids = [p.new_text_ids for p in pieces]
+    result.text_out = [p.text for p in pieces]
+    start = time.perf_counter()
+    decoding = all(p.codes is not None for p in pieces) and any(p.audio is None for p in pieces)
+    audio = stage1.finish(pieces, result.item.id)
+    if decoding:
+        result.timings["decode_s"] = time.perf_counter() - start
+    samples = mio.resample(audio, mio.SAMPLE_RATE, run.sample_rate)
+    result.seconds = len(samples) / run.sample_rate
+    busy = sum(v for k, v in result.timings.items() if k in BUSY_TIMINGS)
+    result.timings["total_s"] = busy
+    result.rtf = busy / max(result.seconds, 1e-9)
+    result.status = "ok"
+    codes = {"pieces": [p.codes for p in pieces],
+             "metadata": {"pause_frames": mio.PAUSE_FRAMES, "id": result.item.id,
+                          "tokenizer": context["tokenizer"]}}
+    return samples, codes, sidecar_record(settings, context, result, pieces)
+
+
+def sidecar_record(settings: Settings, context: dict, result: ItemResult,
+                   pieces: list[Piece]) -> dict:
     """Everything needed to reproduce one output; the sink adds `result` last."""
-    s, item = runner.settings, result.item
-    o, described = s.synthesis, runner.tts.describe(s.synthesis)
+    s, item = settings, result.item
+    o, described = s.synthesis, context["described"]
     return {
-        "runner": {"name": "mimo-tts", "version": __version__, "argv": sys.argv[1:]},
+        "runner": {"name": "mimo-tts", "version": __version__, "argv": context["argv"]},
         "id": item.id, "source": item.source, "text": item.text, "task": o.task,
         "instruct": item.instruct or o.instruct,
         "prompt_audio": item.prompt_audio or o.prompt_audio,
         "model": described["model"], "tokenizer": described["tokenizer"],
-        "placement": described["placement"], "threads": runner.threads,
+        "placement": described["placement"], "threads": context["threads"],
         "engine": engine_record(s, described["engine"]),
         "sampler": o.sampler_settings(), "effective_sampler": described["effective_sampler"],
         "seed": result.seed, "max_new_groups": o.max_new_groups,
@@ -243,7 +268,7 @@ def sidecar_record(runner: BatchRunner, result: ItemResult, pieces: list[Piece])
         "audio": {"format": s.run.format, "sample_rate": s.run.sample_rate,
                   "seconds": round(result.seconds, 4), "pause_frames": mio.PAUSE_FRAMES},
         "pieces": [p.record() for p in pieces],
-        "timings": {**{k: round(v, 4) for k, v in runner.timings.items()},
+        "timings": {**{k: round(v, 4) for k, v in context["timings"].items()},
                     **{k: round(v, 4) for k, v in result.timings.items()}},
     }
 

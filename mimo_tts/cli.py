@@ -381,6 +381,10 @@ def synth(
     max_model_len: Annotated[int | None, typer.Option(rich_help_panel=VLLM, metavar="GROUPS",
         help="vLLM: longest sequence in groups, prompt included (default 8192).")] = None,
     config: Config = None,
+    shard: Annotated[str | None, typer.Option(rich_help_panel=RUN,
+        help="Run shard K of N (K from 1) of the items, split by id, with its own manifest "
+             "in the output folder (default: from SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT, "
+             "or JOB_COMPLETION_INDEX with MIMO_TTS_SHARD_COUNT).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", rich_help_panel=RUN,
         help="Preflight only (devices, checkpoints, memory); load nothing.")] = False,
     as_json: AsJson = False,
@@ -461,6 +465,38 @@ def devices(
     flags = dict(locals())
     reporter = Reporter(as_json=as_json, debug=debug)
     run_command(reporter, lambda: _preflight(reporter, flags, config))
+
+
+@app.command(cls=Command)
+def status(
+    output_dir: Annotated[str, typer.Argument(
+        help="The output folder (--output-dir of synth), or its <task> folder.")],
+    input: Annotated[list[str] | None, typer.Option(
+        "--input", "-i", help="The run's input file(s): items without a result count as "
+                              "missing.")] = None,
+    task: Annotated[str, typer.Option(help="The task folder under OUTPUT_DIR.")] = "tts_sft",
+    merge: Annotated[bool, typer.Option(
+        "--merge", help="Write every shard's lines into one results.jsonl.")] = False,
+    as_json: AsJson = False, debug: Debug = False,
+) -> None:
+    """Done / failed / missing items across all shards' manifests of an output folder.
+
+    Exits 0 when every item is done, 10 when some are failed or missing.
+    """
+    reporter = Reporter(as_json=as_json, debug=debug)
+
+    def body() -> int:
+        from mimo_tts import status as folder_status
+
+        report = folder_status.report(output_dir, task, input or [], merge)
+        if as_json:
+            reporter.data(report)
+        else:
+            for line in folder_status.lines(report):
+                reporter.data(line)
+        return folder_status.exit_code(report)
+
+    run_command(reporter, body)
 
 
 @app.command(cls=Command)

@@ -18,7 +18,7 @@ from mimo_tts.batch import BatchRunner
 from mimo_tts.devices import resolve_placement
 from mimo_tts.errors import AudioCheckError, MimoTTSError, UsageError
 from mimo_tts.inputs import Item, read_items
-from mimo_tts.options import Settings, load_profile, place, resolve, resolve_options
+from mimo_tts.options import Settings, load_profile, place, resolve, resolve_options, with_shard
 from mimo_tts.outputs import DirectorySink, FileSink, RawPcmSink, StdoutSink
 from mimo_tts.preflight import preflight
 from mimo_tts.results import ItemResult
@@ -58,6 +58,14 @@ def prepare_synth(flags: Mapping[str, object], config: str | None, stdin, log):
     _check(run.output is None or run.raw or len(items) == 1,
            f"-o/--output takes exactly one item, got {len(items)}; use --output-dir")
     settings = place(settings, flags, profile, os.environ)
+    if run.output or run.raw:
+        _check(flags.get("shard") is None, "--shard splits an --output-dir run; drop -o/--raw")
+    else:  # shard K of N takes its part of the items (shards.py)
+        settings = with_shard(settings, flags, os.environ)
+    shard = settings.shard
+    if shard is not None:
+        items = [i for i in items if shard.owns(i.id)]
+        log(f"shard {shard.label} ({shard.source}): {len(items)} items")
     return items, settings, BatchRunner(settings, log=log)
 
 
@@ -71,7 +79,7 @@ def sink_for(settings: Settings):
     if run.output:
         return FileSink(run.output, run.format, run.sample_rate, run.save_codes, run.overwrite)
     return DirectorySink(run.output_dir, settings.synthesis.task, run.format, run.sample_rate,
-                         run.save_codes, run.overwrite)
+                         run.save_codes, run.overwrite, settings.shard)
 
 
 def run_synth(runner: BatchRunner, items: list[Item], sink=None) -> Iterator[ItemResult]:
@@ -99,7 +107,10 @@ def summary(results: list[ItemResult], runner: BatchRunner, elapsed: float) -> s
 def preflight_report(flags: Mapping[str, object], config: str | None) -> dict:
     """The preflight of the run these flags describe (`--text` values size the memory plan)."""
     texts = [t for t in flags.get("text") or [] if t != "-"]
-    return preflight(settings_for(flags, config), texts)
+    settings = settings_for(flags, config)
+    if not (settings.run.output or settings.run.raw):
+        settings = with_shard(settings, flags, os.environ)
+    return preflight(settings, texts)
 
 
 # --- decode -------------------------------------------------------------------------------------

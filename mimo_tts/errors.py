@@ -13,6 +13,7 @@ EXIT_AUDIO_CHECK = 6
 EXIT_NO_AUDIO = 7
 EXIT_PARTIAL = 8
 EXIT_INPUT = 9
+EXIT_INCOMPLETE = 10  # `mimo-tts status`: some items are failed or missing
 EXIT_INTERRUPTED = 130
 
 

@@ -25,6 +25,7 @@ from mimo_tts.errors import MimoTTSError, UsageError
 from mimo_tts.inputs import MAX_SEED, short_repr
 from mimo_tts.io import FORMATS, SAMPLE_RATE, check_format_rate, output_format
 from mimo_tts.lm.config import LM_QUANTS, MAX_GROUPS
+from mimo_tts.shards import Shard, resolve_shard
 from mimo_tts.tasks import TASKS, TTS_EN_TEMPLATES, TTS_ZH_TEMPLATES
 
 PROFILE_DIR = Path(__file__).resolve().parent / "configs"  # package data: built-in profiles
@@ -246,6 +247,7 @@ class Settings:
     run: RunOptions = field(default_factory=RunOptions)
     placement: Placement | None = None
     checkpoints: CheckpointNames | None = None
+    shard: Shard | None = None  # synth's --shard K/N (or its env default); None: every item
     sources: Mapping[str, str] = field(default_factory=dict)
 
     def replace(self, **changes) -> Settings:
@@ -334,6 +336,14 @@ def _build(cls, values: dict, from_profile: list[str], profile: Mapping):
             raise UsageError(f"{getattr(profile, 'path', 'config profile')}: {key} = "
                              f"{short_repr(values[key])}: {exc}") from None
         raise
+
+
+def with_shard(settings: Settings, flags: Mapping[str, object],
+               env: Mapping[str, str] | None = None) -> Settings:
+    """Add synth's shard (`shards.resolve_shard`: flag > Slurm array / Indexed Job env)."""
+    shard = resolve_shard(flags.get("shard"), os.environ if env is None else env)
+    sources = {**settings.sources, "shard": shard.source if shard else "default"}
+    return replace(settings, shard=shard, sources=sources)
 
 
 def _pick(name: str, flags: Mapping, profile: Mapping) -> tuple[object, str]:

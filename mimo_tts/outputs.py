@@ -5,7 +5,11 @@
   task directory: opening takes an exclusive `flock` on `.mimo-tts.lock` (released by the
   kernel even after `kill -9`), then removes temp files a killed run left behind.
   `results.jsonl` holds one line per item and format; a line cut by a killed writer is dropped
-  next time. The lock and the manifest are never opened through a symbolic link.
+  next time. The locks and the manifests are never opened through a symbolic link.
+  Shard K of N (`shards.py`) holds `.mimo-tts.lock` shared and its own
+  `.mimo-tts.shard-K-of-N.lock` exclusively, and writes `results.shard-K-of-N.jsonl`: shards
+  share a folder without waiting on each other, and an unsharded run is refused beside them.
+  Temp files are removed only by a run that finds the folder otherwise idle.
 - `FileSink` (`-o FILE`, also `decode`'s files; a same-input re-run is skipped),
   `StdoutSink` (`-o -`), `RawPcmSink` (`--raw`: PCM on stdout, chunks as they are decoded or
   each finished item) and `MemorySink` (results keep their samples).
@@ -19,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from pathlib import Path
 
 from mimo_tts import io as mio
@@ -27,6 +32,16 @@ from mimo_tts.io import FORMATS, atomic_write, clean_temp_files, iter_jsonl
 
 LOCK_NAME = ".mimo-tts.lock"
 MANIFEST_NAME = "results.jsonl"
+SHARED_LOCK_WAIT_S = 2.0  # a shard waits this long for another shard's temp-file clean-up
+
+
+def manifest_name(shard=None) -> str:
+    """`results.jsonl`, or `results.shard-K-of-N.jsonl` for shard K of N."""
+    return MANIFEST_NAME if shard is None else f"results.{shard.tag}.jsonl"
+
+
+def lock_name(shard=None) -> str:
+    return LOCK_NAME if shard is None else f".mimo-tts.{shard.tag}.lock"
 
 
 class Manifest:
@@ -284,52 +299,60 @@ class DirectorySink(FileSink):
 
     def __init__(self, root: str | Path, task: str, fmt: str = "wav",
                  sample_rate: int = mio.SAMPLE_RATE, save_codes: bool = False,
-                 overwrite: bool = False):
+                 overwrite: bool = False, shard=None):
         super().__init__(Path(root) / task, fmt, sample_rate, save_codes, overwrite)
         self.dir = self.path
         self.suffix = FORMATS[fmt][2]
-        self._lock = None
+        self.shard = shard  # shards.Shard or None
+        self._locks: list = []
         self.manifest: Manifest | None = None
 
     def open(self) -> DirectorySink:
+        names = [LOCK_NAME] if self.shard is None else [LOCK_NAME, lock_name(self.shard)]
         _make_folder(self.dir, "output directory")
         try:
-            self._lock = mio.open_no_follow(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT)
+            for name in names:
+                self._locks.append(mio.open_no_follow(self.dir / name, os.O_RDWR | os.O_CREAT))
         except OSError as exc:
+            self.close()
             raise OutputError(f"cannot create output directory {self.dir}: "
                               f"{exc.strerror or exc}") from None
-        self._acquire()
+        folder, own = self._locks[0], self._locks[-1]
         try:
-            clean_temp_files(self.dir)
-            self.manifest = Manifest(self.dir / MANIFEST_NAME)
+            alone = _flock(folder, exclusive=True)
+            if alone:
+                clean_temp_files(self.dir)
+            if self.shard is None:
+                self._hold(folder, alone, f"is writing to {self.dir}", record=True)
+            else:  # shared folder lock (waiting out a clean-up), then this shard's own lock
+                self._hold(folder, _flock(folder, exclusive=False, wait=SHARED_LOCK_WAIT_S),
+                           f"is writing to {self.dir} unsharded")
+                self._hold(own, _flock(own, exclusive=True),
+                           f"is writing shard {self.shard.label} to {self.dir}", record=True)
+            self.manifest = Manifest(self.dir / manifest_name(self.shard))
         except BaseException:
             self.close()
             raise
         return self
 
-    def _acquire(self) -> None:
-        import fcntl
-
-        try:
-            fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self._lock.seek(0)
-            holder = self._lock.read().decode("utf-8", "replace").strip() or "?"
-            self._lock.close()
-            self._lock = None
-            raise OutputError(f"another mimo-tts run (pid {holder}) is writing to {self.dir}; "
-                              "wait for it or use another --output-dir") from None
-        with contextlib.suppress(OSError):  # e.g. a full disk: the lock is held all the same
-            self._lock.seek(0)
-            self._lock.truncate()
-            self._lock.write(str(os.getpid()).encode())
-            self._lock.flush()
+    def _hold(self, lock, held: bool, doing: str, record: bool = False) -> None:
+        """Refuse when `lock` is taken; else `record` this pid in it (exclusive locks)."""
+        if not held:
+            lock.seek(0)
+            holder = lock.read().decode("utf-8", "replace").strip() or "?"
+            raise OutputError(f"another mimo-tts run (pid {holder}) {doing}; "
+                              "wait for it or use another --output-dir")
+        if record:
+            with contextlib.suppress(OSError):  # e.g. a full disk: the lock is held all the same
+                lock.seek(0)
+                lock.truncate()
+                lock.write(str(os.getpid()).encode())
+                lock.flush()
 
     def close(self) -> None:
-        """Release the lock."""
-        if self._lock is not None:
-            self._lock.close()
-            self._lock = None
+        """Release the locks."""
+        while self._locks:
+            self._locks.pop().close()
 
     def __enter__(self) -> DirectorySink:
         return self.open()
@@ -373,3 +396,20 @@ class DirectorySink(FileSink):
     def done_record(self, item_id: str, key: str) -> dict | None:
         """The result of a finished item with this input key, or None (`_done_record`)."""
         return _done_record(self.audio_path(item_id), self.sidecar_path(item_id), key)
+
+
+def _flock(handle, exclusive: bool, wait: float = 0.0) -> bool:
+    """Take (or convert to) an exclusive or shared `flock` without blocking, retrying for
+    `wait` seconds; False when another process holds it."""
+    import fcntl
+
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(handle.fileno(), (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+                        | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)

@@ -2,7 +2,7 @@
 
 Placement with the source of every value, CUDA facts, where each checkpoint would come from,
 the memory each stage needs at the run dtype against what its device has (`mimo_tts.memory`,
-from `config.json` and safetensors headers), and the Stage-0 engine's settings. torch is
+from `config.json` and safetensors headers), the Stage-0 engine's settings and the shard. torch is
 imported only when a GPU may be present (`devices.Probe`).
 """
 
@@ -92,6 +92,8 @@ def preflight(settings: Settings, texts: list[str] = (), env: Mapping[str, str] 
     except CheckpointError as exc:  # the checkpoint entries report the cause
         report["memory"] = {"error": str(exc)}
     report["engine"] = engine_record(settings)
+    report["shard"] = (settings.shard.describe() if settings.shard else
+                       {"shard": None, "source": "default: every item"})
     if settings.engine.engine == "vllm":
         report["engine"]["installed"] = find_spec("vllm") is not None
     return report

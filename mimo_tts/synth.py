@@ -133,6 +133,17 @@ class Stage1:
         with thread_budget(self.threads), oom_advice("Stage-1 decode", str(self.codec.device)):
             return self.codec.decode_batch(list(codes_list))
 
+    def finish(self, pieces: list[Piece], label: str) -> torch.Tensor:
+        """The pieces' audio joined and checked [S] (24 kHz); no audio tokens is an error."""
+        missing = [i for i, p in enumerate(pieces) if p.codes is None]
+        if missing:
+            where = f" (text piece {missing[0] + 1} of {len(pieces)})" if len(pieces) > 1 else ""
+            raise NoAudioError(f"item {label!r}: the LM generated no audio tokens in "
+                               f"{len(pieces[missing[0]].new_text_ids)} group(s){where}")
+        audios = [p.audio for p in pieces]
+        return self.join([p.codes for p in pieces], mio.PAUSE_FRAMES, label,
+                         None if any(a is None for a in audios) else audios)
+
     def join(self, codes_list: Sequence[torch.Tensor], pause_frames: int, label: str,
              audios: Sequence | None = None) -> torch.Tensor:
         """Pieces' audio (decoded here unless given) joined by pauses and checked: [S] float32."""
@@ -268,15 +279,8 @@ class MiMoTTS:
                             o.stream_chunk_groups, log, o.stream_mode, o.stream_max_chunk_groups)
 
     def finish(self, pieces: list[Piece], label: str) -> torch.Tensor:
-        """The pieces' audio joined and checked [S] (24 kHz); no audio tokens is an error."""
-        missing = [i for i, p in enumerate(pieces) if p.codes is None]
-        if missing:
-            where = f" (text piece {missing[0] + 1} of {len(pieces)})" if len(pieces) > 1 else ""
-            raise NoAudioError(f"item {label!r}: the LM generated no audio tokens in "
-                               f"{len(pieces[missing[0]].new_text_ids)} group(s){where}")
-        audios = [p.audio for p in pieces]
-        return self.stage1.join([p.codes for p in pieces], mio.PAUSE_FRAMES, label,
-                                None if any(a is None for a in audios) else audios)
+        """The pieces' audio joined and checked [S] (24 kHz): `Stage1.finish`."""
+        return self.stage1.finish(pieces, label)
 
     def describe(self, o: SynthesisOptions) -> dict:
         """Checkpoints, placement, engine and effective samplers (provenance of every output)."""

@@ -27,3 +27,15 @@ def test_wheel_ships_profiles_and_kernel_source(tmp_path):
     assert {f"mimo_tts/configs/{name}" for name in profiles} <= names
     assert {"mimo_tts/lm/cpu_kernel.c", "mimo_tts/codec/gemm.c"} <= names
     assert not any(n.startswith(("tests/", "configs/")) for n in names)
+
+
+def test_ray_is_an_optional_extra_the_default_install_is_free_of():
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    heavy = ("ray", "pandas", "pyarrow")
+    assert not any(dep.lower().startswith(heavy) for dep in project["dependencies"])
+    assert project["optional-dependencies"]["ray"] == ["ray[data]==2.60.0"]
+    code = "import sys, mimo_tts.cli, mimo_tts.commands; print(sorted(set(sys.modules) & {'ray'}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stderr
