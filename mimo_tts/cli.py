@@ -381,7 +381,7 @@ def synth(
     max_model_len: Annotated[int | None, typer.Option(rich_help_panel=VLLM, metavar="GROUPS",
         help="vLLM: longest sequence in groups, prompt included (default 8192).")] = None,
     config: Config = None,
-    shard: Annotated[str | None, typer.Option(rich_help_panel=RUN,
+    shard: Annotated[str | None, typer.Option(rich_help_panel=RUN, metavar="K/N",
         help="Run shard K of N (K from 1) of the items, split by id, with its own manifest "
              "in the output folder (default: from SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT, "
              "or JOB_COMPLETION_INDEX with MIMO_TTS_SHARD_COUNT).")] = None,
@@ -470,11 +470,13 @@ def devices(
 @app.command(cls=Command)
 def status(
     output_dir: Annotated[str, typer.Argument(
+        metavar="OUTPUT_DIR",
         help="The output folder (--output-dir of synth), or its <task> folder.")],
     input: Annotated[list[str] | None, typer.Option(
-        "--input", "-i", help="The run's input file(s): items without a result count as "
-                              "missing.")] = None,
-    task: Annotated[str, typer.Option(help="The task folder under OUTPUT_DIR.")] = "tts_sft",
+        "--input", "-i", metavar="FILE", help="The run's input file(s): items without a result "
+                                              "count as missing.")] = None,
+    task: Annotated[str, typer.Option(
+        metavar="TASK", help="The task folder under OUTPUT_DIR.")] = "tts_sft",
     merge: Annotated[bool, typer.Option(
         "--merge", help="Write every shard's lines into one results.jsonl.")] = False,
     as_json: AsJson = False, debug: Debug = False,
