@@ -53,7 +53,7 @@ def test_metavars_are_plain_names(command):
     assert "{" not in usage, usage  # `CODES...`, not `{codes}...`
     for param in GROUP.commands[command].params if command else []:
         if not getattr(param, "is_flag", False):
-            assert param.metavar and re.fullmatch(r"[A-Z][A-Z_|.]*", param.metavar), param.name
+            assert param.metavar and re.fullmatch(r"[A-Z][A-Z_|./]*", param.metavar), param.name
 
 
 @pytest.mark.parametrize("command", [None, *COMMANDS])
