@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,9 +67,23 @@ def filter_logits(logits: Tensor, cfg: SamplerConfig) -> Tensor:
     return logits
 
 
-def sample(logits: Tensor, cfg: SamplerConfig, generator: torch.Generator | None) -> Tensor:
-    """logits [B, V] -> token ids [B] (int64)."""
-    if cfg.greedy:
-        return logits.argmax(dim=-1)
-    probs = filter_logits(logits.float(), cfg).softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+Rng = torch.Generator | None  # a sampled row's generator (None: greedy, or torch's default)
+
+
+def sample(logits: Tensor, cfg: SamplerConfig | Sequence[SamplerConfig],
+           generator: Rng | Sequence[Rng]) -> Tensor:
+    """logits [B, V] -> token ids [B] (int64).
+
+    One sampler and generator for all rows, or one of each per row (a continuous batch):
+    row i then draws from generator i exactly what it would draw sampled alone.
+    """
+    if isinstance(cfg, SamplerConfig):
+        if cfg.greedy:
+            return logits.argmax(dim=-1)
+        probs = filter_logits(logits.float(), cfg).softmax(dim=-1)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    tokens = logits.argmax(dim=-1)
+    for row, (one, gen) in enumerate(zip(cfg, generator, strict=True)):
+        if not one.greedy:
+            tokens[row] = sample(logits[row:row + 1], one, gen)[0]
+    return tokens
