@@ -147,7 +147,7 @@ class ContinuousBatcher:
         self.local_cache: KVCache | None = None
         self.hidden: Tensor | None = None  # [B, H] each row's newest backbone output
         self.decoder: DecodeStep | None = None
-        self._cancel: set = set()
+        self._cancel: list = []  # keys to cancel at the next step
         self._lock = threading.Lock()
 
     @property
@@ -165,7 +165,7 @@ class ContinuousBatcher:
         Safe from another thread. A key not held by a row at that step is forgotten.
         """
         with self._lock:
-            self._cancel.add(key)
+            self._cancel.append(key)
 
     def run(self) -> Iterator[Event]:
         """Step until the source is exhausted and no row is live."""
@@ -255,9 +255,9 @@ class ContinuousBatcher:
 
     def _drop_cancelled(self, events: list[Event]) -> None:
         with self._lock:
-            keys, self._cancel = self._cancel, set()
+            keys, self._cancel = self._cancel, []
         for r, row in enumerate(self.slots):
-            if row is not None and row.job.key in keys:
+            if keys and row is not None and any(row.job.key is k or row.job.key == k for k in keys):
                 generation = row.collector.generation() if row.step else None
                 events.append(JobDone(row.job, "cancelled", generation, busy_s=row.busy_s))
                 self._free(r)
