@@ -83,7 +83,12 @@ def sample(logits: Tensor, cfg: SamplerConfig | Sequence[SamplerConfig],
         probs = filter_logits(logits.float(), cfg).softmax(dim=-1)
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     tokens = logits.argmax(dim=-1)
-    for row, (one, gen) in enumerate(zip(cfg, generator, strict=True)):
+    rows_of: dict[SamplerConfig, list[int]] = {}
+    for row, one in enumerate(cfg):
         if not one.greedy:
-            tokens[row] = sample(logits[row:row + 1], one, gen)[0]
+            rows_of.setdefault(one, []).append(row)
+    for one, rows in rows_of.items():  # the filters are row-wise: rows of one sampler at once
+        probs = filter_logits(logits[rows].float(), one).softmax(dim=-1)
+        for i, row in enumerate(rows):
+            tokens[row] = torch.multinomial(probs[i:i + 1], 1, generator=generator[row])[0, 0]
     return tokens
