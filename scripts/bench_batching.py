@@ -125,6 +125,8 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (best of)")
+    parser.add_argument("--groups", default=None,
+                        help="MIN,MAX groups per item (default 4,48 for full, 8,160 for tiny)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--quiet-wait", type=float, default=3.0,
                         help="seconds to wait before each timed run for a quiet CPU (0: never)")
@@ -134,6 +136,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     QUIET.wait, QUIET.busy = args.quiet_wait, 0.1
     scale = 4 if args.quick else 1
+    given = tuple(int(x) for x in args.groups.split(",")) if args.groups else None
     report = {"cpu": _cpu_name(), "cpu_count": os.cpu_count(),
               "threads": torch.get_num_threads(), "load_average_start": os.getloadavg()[0],
               "runs": []}
@@ -141,12 +144,12 @@ def main() -> None:
         if name == "full":
             model = build_model(args.layers, "cpu", torch.bfloat16)
             report["runs"].append(bench(f"full width, {args.layers} backbone layers, bf16",
-                                        model, SPECIAL, args, (4, 48 // scale), (16, 96)))
+                                        model, SPECIAL, args, given or (4, 48 // scale), (16, 96)))
         elif name == "tiny":
             model = load_lm(TINY_A / "lm", device="cpu", dtype=torch.float32)
             special = TextTokenizer.from_dir(TINY_A / "lm").special
             report["runs"].append(bench("tiny-a, float32", model, special, args,
-                                        (8, 160 // scale), (16, 96)))
+                                        given or (8, 160 // scale), (16, 96)))
         else:
             parser.error(f"unknown model {name!r}: full or tiny")
         del model
