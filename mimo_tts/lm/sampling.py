@@ -89,6 +89,21 @@ def sample(logits: Tensor, cfg: SamplerConfig | Sequence[SamplerConfig],
             rows_of.setdefault(one, []).append(row)
     for one, rows in rows_of.items():  # the filters are row-wise: rows of one sampler at once
         probs = filter_logits(logits[rows].float(), one).softmax(dim=-1)
-        for i, row in enumerate(rows):
-            tokens[row] = torch.multinomial(probs[i:i + 1], 1, generator=generator[row])[0, 0]
+        tokens[rows] = draw_rows(probs, [generator[row] for row in rows])
     return tokens
+
+
+def draw_rows(probs: Tensor, generators: Sequence[Rng]) -> Tensor:
+    """One draw per row of probs [n, V], row i from generators[i] -> ids [n].
+
+    Row i gets what `torch.multinomial(probs[i:i + 1], 1, generator=generators[i])` gives (its
+    one-sample form: argmax of p / q with q ~ Exp(1) drawn from the generator, checked equal in
+    tests/lm/test_lm_sampling.py), without its per-call checks: one row costs one exponential
+    draw, so a large batch does not pay a full multinomial call per row and channel.
+    """
+    if not bool(torch.isfinite(probs).all()):
+        raise RuntimeError("probability tensor contains either `inf` or `nan`")
+    noise = torch.empty_like(probs)
+    for row, gen in enumerate(generators):
+        noise[row].exponential_(1, generator=gen)
+    return (probs / noise).argmax(dim=-1)
