@@ -2,8 +2,11 @@
 
 `BatchRunner` loads `MiMoTTS` once on first need and yields one result per item, in input
 order: written, skipped (the sink holds it done with the same inputs: the resume key) or failed
-with its exit code (a failed item never stops the batch). Items are generated `batch_size` at a
-time (vLLM: max(batch_size, max_num_seqs)), prompts of one seed in one call. Each finished item
+with its exit code (a failed item never stops the batch). On the native engine with
+`batch_size` > 1 every item's pieces run through one continuous batch (`lm.batching`: a row that
+stops takes the next piece, each piece samples from its own seeded generator, so an item's
+output is its single run's); otherwise items are generated `batch_size` at a time (vLLM:
+max(batch_size, max_num_seqs)), prompts of one seed in one call. Each finished item
 goes to the sink as data: its samples, codes and provenance record (`sidecar_record`); the sink
 decides where the bytes go and never calls back into the runner. `BatchRunner.codes` (Stage-0
 of a window) and `finish_item` (Stage-1 of one item) are also what the Ray pipeline's actors
@@ -116,6 +119,9 @@ class BatchRunner:
         texts = [i.text for i in items if isinstance(i.text, str)]
         self.lengths = lengths_for(self.settings, texts,
                                    1 if self.settings.run.stream else self.batch_window())
+        if self.continuous():
+            yield from self._run_continuous([self.prepare(item, sink) for item in items], sink)
+            return
         window: list[ItemResult] = []
         for item in items:
             window.append(self.prepare(item, sink))
@@ -123,6 +129,97 @@ class BatchRunner:
                 yield from self._flush(window, sink)
                 window = []
         yield from self._flush(window, sink)
+
+    def continuous(self) -> bool:
+        """Whether items run through one continuous batch (native engine, batch size > 1)."""
+        s = self.settings
+        return s.engine.engine == "native" and not s.run.stream and s.run.batch_size > 1
+
+    def _run_continuous(self, results: list[ItemResult], sink) -> Iterator[ItemResult]:
+        """Every pending item's pieces as jobs of one continuous batch (lm.batching): a row
+        that stops takes the next piece. Items finish (decode, write, manifest) and are
+        yielded in input order, each as soon as it and those before it are done."""
+        from mimo_tts.inputs import split_text
+        from mimo_tts.lm.batching import JobDone
+
+        pending = [r for r in results if r.status == "pending"]
+        if pending:
+            self.load()
+        max_chars = self.settings.synthesis.max_chars
+        rows = min(self.settings.run.batch_size,
+                   sum(len(split_text(r.item.text, max_chars)) for r in pending) or 1)
+        pieces: dict[int, list] = {}  # id(result) -> its pieces, None until generated
+        done = 0
+        for event in self._events(pending, pieces, rows):
+            if isinstance(event, JobDone):
+                self._job_done(event, pieces)
+                done, ready = self._ready(results, done, pieces, sink)
+                yield from ready
+        yield from self._ready(results, done, pieces, sink)[1]
+
+    def _events(self, pending: list[ItemResult], pieces: dict, rows: int):
+        """The batch's events, each step under the Stage-0 guard. A step that fails (out of
+        memory) fails the items it was running; a fresh batch takes the jobs not yet begun."""
+        from mimo_tts.lm.batching import Jobs
+
+        source = Jobs(self._jobs(pending, pieces))
+        while True:
+            steps = self.tts.batcher(source, rows).run()
+            while True:
+                try:
+                    with self.tts.stage0_guard():
+                        event = next(steps, None)
+                except MimoTTSError as exc:
+                    for r in pending:
+                        if r.status == "pending" and None in pieces.get(id(r), ()):
+                            fail(r, exc)
+                            del pieces[id(r)]
+                    break
+                if event is None:
+                    return
+                yield event
+
+    def _jobs(self, pending: list[ItemResult], pieces: dict):
+        """Jobs (one per text piece) of the pending items, in order, prompts built lazily."""
+        from mimo_tts.lm.batching import Job
+
+        for r in pending:
+            prompts = self._prompts(r)
+            if r.status != "pending":
+                continue
+            pieces[id(r)] = [None] * len(prompts)
+            r.timings["generate_s"] = 0.0
+            options = self.settings.synthesis.generation_options(r.seed)
+            for index, prompt in enumerate(prompts):
+                if r.status == "pending":  # not failed meanwhile
+                    yield Job(prompt.input_ids, options, key=(r, index, prompt))
+
+    def _job_done(self, event, pieces: dict) -> None:
+        r, index, prompt = event.job.key
+        if r.status != "pending" or id(r) not in pieces:
+            return
+        if event.error is not None:
+            fail(r, event.error)
+            del pieces[id(r)]
+            return
+        r.timings["generate_s"] += event.busy_s
+        pieces[id(r)][index] = self.tts.piece(prompt, event.generation, r.seed)
+
+    def _ready(self, results: list[ItemResult], done: int, pieces: dict,
+               sink) -> tuple[int, list[ItemResult]]:
+        """From result `done` on, finish and hand out those settled, in order, up to the
+        first still generating -> (new `done`, the results handed out)."""
+        out = []
+        for r in results[done:]:
+            mine = pieces.get(id(r))
+            if r.status == "pending":
+                if mine is None or None in mine:
+                    break
+                _guard(r, self._finish, r, mine, sink)
+            if r.status in ("ok", "error"):
+                sink.finished(r, self.settings.synthesis.task)
+            out.append(r)
+        return done + len(out), out
 
     def prepare(self, item: Item, sink) -> ItemResult:
         """A pending result with its seed and resume key, or skipped (done) or failed."""

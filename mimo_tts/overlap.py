@@ -192,7 +192,7 @@ def _generate_streaming(tts, prompt, options, worker: DecodeWorker,
     empty_codes = torch.tensor(tts.empty_ids).unsqueeze(0).expand(tts.group_size, -1)
     blocks, pending, sent = [], [], []
     size = next(schedule)
-    with thread_budget(tts.lm_threads), oom_advice("Stage-0 generation", tts.lm_device):
+    with tts.stage0_guard():
         for step in tts.stream_steps([prompt.input_ids], options):
             blocks.append(_group_ids(step, empty_codes))
             if step.text_token == special.sostm:

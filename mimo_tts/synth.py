@@ -23,7 +23,7 @@ import torch
 
 from mimo_tts import __version__, checkpoints
 from mimo_tts import io as mio
-from mimo_tts.errors import CheckpointError, InputError, NoAudioError
+from mimo_tts.errors import CheckpointError, InputError, NoAudioError, UsageError
 from mimo_tts.inputs import split_text
 from mimo_tts.lm.vllm.launch import import_vllm_engine, vllm_options
 from mimo_tts.options import EngineOptions, SynthesisOptions, resolve
@@ -247,7 +247,6 @@ class MiMoTTS:
 
     def generate(self, prompts: list, options, seed: int, batch_size: int = 1) -> list[Piece]:
         """Stage-0 for prompts, `batch_size` at a time (vLLM: all at once), then extraction."""
-        from mimo_tts.lm.extract import extract
         from mimo_tts.lm.generate import generate
 
         pieces = []
@@ -255,15 +254,35 @@ class MiMoTTS:
         for start in range(0, len(prompts), step):
             batch = prompts[start:start + step]
             ids = [p.input_ids for p in batch]
-            with thread_budget(self.lm_threads), oom_advice("Stage-0 generation", self.lm_device):
+            with self.stage0_guard():
                 outs = (self.stage0.generate(ids, options) if self.stage0 is not None
                         else generate(self.lm, ids, options, self.text.special))
-            for prompt, out in zip(batch, outs, strict=True):
-                found = extract(out.new_ids, self.text, self.empty_ids, self.group_size)
-                timings = {} if out.prefill_s is None else {"prefill_s": out.prefill_s}
-                pieces.append(Piece(prompt, seed, list(found.text_tokens), found.text,
-                                    found.codes, timings=timings))
+            pieces += [self.piece(p, out, seed) for p, out in zip(batch, outs, strict=True)]
         return pieces
+
+    def piece(self, prompt, generation, seed: int) -> Piece:
+        """One prompt's generated groups (a lm.generate.Generation), text and codes extracted."""
+        from mimo_tts.lm.extract import extract
+
+        found = extract(generation.new_ids, self.text, self.empty_ids, self.group_size)
+        timings = {} if generation.prefill_s is None else {"prefill_s": generation.prefill_s}
+        return Piece(prompt, seed, list(found.text_tokens), found.text, found.codes,
+                     timings=timings)
+
+    @contextmanager
+    def stage0_guard(self):
+        """The context Stage-0 work runs in: the LM's thread budget, out-of-memory advice."""
+        with thread_budget(self.lm_threads), oom_advice("Stage-0 generation", self.lm_device):
+            yield
+
+    def batcher(self, source, rows: int):
+        """A continuous batch of `rows` over the native LM, pulling jobs (lm.batching.Job:
+        prompt ids, GenerationOptions, key) from `source`; step it under `stage0_guard`."""
+        from mimo_tts.lm.batching import ContinuousBatcher
+
+        if self.lm is None:
+            raise UsageError("continuous batching runs on the native engine, not vLLM")
+        return ContinuousBatcher(self.lm, self.text.special, rows, source)
 
     def stream_steps(self, ids: list, options) -> Iterator:
         """Stage-0 StepOutputs as produced (vLLM: an audio group arrives one step late)."""

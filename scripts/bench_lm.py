@@ -172,15 +172,17 @@ def weight_bytes_per_step(model: MiMoAudioLM) -> dict[str, int]:
     }
 
 
-def audio_prompt(model: MiMoAudioLM, groups: int, seed: int) -> torch.Tensor:
-    """A prompt [9, 4G] of text groups followed by 8 audio groups."""
+def audio_prompt(model: MiMoAudioLM, groups: int, seed: int,
+                 empty: int = SPECIAL.empty) -> torch.Tensor:
+    """A prompt [9, 4G] of text groups followed by 8 audio groups (`empty`: the model's
+    <|empty|> id)."""
     cfg, gen = model.cfg, torch.Generator().manual_seed(seed)
     frames, k = cfg.group_size, cfg.audio_channels
     ids = torch.tensor([0] + list(cfg.speech_empty_ids)).repeat_interleave(frames * groups)
     ids = ids.view(1 + k, frames * groups).clone()
-    ids[0] = torch.randint(0, 151000, (frames * groups,), generator=gen)
+    ids[0] = torch.randint(0, min(151000, cfg.vocab_size), (frames * groups,), generator=gen)
     audio = slice(frames * (groups - 8), frames * groups)
-    ids[0, audio] = SPECIAL.empty
+    ids[0, audio] = empty
     for c, n in enumerate(cfg.speech_empty_ids):
         ids[1 + c, audio] = torch.randint(0, n, (frames * 8,), generator=gen)
     return ids

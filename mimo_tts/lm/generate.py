@@ -22,7 +22,7 @@ from mimo_tts.lm import cpu_kernel
 from mimo_tts.lm.config import MAX_GROUPS, TASK_STOP_TOKENS
 from mimo_tts.lm.graph import GraphStep
 from mimo_tts.lm.model import KVCache, MiMoAudioLM
-from mimo_tts.lm.sampling import TASK_SAMPLERS, SamplerConfig, sample, task_samplers
+from mimo_tts.lm.sampling import TASK_SAMPLERS, Rng, SamplerConfig, sample, task_samplers
 from mimo_tts.lm.step import DecodeStep, EagerStep
 
 # Stop sets by SpecialTokens field name (spec §4.7).
@@ -183,11 +183,13 @@ def prefill(model: MiMoAudioLM, prompts: Sequence[Tensor], options: GenerationOp
                   resolve_stop_ids(special, options.stop_tokens))
 
 
-def decode_patch(model: MiMoAudioLM, local_in: Tensor, sampler: SamplerConfig,
-                 generator: torch.Generator | None, step: DecodeStep,
+def decode_patch(model: MiMoAudioLM, local_in: Tensor,
+                 sampler: SamplerConfig | Sequence[SamplerConfig],
+                 generator: Rng | Sequence[Rng], step: DecodeStep,
                  record: list[list[Tensor]] | None = None) -> Tensor:
     """Patch decoder (spec §4.4): local_in [n, local_dim] -> codes [n, F, K], de-delayed,
-    its positions run by `step.local_logits`.
+    its positions run by `step.local_logits`; one sampler and generator, or one per row
+    (`sampling.sample`).
 
     `record[c]` collects channel c's raw logits per frame (before the empty id is masked).
     """
@@ -243,23 +245,45 @@ def _advance(state: BatchState, step: int, tokens: Tensor, codes: Tensor, specia
     state.hidden = decoder.backbone(embeds, state.lengths + step, slot)
 
 
-def decode_step(model: MiMoAudioLM, state: BatchState, options: GenerationOptions) -> DecodeStep:
-    """The decode step the options ask for on the model's device (the one place that picks)."""
-    cuda = state.hidden.device.type == "cuda"
-    mode = options.decode_step
+def step_kind(model: MiMoAudioLM, mode: str) -> str:
+    """The decode step a `decode_step` mode picks on the model's device (the one place that
+    picks): "graph" (captured), "static" (its shapes, uncaptured), "kernel" or "eager"."""
+    device = model.lm_head.weight.device
+    cuda = device.type == "cuda"
     if mode == "graph" and not cuda:
-        raise UsageError(f"decode_step 'graph' needs a CUDA device, the LM is on "
-                         f"{state.hidden.device}")
-    if mode in ("graph", "static") or (mode == "auto" and cuda):
-        state.reserve(state.limit)  # static shapes: the whole generation's cache, once
-        return GraphStep(model, state.cache, state.local_cache, state.valid, state.prompt_len,
-                         capture=mode != "static", strict=mode == "graph")
+        raise UsageError(f"decode_step 'graph' needs a CUDA device, the LM is on {device}")
+    if mode in ("graph", "static"):
+        return mode
+    if mode == "auto" and cuda:
+        return "graph"
     if mode == "auto" and cpu_kernel.choose(model).active:
-        return cpu_kernel.CpuKernelStep(model, state.cache, state.local_cache, state.valid)
-    return EagerStep(model, state.cache, state.local_cache, state.valid)
+        return "kernel"
+    return "eager"
 
 
-def _generator(options: GenerationOptions, device) -> torch.Generator | None:
+def build_step(model: MiMoAudioLM, kind: str, cache: KVCache, local_cache: KVCache,
+               valid: Tensor | None, prompt_len: int, strict: bool) -> DecodeStep:
+    """A decode step of `step_kind` over the generation's caches and key mask (a graph step
+    fixes the backbone cache's length: reserve it first)."""
+    if kind in ("graph", "static"):
+        return GraphStep(model, cache, local_cache, valid, prompt_len, capture=kind == "graph",
+                         strict=strict)
+    if kind == "kernel":
+        return cpu_kernel.CpuKernelStep(model, cache, local_cache, valid)
+    return EagerStep(model, cache, local_cache, valid)
+
+
+def decode_step(model: MiMoAudioLM, state: BatchState, options: GenerationOptions) -> DecodeStep:
+    """The decode step the options ask for, over the state's caches."""
+    kind = step_kind(model, options.decode_step)
+    if kind in ("graph", "static"):
+        state.reserve(state.limit)  # static shapes: the whole generation's cache, once
+    return build_step(model, kind, state.cache, state.local_cache, state.valid,
+                      state.prompt_len, strict=options.decode_step == "graph")
+
+
+def generator_for(options: GenerationOptions, device) -> torch.Generator | None:
+    """The generator one generation samples from (None when both samplers are greedy)."""
     if options.text_sampler.greedy and options.audio_sampler.greedy:
         return None
     gen = torch.Generator(device=device)
@@ -279,7 +303,7 @@ def stream(model: MiMoAudioLM, prompts: Sequence[Tensor], options: GenerationOpt
     if state.hidden.is_cuda:
         torch.cuda.synchronize(state.hidden.device)
     prefill_s = time.perf_counter() - start
-    generator = _generator(options, state.hidden.device)
+    generator = generator_for(options, state.hidden.device)
     decoder = decode_step(model, state, options)
     done = [False] * len(state.budgets)
     stops = set(state.stop_ids)
@@ -300,25 +324,36 @@ def stream(model: MiMoAudioLM, prompts: Sequence[Tensor], options: GenerationOpt
         _advance(state, step, tokens, codes, special, decoder)
 
 
+class Collector:
+    """One prompt's StepOutputs, in order, gathered into its `Generation`."""
+
+    def __init__(self, cfg):
+        self.frames = cfg.group_size
+        self.empty_codes = torch.tensor(cfg.speech_empty_ids).unsqueeze(0).expand(self.frames, -1)
+        self.tokens: list[int] = []
+        self.blocks: list[Tensor] = []
+        self.logits: list[Tensor] = []
+        self.prefill_s: float | None = None
+
+    def add(self, out: StepOutput) -> None:
+        self.tokens.append(out.text_token)
+        codes = self.empty_codes if out.codes is None else out.codes  # [F, K]
+        text = torch.full((1, self.frames), out.text_token, dtype=torch.long)
+        self.blocks.append(torch.cat((text, codes.T.long()), dim=0))  # [1 + K, F]
+        if out.logits is not None:
+            self.logits.append(out.logits)
+        if out.prefill_s is not None:
+            self.prefill_s = out.prefill_s
+
+    def generation(self) -> Generation:
+        return Generation(torch.cat(self.blocks, dim=1), self.tokens,
+                          torch.stack(self.logits) if self.logits else None, self.prefill_s)
+
+
 def generate(model: MiMoAudioLM, prompts: Sequence[Tensor], options: GenerationOptions,
              special) -> list[Generation]:
     """Run `stream` to the end; per prompt the new groups as ids [1 + K, F * N]."""
-    frames = model.cfg.group_size
-    empty_codes = torch.tensor(model.cfg.speech_empty_ids).unsqueeze(0).expand(frames, -1)
-    tokens: list[list[int]] = [[] for _ in prompts]
-    blocks: list[list[Tensor]] = [[] for _ in prompts]
-    logits: list[list[Tensor]] = [[] for _ in prompts]
-    prefill_s: list[float | None] = [None for _ in prompts]
+    collectors = [Collector(model.cfg) for _ in prompts]
     for out in stream(model, prompts, options, special):
-        tokens[out.index].append(out.text_token)
-        codes = empty_codes if out.codes is None else out.codes  # [F, K]
-        text = torch.full((1, frames), out.text_token, dtype=torch.long)
-        blocks[out.index].append(torch.cat((text, codes.T.long()), dim=0))  # [1 + K, F]
-        if out.logits is not None:
-            logits[out.index].append(out.logits)
-        if out.prefill_s is not None:
-            prefill_s[out.index] = out.prefill_s
-    return [
-        Generation(torch.cat(b, dim=1), t, torch.stack(lg) if lg else None, s)
-        for b, t, lg, s in zip(blocks, tokens, logits, prefill_s, strict=True)
-    ]
+        collectors[out.index].add(out)
+    return [c.generation() for c in collectors]

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from mimo_tts.cudagraph import capture
 from mimo_tts.lm.model import KVCache, MiMoAudioLM
+from mimo_tts.lm.step import Slot, mark_keys
 
 SPAN_MIN = 64  # smallest attention span bucket of the backbone step, in groups
 
@@ -76,7 +77,9 @@ class GraphStep:
     """Backbone and patch-decoder steps of one generation over static buffers.
 
     `cache`/`local_cache` are the generation's preallocated caches, `valid` its key mask
-    [B, S] or None when no row is padded, `prompt_len` the first free cache slot.
+    [B, S] or None when no row is padded, `prompt_len` the first free cache slot. The step
+    sets keys in `valid` in place, so its owner (a continuous batch refilling a row) sees and
+    resets the same mask.
     """
 
     def __init__(self, model: MiMoAudioLM, cache: KVCache, local_cache: KVCache,
@@ -89,10 +92,10 @@ class GraphStep:
         self.capture, self.strict = capture, strict
         self.embeds = torch.zeros(batch, 1, cfg.hidden, dtype=dtype, device=device)
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.slot = torch.zeros(batch, dtype=torch.long, device=device)  # each row's slot
         if valid is None:  # no padding: every prompt slot is a key
-            valid = (torch.arange(length, device=device) < prompt_len).expand(batch, -1)
-        self.valid = valid.clone()  # [B, S], one more slot set per step
+            valid = (torch.arange(length, device=device) < prompt_len).expand(batch, -1).clone()
+        self.valid = valid  # [B, S'] (S' >= S), one more slot set per step, in place
         self.spans = span_buckets(length)
         self.local_x = torch.zeros(batch, 1, cfg.local_dim, dtype=dtype, device=device)
         self.backbone_steps: dict[int, Callable] = {}
@@ -109,14 +112,18 @@ class GraphStep:
         """Eager: hidden [B, H] -> [B, V] float32."""
         return self.model.text_logits(hidden)
 
-    def backbone(self, embeds: Tensor, positions: Tensor, slot: int) -> Tensor:
+    def backbone(self, embeds: Tensor, positions: Tensor, slot: Slot) -> Tensor:
         """One backbone position for every row: embeds [B, 1, H], positions [B, 1] written
-        at cache `slot` -> normed hidden [B, H] (a view of a static buffer)."""
+        at cache `slot` (or row i at slot[i]) -> normed hidden [B, H] (a view of a static
+        buffer)."""
         self.embeds.copy_(embeds)
         self.positions.copy_(positions)
-        self.slot.fill_(slot)
-        self.valid[:, slot] = True
-        span = next(s for s in self.spans if s > slot)
+        if isinstance(slot, int):
+            self.slot.fill_(slot)
+        else:
+            self.slot.copy_(torch.tensor(slot))
+        last = mark_keys(self.valid, slot, self.slot)
+        span = next(s for s in self.spans if s > last)
         if span not in self.backbone_steps:
             self.backbone_steps[span] = self._step(functools.partial(self._backbone, span))
         return self.backbone_steps[span]()

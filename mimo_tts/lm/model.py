@@ -148,13 +148,15 @@ class KVCache:
     def update(self, layer: int, slot: int | Tensor, span: int, k: Tensor, v: Tensor):
         """Write k/v [n, H_kv, L, D] at slot..slot+L; return the first `span` cached positions.
 
-        `slot` may be a device tensor of the L written positions (a captured step's input).
+        `slot` may be a device tensor [n] of one position per row (L = 1): row i writes at
+        slot[i] (rows of a continuous batch are at different lengths; a captured step's input).
         """
         n, length = k.shape[0], k.shape[2]
         keys, values = self.k[layer, :n], self.v[layer, :n]
         if isinstance(slot, Tensor):
-            keys.index_copy_(2, slot, k)
-            values.index_copy_(2, slot, v)
+            rows = torch.arange(n, device=slot.device)
+            keys[rows, :, slot] = k[:, :, 0]
+            values[rows, :, slot] = v[:, :, 0]
         else:
             keys[:, :, slot : slot + length] = k
             values[:, :, slot : slot + length] = v
@@ -267,7 +269,8 @@ class Transformer(nn.Module):
                 mask: Tensor | None = None, matmul: Matmul = linear) -> Tensor:
         """x [B, L, dim], positions [B or 1, L] -> normed hidden [B, L, dim].
 
-        A tensor `slot` (the L cache positions written, on x's device) needs an explicit span.
+        A tensor `slot` (one cache position per row, L = 1, on x's device) needs an explicit
+        span.
         """
         span = slot + x.shape[1] if span is None else span
         cos = self.rope_cos[positions].unsqueeze(1)  # [B, 1, L, D]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -69,9 +70,43 @@ def filter_logits(logits: Tensor, cfg: SamplerConfig) -> Tensor:
     return logits
 
 
-def sample(logits: Tensor, cfg: SamplerConfig, generator: torch.Generator | None) -> Tensor:
-    """logits [B, V] -> token ids [B] (int64)."""
-    if cfg.greedy:
-        return logits.argmax(dim=-1)
-    probs = filter_logits(logits.float(), cfg).softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+Rng = torch.Generator | None  # a sampled row's generator (None: greedy, or torch's default)
+
+
+def sample(logits: Tensor, cfg: SamplerConfig | Sequence[SamplerConfig],
+           generator: Rng | Sequence[Rng]) -> Tensor:
+    """logits [B, V] -> token ids [B] (int64).
+
+    One sampler and generator for all rows, or one of each per row (a continuous batch):
+    row i then draws from generator i exactly what it would draw sampled alone.
+    """
+    if isinstance(cfg, SamplerConfig):
+        if cfg.greedy:
+            return logits.argmax(dim=-1)
+        probs = filter_logits(logits.float(), cfg).softmax(dim=-1)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    tokens = logits.argmax(dim=-1)
+    rows_of: dict[SamplerConfig, list[int]] = {}
+    for row, one in enumerate(cfg):
+        if not one.greedy:
+            rows_of.setdefault(one, []).append(row)
+    for one, rows in rows_of.items():  # the filters are row-wise: rows of one sampler at once
+        probs = filter_logits(logits[rows].float(), one).softmax(dim=-1)
+        tokens[rows] = draw_rows(probs, [generator[row] for row in rows])
+    return tokens
+
+
+def draw_rows(probs: Tensor, generators: Sequence[Rng]) -> Tensor:
+    """One draw per row of probs [n, V], row i from generators[i] -> ids [n].
+
+    Row i gets what `torch.multinomial(probs[i:i + 1], 1, generator=generators[i])` gives (its
+    one-sample form: argmax of p / q with q ~ Exp(1) drawn from the generator, checked equal in
+    tests/lm/test_lm_sampling.py), without its per-call checks: one row costs one exponential
+    draw, so a large batch does not pay a full multinomial call per row and channel.
+    """
+    if not bool(torch.isfinite(probs).all()):
+        raise RuntimeError("probability tensor contains either `inf` or `nan`")
+    noise = torch.empty_like(probs)
+    for row, gen in enumerate(generators):
+        noise[row].exponential_(1, generator=gen)
+    return (probs / noise).argmax(dim=-1)

@@ -18,17 +18,35 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
 from mimo_tts.lm.model import KVCache, Matmul, MiMoAudioLM, linear
+
+# The backbone cache slot a step writes: one for every row, or one per row.
+Slot = int | Sequence[int]
+
+
+def mark_keys(valid: Tensor, slot: Slot, index: int | Tensor) -> int:
+    """Make each row's written slot a key in the mask `valid` [B, S]; -> the last slot written.
+
+    `index` is `slot` as the cache takes it: the int, or the per-row slots as a tensor [B] on
+    the mask's device.
+    """
+    if isinstance(slot, int):
+        valid[:, slot] = True
+        return slot
+    valid[torch.arange(len(slot), device=valid.device), index] = True
+    return max(slot)
 
 
 class DecodeStep(Protocol):
     def embed(self, tokens: Tensor, codes: Tensor, empty_token: int) -> Tensor:
         """New groups: tokens [B], codes [B, F, K] -> backbone input [B, 1, H]."""
 
-    def backbone(self, embeds: Tensor, positions: Tensor, slot: int) -> Tensor:
-        """embeds [B, 1, H] at positions [B, 1], written at cache `slot` -> hidden [B, H]."""
+    def backbone(self, embeds: Tensor, positions: Tensor, slot: Slot) -> Tensor:
+        """embeds [B, 1, H] at positions [B, 1], written at cache `slot` (every row) or at
+        slot[i] (row i, a continuous batch) -> hidden [B, H]."""
 
     def text_logits(self, hidden: Tensor) -> Tensor:
         """hidden [B, H] -> raw text logits [B, V] in float32."""
@@ -51,12 +69,13 @@ class EagerStep:
         return self.model.embed_groups(tokens[:, None], codes[:, None], empty_token,
                                        self.matmul)
 
-    def backbone(self, embeds: Tensor, positions: Tensor, slot: int) -> Tensor:
-        mask = None
+    def backbone(self, embeds: Tensor, positions: Tensor, slot: Slot) -> Tensor:
+        index = slot if isinstance(slot, int) else torch.tensor(slot, device=embeds.device)
+        mask, last = None, slot  # a per-row slot comes with a mask (continuous batches have one)
         if self.valid is not None:
-            self.valid[:, slot] = True
-            mask = self.valid[:, None, None, : slot + 1]  # [B, 1, 1, S]: a view, no copy
-        return self.model.backbone(embeds, positions, self.cache, slot, slot + 1, mask,
+            last = mark_keys(self.valid, slot, index)
+            mask = self.valid[:, None, None, : last + 1]  # [B, 1, 1, S]: a view, no copy
+        return self.model.backbone(embeds, positions, self.cache, index, last + 1, mask,
                                    self.matmul)[:, -1]
 
     def text_logits(self, hidden: Tensor) -> Tensor:

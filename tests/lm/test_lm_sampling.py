@@ -12,6 +12,7 @@ from mimo_tts.lm.sampling import (
     GREEDY,
     TASK_SAMPLERS,
     SamplerConfig,
+    draw_rows,
     filter_logits,
     sample,
     task_samplers,
@@ -90,3 +91,23 @@ def test_task_defaults_table():
 def test_invalid_sampler_values(kw):
     with pytest.raises(UsageError):
         SamplerConfig(**kw)
+
+
+@pytest.mark.parametrize("vocab", [4, 129, 1025, 151680])
+def test_per_row_draws_are_each_rows_multinomial(vocab):
+    """draw_rows gives row i exactly torch.multinomial's draw from generator i (what a single
+    run samples), and `sample` with per-row samplers keeps greedy rows greedy."""
+    probs = torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab)).softmax(-1)
+    for seed in range(5):
+        gens = [torch.Generator().manual_seed(seed * 10 + i) for i in range(6)]
+        alone = [torch.Generator().manual_seed(seed * 10 + i) for i in range(6)]
+        for _ in range(3):  # consecutive draws stay in step too
+            want = [int(torch.multinomial(probs[i:i + 1], 1, generator=g)) for i, g in
+                    enumerate(alone)]
+            assert draw_rows(probs, gens).tolist() == want
+    logits = probs.log()
+    cfgs = [SamplerConfig(1.0), GREEDY] * 3
+    tokens = sample(logits, cfgs, [torch.Generator().manual_seed(i) for i in range(6)])
+    assert tokens[1::2].tolist() == logits[1::2].argmax(-1).tolist()
+    with pytest.raises(RuntimeError, match="nan"):
+        draw_rows(torch.full((1, vocab), float("nan")), [None])
