@@ -4,14 +4,16 @@ A request becomes one `Job` per text piece in the bounded `JobQueue`. The engine
 batching strategy for Stage-0 events (`StaticBatcher`: the jobs queued now with the same
 generation options, up to `batch_size` rows, one `MiMoTTS.stream_steps` call at a time; the
 strategy is the one swappable piece) and routes each row's groups to its job. A streamed job's
-audio frames go to the Stage-1 thread as they gather (one streaming decoder per job); the other
-jobs are decoded one-shot when their row ends, like `synth`. Each job reports through its
+audio frames go to the Stage-1 thread as they gather (one streaming decoder per job; the oldest
+request's pieces, in order, are decoded first); the other jobs are decoded one-shot when their
+row ends, like `synth`. Each job reports through its
 `deliver` callback: ("audio", samples [S]) while streaming, then ("done", info) or ("error",
 MimoTTSError). A cancelled job is dropped; a failure fails only its own batch.
 """
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import traceback
@@ -43,6 +45,7 @@ class Job:
     deliver: Callable[[tuple], None]
     ticket: Ticket
     label: str = "request"
+    order: tuple = (0, 0)  # Stage-1 serves the smallest first: (request number, piece index)
     cancelled: threading.Event = field(default_factory=threading.Event)
     rows: int = 0  # rows of the Stage-0 batch it ran in
     frames: FrameCollector | None = None
@@ -202,7 +205,8 @@ class Engine:
                                           options.stream_max_chunk_groups))
         self.stream_mode = options.stream_mode
         self.stats = {"rows": 0, "max_batch_rows": 0, "last_batch_rows": 0}
-        self.decodes: queue.Queue = queue.Queue()
+        self.decodes: queue.PriorityQueue = queue.PriorityQueue()  # (order, seq, task)
+        self.seq = itertools.count()
         self.threads = [threading.Thread(target=self._stage0, name="mimo-tts-engine", daemon=True),
                         threading.Thread(target=self._stage1, name="mimo-tts-stage1", daemon=True)]
         for thread in self.threads:
@@ -219,7 +223,7 @@ class Engine:
 
     def close(self) -> None:
         self.jobs.close()
-        self.decodes.put(None)
+        self.decodes.put(((float("inf"),), next(self.seq), None))
         for thread in self.threads:
             thread.join(timeout=30)
 
@@ -242,11 +246,14 @@ class Engine:
         elif isinstance(event, Group):
             codes = job.frames.add(event.step)
             if codes is not None and job.stream:
-                self.decodes.put((job, codes, False))
+                self._queue_decode(job, codes, False)
         elif event.error is not None:
             self._fail(job, event.error)
         else:
-            self.decodes.put((job, job.frames.close(), True))
+            self._queue_decode(job, job.frames.close(), True)
+
+    def _queue_decode(self, job: Job, codes, last: bool) -> None:
+        self.decodes.put((job.order, next(self.seq), (job, codes, last)))
 
     def _fail(self, job: Job, error: MimoTTSError) -> None:
         if not job.cancelled.is_set():
@@ -255,7 +262,7 @@ class Engine:
 
     def _stage1(self) -> None:
         with thread_budget(self.tts.tokenizer_threads):
-            while (task := self.decodes.get()) is not None:
+            while (task := self.decodes.get()[2]) is not None:
                 job, codes, last = task
                 if job.cancelled.is_set():
                     job.decoder = None

@@ -205,7 +205,7 @@ class SpeechServer:
             raise ApiError(503, "the server is busy (queue full); retry later", code="busy",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
         self.serial += 1
-        speech = Speech(self, params, prompts, ticket, f"speech-{self.serial}")
+        speech = Speech(self, params, prompts, ticket, self.serial)
         body = speech.body(request)
         try:
             first = await anext(body)
@@ -271,15 +271,16 @@ class Speech:
     """One request's jobs (one per text piece) and the events they send to the event loop."""
 
     def __init__(self, server: SpeechServer, params: SpeechParams, prompts: list,
-                 ticket: Ticket, label: str):
+                 ticket: Ticket, serial: int):
         self.server, self.params, self.ticket = server, params, ticket
+        label = f"speech-{serial}"
         loop = asyncio.get_running_loop()
         self.deadline = loop.time() + server.cfg.timeout
         self.queues = [asyncio.Queue() for _ in prompts]
         options = params.options.generation_options(params.options.seed)
         self.jobs = [Job(prompt, options, params.options.seed, params.fmt in STREAMED,
-                         _deliver(loop, q), ticket, label)
-                     for prompt, q in zip(prompts, self.queues, strict=True)]
+                         _deliver(loop, q), ticket, label, (serial, i))
+                     for i, (prompt, q) in enumerate(zip(prompts, self.queues, strict=True))]
         self.usage = {"input_tokens": sum(p.n_groups for p in prompts), "output_tokens": 0}
         self.released = False
         server.engine.submit(self.jobs)
@@ -446,6 +447,8 @@ def main(flags: dict, config: str | None, reporter) -> int:
             uvicorn.Server(uvicorn.Config(
                 server.app(), host=cfg.host, port=cfg.port, access_log=reporter.verbose,
                 log_level="info" if reporter.verbose else "warning")).run()
+        except KeyboardInterrupt:  # uvicorn re-raises the SIGINT/SIGTERM it shut down on
+            reporter.info("server stopped")
         finally:
             server.engine.close()
     return 0
