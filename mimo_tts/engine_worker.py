@@ -229,12 +229,19 @@ class Engine:
 
     def _stage0(self) -> None:
         with thread_budget(self.tts.lm_threads):
-            for event in self.batcher.run(self.jobs):
+            while not self.jobs.closed:
                 try:
-                    self._route(event)
-                except Exception as exc:  # a bug routing one job: that job fails
+                    for event in self.batcher.run(self.jobs):
+                        self._event(event)
+                except Exception:  # a bug in the strategy: log it and take the next jobs
                     self.log(traceback.format_exc())
-                    self._fail(event.job, MimoTTSError(f"unexpected {type(exc).__name__}: {exc}"))
+
+    def _event(self, event) -> None:
+        try:
+            self._route(event)
+        except Exception as exc:  # a bug routing one job: that job fails
+            self.log(traceback.format_exc())
+            self._fail(event.job, MimoTTSError(f"unexpected {type(exc).__name__}: {exc}"))
 
     def _route(self, event) -> None:
         job = event.job

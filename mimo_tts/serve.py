@@ -65,6 +65,8 @@ class ServeConfig:
             raise UsageError("--port must be in [0, 65535]")
         if not self.timeout > 0:
             raise UsageError("--timeout must be > 0 seconds")
+        if self.api_key == "":
+            raise UsageError("--api-key is empty")
 
 
 def parse_voices(values: list[str]) -> dict:
@@ -135,8 +137,6 @@ class SpeechServer:
     # -- request parsing --
     def parse(self, body: bytes) -> SpeechParams:
         """The request body -> what to say and how; bad values are 400s with the CLI's words."""
-        if len(body) > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
         try:
             data = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -193,7 +193,7 @@ class SpeechServer:
         from starlette.background import BackgroundTask
         from starlette.concurrency import run_in_threadpool
 
-        params = self.parse(await request.body())
+        params = self.parse(await _read_body(request))
         try:
             prompts = await run_in_threadpool(self.tts.prompts, params.text, params.options,
                                               params.options.seed)
@@ -215,7 +215,7 @@ class SpeechServer:
         headers = {"X-MiMo-Batch-Rows": str(speech.jobs[0].rows)}
         # The body's own `finally` releases the request; the background task does it when the
         # client went away before the body started (release is idempotent).
-        done = BackgroundTask(speech.release, "cancelled")
+        done = BackgroundTask(speech.settle)
         if params.sse:
             return StreamingResponse(speech.events(first, body), media_type="text/event-stream",
                                      headers=headers, background=done)
@@ -291,6 +291,9 @@ class Speech:
             self.server.engine.cancel(self.jobs)
             self.server.jobs.release(self.ticket)
             self.server.counts[outcome] += 1
+
+    async def settle(self) -> None:
+        self.release("cancelled")
 
     async def next_event(self, index: int, request=None) -> tuple:
         """The job's next event; before the response starts (`request` given), a client that
@@ -371,6 +374,16 @@ class _Aborts:
             await self.app(scope, receive, send)
         except StreamAborted:
             pass
+
+
+async def _read_body(request) -> bytes:
+    """The request body, refused (413) once it passes `MAX_BODY_BYTES`."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
+    return bytes(body)
 
 
 def _field(data: dict, name: str, kind, required: bool = False):

@@ -25,6 +25,7 @@ def test_without_the_serve_extra_the_error_names_it(base_env):
     (["--port", "70000"], EXIT_USAGE, "--port must be in [0, 65535]"),
     (["--batch-size", "0"], EXIT_USAGE, "--batch-size must be >= 1"),
     (["--timeout", "0"], EXIT_USAGE, "--timeout must be > 0 seconds"),
+    (["--api-key", ""], EXIT_USAGE, "--api-key is empty"),
     (["--voice", "nobody"], EXIT_USAGE, "--voice takes NAME=PATH.wav, got 'nobody'"),
     (["--voice", "me=/no/such.wav"], EXIT_INPUT, "--voice me: prompt audio not found"),
     (["--voice", "default=x.wav"], EXIT_USAGE, "--voice default: the name is already taken"),
