@@ -153,7 +153,12 @@ class Finished:
 
 class StaticBatcher:
     """Batching strategy: the jobs queued now (same options, up to `batch_size` rows) run as
-    one Stage-0 stream; the next batch starts when it ends. A batch nobody waits for stops."""
+    one Stage-0 stream; the next batch starts when it ends. A batch nobody waits for stops.
+
+    The contract of a strategy (`run(source)`): take jobs with `source.take`, yield `Started`
+    once per job, `Group` per generated group and `Finished` once per job (with the error if
+    its row failed), skip cancelled jobs, and return when `take` returns None.
+    """
 
     def __init__(self, tts, batch_size: int, log=None):
         self.tts, self.batch_size = tts, batch_size
