@@ -209,8 +209,9 @@ class SpeechServer:
         body = speech.body(request)
         try:
             first = await anext(body)
-        except ApiError as exc:
-            speech.release("cancelled" if exc.status == CLIENT_GONE else "failed")
+        except BaseException as exc:  # the JSON error (or a bug's 500) follows; the place goes
+            speech.release("cancelled" if getattr(exc, "status", None) == CLIENT_GONE
+                           else "failed")
             raise
         headers = {"X-MiMo-Batch-Rows": str(speech.jobs[0].rows)}
         # The body's own `finally` releases the request; the background task does it when the
