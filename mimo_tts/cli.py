@@ -583,6 +583,49 @@ def selftest(
     run_command(reporter, body)
 
 
+SERVE = "Server"
+
+
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(rich_help_panel=SERVE,
+        help="Address to bind (default 127.0.0.1: this machine only).")] = None,
+    port: Annotated[int | None, typer.Option(rich_help_panel=SERVE,
+                                             help="Port (default 8000).")] = None,
+    api_key: Annotated[str | None, typer.Option(rich_help_panel=SERVE, show_default=False,
+        help="Require 'Authorization: Bearer KEY' on /v1 (env MIMO_TTS_API_KEY).")] = None,
+    voice: Annotated[list[str] | None, typer.Option(rich_help_panel=SERVE,
+        help="Register a voice-clone voice: NAME=PROMPT.wav (repeatable).")] = None,
+    batch_size: Annotated[int | None, typer.Option(rich_help_panel=SERVE,
+        help="Requests generated together in one Stage-0 batch (default 8).")] = None,
+    max_concurrent: Annotated[int | None, typer.Option(rich_help_panel=SERVE,
+        help="Requests in progress at once (default 16).")] = None,
+    max_queue: Annotated[int | None, typer.Option(rich_help_panel=SERVE,
+        help="Requests waiting beyond those; more get 503 + Retry-After (default 32).")] = None,
+    max_input_chars: Annotated[int | None, typer.Option(rich_help_panel=SERVE,
+        help="Longest input text (default 4096).")] = None,
+    timeout: Annotated[float | None, typer.Option(rich_help_panel=SERVE,
+        help="Seconds a request may take (default 300).")] = None,
+    max_new_groups: Annotated[int | None, typer.Option(rich_help_panel=GEN,
+        help="Cap on generated groups per text piece (one group = 160 ms).")] = None,
+    model: Model = None, tokenizer: Tokenizer = None, lm_device: LmDevice = None,
+    tokenizer_device: TokDevice = None, dtype: Dtype = None, tokenizer_dtype: TokDtype = None,
+    cuda_graph: Graph = None, no_memory_check: NoMemoryCheck = None,
+    lm_threads: LmThreads = None, tokenizer_threads: TokThreads = None, config: Config = None,
+    verbose: Verbose = False, debug: Debug = False,
+) -> None:
+    """Serve an OpenAI-compatible speech API: POST /v1/audio/speech (needs the serve extra)."""
+    flags = {k: v for k, v in locals().items() if k not in ("config", "verbose", "debug")}
+    reporter = Reporter(verbose=verbose, debug=debug)
+
+    def body() -> int:
+        from mimo_tts import serve as server
+
+        return server.main(flags, config, reporter)
+
+    run_command(reporter, body)
+
+
 def main() -> None:
     """Console-script entry point."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -71,6 +71,9 @@ def companion_paths(audio: Path) -> tuple[Path, Path]:
     beside `x.flac` (each format has its own, so formats in one folder never share one)."""
     base = audio.stem if audio.suffix.lower() in ("", ".wav") else audio.name
     return audio.with_name(base + ".json"), audio.with_name(base + ".codes.safetensors")
+# Lossy formats `mimo-tts serve` offers where this libsndfile has the encoder (`lossy_formats`).
+LOSSY_FORMATS = {name: FORMATS[name] for name in ("mp3", "opus")}
+STREAM_SIZE = 0xFFFFFFFF  # RIFF and data sizes of a WAV streamed before its length is known
 
 
 # --- atomic files -------------------------------------------------------------------------------
@@ -240,8 +243,26 @@ def resample(audio, from_rate: int, to_rate: int):
     return F.resample(tensor.float().cpu(), from_rate, to_rate)
 
 
+def lossy_formats() -> list[str]:
+    """The `LOSSY_FORMATS` this soundfile/libsndfile build can write."""
+    import soundfile as sf
+
+    return [name for name, (container, subtype, _) in LOSSY_FORMATS.items()
+            if container in sf.available_formats()
+            and subtype in sf.available_subtypes(container)]
+
+
+def wav_stream_header(sample_rate: int) -> bytes:
+    """A mono PCM16 WAV header for a stream of unknown length (sizes `STREAM_SIZE`)."""
+    import struct
+
+    fmt = struct.pack("<HHIIHH", 1, 1, sample_rate, 2 * sample_rate, 2, 16)  # PCM, mono, 16 bit
+    return (b"RIFF" + struct.pack("<I", STREAM_SIZE) + b"WAVE" + b"fmt " +
+            struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", STREAM_SIZE))
+
+
 def encode_audio(audio, sample_rate: int, fmt: str) -> bytes:
-    """Encoded file bytes for `fmt` (`wav` PCM16, `wav-float`, `flac`)."""
+    """Encoded file bytes for `fmt` (`wav` PCM16, `wav-float`, `flac`, or a lossy format)."""
     import numpy as np
     import soundfile as sf
 

@@ -108,13 +108,65 @@ class DecodeWorker:
         return torch.cat(self.chunks) if self.chunks else torch.zeros(0)
 
 
-def _group_ids(step, empty_codes):
-    """One generated group as ids [1 + K, F]: the text token repeated, then the codes."""
-    import torch
+class FrameCollector:
+    """One row's generated groups: the ids for extraction, and its audio frames in pushes.
 
-    codes = empty_codes if step.codes is None else step.codes.long()  # [F, K]
-    text = torch.full((1, codes.shape[0]), step.text_token, dtype=torch.long)
-    return torch.cat((text, codes.T), dim=0)
+    `add` takes each StepOutput of the row and returns the codes [K, f] to push to Stage-1 once
+    `schedule` groups of audio have gathered; `close` returns the last push (maybe empty).
+    Frames run from the first audio group to `<|eostm|>`; a generated `<|sostm|>` restarts them,
+    as the official extraction reads audio after it (spec §4.8).
+    """
+
+    def __init__(self, tts, schedule: Iterator[int]):
+        import torch
+
+        self.tts, self.schedule = tts, schedule
+        self.empty_codes = torch.tensor(tts.empty_ids).unsqueeze(0).expand(tts.group_size, -1)
+        self.blocks, self.pending, self.sent = [], [], []
+        self.size = next(schedule)
+
+    def add(self, step):
+        """Record one group; the codes [K, f] due for a Stage-1 push, or None."""
+        import torch
+
+        special = self.tts.text.special
+        codes = self.empty_codes if step.codes is None else step.codes.long()  # [F, K]
+        text = torch.full((1, codes.shape[0]), step.text_token, dtype=torch.long)
+        self.blocks.append(torch.cat((text, codes.T), dim=0))  # [1 + K, F]
+        if step.text_token == special.sostm:
+            self.pending.clear()
+        elif step.codes is not None and step.text_token == special.empty:
+            self.pending.append(codes[codes[:, 0] != self.tts.empty_ids[0]].T)  # [K, f]
+            if len(self.pending) >= self.size:
+                self.sent.append(torch.cat(self.pending, dim=1))
+                self.pending, self.size = [], next(self.schedule)
+                return self.sent[-1]
+        return None
+
+    def close(self):
+        """The last push: the frames still pending [K, f] (f may be 0)."""
+        import torch
+
+        self.sent.append(torch.cat(self.pending, dim=1) if self.pending
+                         else self.empty_codes.T[:, :0])
+        self.pending = []
+        return self.sent[-1]
+
+    def extract(self):
+        """The official extraction of everything generated (`lm.extract.Extracted`)."""
+        import torch
+
+        from mimo_tts.lm.extract import extract
+
+        return extract(torch.cat(self.blocks, dim=1), self.tts.text, self.tts.empty_ids,
+                       self.tts.group_size)
+
+    def streamed_differs(self, found) -> bool:
+        """Whether the pushed frames differ from the extracted codes (then decode one-shot)."""
+        import torch
+
+        return found.codes is not None and not torch.equal(torch.cat(self.sent, dim=1),
+                                                           found.codes)
 
 
 # Largest push (groups) when stream_max_chunk_groups is None, per stream mode.
@@ -152,24 +204,20 @@ def stream_piece(tts, prompt, options, seed: int, sink, chunk_groups: int, log,
     `Piece.timings` holds `stage0_s` (generation), `stage1_s` (decode compute in the worker),
     `stage1_wait_s` (waiting for the worker after generation), `first_audio_s` and `wall_s`.
     """
-    import torch
-
-    from mimo_tts.lm.extract import extract
-
     start = time.perf_counter()
     worker = DecodeWorker(tts.codec, sink, tts.tokenizer_threads, mode)
+    frames = FrameCollector(tts, chunk_schedule(chunk_groups,
+                                                chunk_cap(mode, chunk_groups, max_chunk_groups)))
     try:
-        cap = chunk_cap(mode, chunk_groups, max_chunk_groups)
-        blocks, sent = _generate_streaming(tts, prompt, options, worker,
-                                           chunk_schedule(chunk_groups, cap))
+        _generate_streaming(tts, prompt, options, worker, frames)
         generated = time.perf_counter()
         audio = worker.join()
     except BaseException:
         worker.abort()
         raise
-    found = extract(torch.cat(blocks, dim=1), tts.text, tts.empty_ids, tts.group_size)
+    found = frames.extract()
     note = None
-    if found.codes is not None and not torch.equal(torch.cat(sent, dim=1), found.codes):
+    if frames.streamed_differs(found):
         note = "streamed frames differ from the extracted codes; the file is decoded one-shot"
         log(f"note: {note}")
         audio = tts.stage1.decode([found.codes])[0]
@@ -183,29 +231,14 @@ def stream_piece(tts, prompt, options, seed: int, sink, chunk_groups: int, log,
 
 
 def _generate_streaming(tts, prompt, options, worker: DecodeWorker,
-                        schedule: Iterator[int]):
-    """Stage-0 for one prompt in this thread, pushing audio frames to the worker in chunks
-    of the schedule's sizes (in groups)."""
-    import torch
-
-    special, empty0 = tts.text.special, tts.empty_ids[0]
-    empty_codes = torch.tensor(tts.empty_ids).unsqueeze(0).expand(tts.group_size, -1)
-    blocks, pending, sent = [], [], []
-    size = next(schedule)
+                        frames: FrameCollector) -> None:
+    """Stage-0 for one prompt in this thread, pushing its audio frames to the worker."""
     with tts.stage0_guard():
         for step in tts.stream_steps([prompt.input_ids], options):
-            blocks.append(_group_ids(step, empty_codes))
-            if step.text_token == special.sostm:
-                pending.clear()  # official extraction reads audio after a generated <|sostm|>
-            elif step.codes is not None and step.text_token == special.empty:
-                pending.append(step.codes[step.codes[:, 0] != empty0].long().T)  # [K, f]
-                if len(pending) >= size:
-                    sent.append(torch.cat(pending, dim=1))
-                    worker.push(sent[-1])
-                    pending, size = [], next(schedule)
-    sent.append(torch.cat(pending, dim=1) if pending else empty_codes.T[:, :0])
-    worker.push(sent[-1], last=True)
-    return blocks, sent
+            codes = frames.add(step)
+            if codes is not None:
+                worker.push(codes)
+    worker.push(frames.close(), last=True)
 
 
 def stream_chunks(tts, prompts: list, o) -> Iterator:

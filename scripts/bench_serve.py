@@ -1,0 +1,181 @@
+"""Load-test `mimo-tts serve`: N concurrent clients, M requests each; latency and first byte, JSON.
+
+For each model (`tiny`: the built-in preset; `full4`: the published LM width, hidden 4096 with
+4 backbone layers and the full patch encoder/decoder, bfloat16, written once to a temp dir with
+`presets.write_random_checkpoint`, beside `bench_overlap.py`'s mid-size audio tokenizer, and
+deleted at the end) the script starts one real server subprocess on 127.0.0.1 and, for each
+client count in turn, runs that many threads, each sending `--requests` streamed `pcm` requests one
+after another over httpx. Per run: p50/p95 of the request latency and of the time to the first
+audio byte, requests and audio seconds per second, status counts and the server's batch stats
+(/health). Every client gets a distinct text; seeds are the server's default.
+
+    .venv/bin/python scripts/bench_serve.py [--models tiny,full4] [--clients 1,4,16]
+        [--requests 3] [--batch-size 8] [--out docs/bench-serve.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+from bench import machine
+from bench_overlap import CODEC_DIMS
+
+START_TIMEOUT_S = 600
+SAMPLE_BYTES = 2  # pcm: 16-bit mono at 24 kHz
+SAMPLE_RATE = 24000
+
+
+def full4_checkpoint(root: Path) -> tuple[Path, Path]:
+    """The full-width LM with 4 backbone layers (bfloat16) and the mid-size tokenizer."""
+    import torch
+
+    from mimo_tts.presets import FULL_LM, write_random_checkpoint
+
+    return write_random_checkpoint(root, {**FULL_LM, "num_hidden_layers": 4}, CODEC_DIMS,
+                                   lm_dtype=torch.bfloat16)
+
+
+def start_server(model_args: list[str], batch_size: int, clients: int, log: Path):
+    """A `mimo-tts serve` child on a free port; (process, base url) once /health answers."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv = [sys.executable, "-m", "mimo_tts.cli", "serve", *model_args, "--port", str(port),
+            "--batch-size", str(batch_size), "--max-concurrent", str(clients),
+            "--max-queue", str(clients), "--timeout", "3600"]
+    with open(log, "wb") as handle:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=handle)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"server did not start in {START_TIMEOUT_S} s")
+
+
+def one_request(client: httpx.Client, text: str) -> dict:
+    """One streamed pcm request: status, seconds to the first byte and to the end, audio s."""
+    start = time.perf_counter()
+    first, size = None, 0
+    with client.stream("POST", "/v1/audio/speech", json={
+            "model": "mimo-tts", "input": text, "response_format": "pcm"}) as response:
+        for chunk in response.iter_raw():
+            first = first or time.perf_counter()
+            size += len(chunk)
+        status = response.status_code
+    end = time.perf_counter()
+    return {"status": status, "ttfb_s": (first or end) - start, "latency_s": end - start,
+            "audio_s": size / SAMPLE_BYTES / SAMPLE_RATE if status == 200 else 0.0}
+
+
+def load_run(url: str, clients: int, requests: int) -> dict:
+    """`clients` threads, each sending `requests` requests back to back."""
+    results: list[dict] = []
+    lock = threading.Lock()
+
+    def client_loop(n: int) -> None:
+        with httpx.Client(base_url=url, timeout=3600) as client:
+            for i in range(requests):
+                found = one_request(client, f"Client {n} asks for sentence number {i}.")
+                with lock:
+                    results.append(found)
+
+    threads = [threading.Thread(target=client_loop, args=(n,)) for n in range(clients)]
+    before = httpx.get(url + "/health", timeout=30).json()
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - start
+    ok = [r for r in results if r["status"] == 200]
+    health = httpx.get(url + "/health", timeout=30).json()
+    return {"clients": clients, "requests": len(results), "wall_s": round(wall, 3),
+            "status": {str(s): sum(r["status"] == s for r in results)
+                       for s in sorted({r["status"] for r in results})},
+            "latency_s": _percentiles([r["latency_s"] for r in ok]),
+            "ttfb_s": _percentiles([r["ttfb_s"] for r in ok]),
+            "requests_per_s": round(len(ok) / wall, 3),
+            "audio_s_per_s": round(sum(r["audio_s"] for r in ok) / wall, 3),
+            "server": {"rows": health["rows"] - before["rows"],  # Stage-0 rows of this run
+                       "max_batch_rows_since_start": health["max_batch_rows"],
+                       "rejected": health["requests"]["rejected"]
+                       - before["requests"]["rejected"]}}
+
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {}
+    ordered = sorted(values)
+    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+    return {"p50": round(statistics.median(ordered), 3), "p95": round(p95, 3),
+            "max": round(ordered[-1], 3)}
+
+
+def bench_model(name: str, model_args: list[str], args, work: Path) -> dict:
+    """One server (limits sized to the largest client count, so nothing is refused), warmed
+    up by one request, then the runs in order."""
+    proc, url = start_server(model_args, args.batch_size, max(args.clients), work / "serve.log")
+    runs = []
+    try:
+        with httpx.Client(base_url=url, timeout=3600) as client:
+            one_request(client, "Warm up.")  # first-call costs (kernel build, allocations)
+        for clients in args.clients:
+            runs.append(load_run(url, clients, args.requests))
+            print(json.dumps({"model": name, **runs[-1]}), file=sys.stderr)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    return {"model": name, "args": model_args, "runs": runs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="tiny,full4")
+    parser.add_argument("--clients", default="1,4,16",
+                        type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--requests", type=int, default=3, help="requests per client")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    report = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(),
+              "batch_size": args.batch_size, "requests_per_client": args.requests,
+              "format": "pcm (streamed)", "models": []}
+    work = Path(tempfile.mkdtemp(prefix="mimo-bench-serve-"))
+    try:
+        for name in args.models.split(","):
+            if name == "tiny":
+                model_args = ["--model", "tiny"]
+            else:
+                lm, tok = full4_checkpoint(work / "full4")
+                model_args = ["--model", str(lm), "--tokenizer", str(tok)]
+            report["models"].append(bench_model(name, model_args, args, work))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    text = json.dumps(report, indent=2)
+    if args.out:
+        args.out.write_text(text + "\n", encoding="utf-8")
+    print(text)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

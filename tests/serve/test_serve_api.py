@@ -1,0 +1,235 @@
+"""`mimo-tts serve` over real HTTP: formats, streaming, batching, overload, disconnects, errors.
+
+One server (tiny preset, no API key) for the module; requests go through httpx.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import io
+import json
+import time
+
+import numpy as np
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+sf = pytest.importorskip("soundfile")
+
+SAMPLES_PER_FRAME = 960
+TEXT = "Hello from the server."
+BATCH, CONCURRENT, QUEUE = 8, 8, 8
+LOSSY = {"mp3": ("MP3", "MPEG_LAYER_III"), "opus": ("OGG", "OPUS")}
+
+
+def writable(fmt: str) -> bool:
+    """Whether this libsndfile writes a lossy format (the server offers it exactly then)."""
+    container, subtype = LOSSY[fmt]
+    return container in sf.available_formats() and subtype in sf.available_subtypes(container)
+
+
+@pytest.fixture(scope="module")
+def voice_wav(tmp_path_factory):
+    path = tmp_path_factory.mktemp("voice") / "voice.wav"
+    rng = np.random.default_rng(0)
+    sf.write(str(path), (0.1 * rng.standard_normal(16000)).astype("float32"), 16000)
+    return path
+
+
+@pytest.fixture(scope="module")
+def url(start_server, voice_wav):
+    return start_server("--batch-size", BATCH, "--max-concurrent", CONCURRENT, "--max-queue",
+                        QUEUE, "--voice", f"clone={voice_wav}")
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    with httpx.Client(base_url=url, timeout=120) as c:
+        yield c
+
+
+def speech(client, **fields):
+    return client.post("/v1/audio/speech", json={"model": "tiny", "input": TEXT, **fields})
+
+
+def health(client) -> dict:
+    return client.get("/health").json()
+
+
+def wait_idle(client, timeout: float = 20) -> dict:
+    """/health once nothing is active or queued (the engine may still finish a cancelled row)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = health(client)
+        if state["active"] == state["queued"] == 0 or time.monotonic() > deadline:
+            return state
+        time.sleep(0.1)
+
+
+def test_models_and_health(client):
+    models = client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    state = health(client)
+    assert state["status"] == "ok" and state["batch_size"] == BATCH
+
+
+def test_every_format_decodes_with_the_same_length(client):
+    pcm = speech(client, response_format="pcm", seed=1)
+    assert pcm.status_code == 200 and pcm.headers["content-type"] == "audio/pcm"
+    samples = len(pcm.content) // 2
+    assert len(pcm.content) % 2 == 0 and samples % SAMPLES_PER_FRAME == 0 and samples > 0
+    wav = speech(client, response_format="wav", seed=1)
+    # streamed the same way: the WAV is the PCM behind a 44-byte header of unknown length
+    assert wav.content[44:] == pcm.content and wav.content[:4] == b"RIFF"
+    for fmt in ["wav", "flac", *filter(writable, LOSSY)]:
+        response = speech(client, response_format=fmt, seed=1)
+        assert response.status_code == 200, response.text
+        audio, rate = sf.read(io.BytesIO(response.content), dtype="float32")
+        assert rate == 24000 and np.isfinite(audio).all()
+        assert abs(len(audio) - samples) <= (0 if fmt in ("wav", "flac") else 2 * 960), fmt
+
+
+def test_lossy_formats_follow_libsndfile(client):
+    """mp3 and opus are offered exactly where this libsndfile writes them."""
+    error = speech(client, response_format="nope").json()["error"]["message"]
+    for fmt in LOSSY:
+        assert (fmt in error) == writable(fmt)
+        assert (speech(client, response_format=fmt).status_code == 200) == writable(fmt)
+
+
+def test_flac_bytes_equal_the_cli(client, mimo, tmp_path):
+    """Alone in its batch, a request is the CLI's run: same codes, same one-shot decode."""
+    response = speech(client, response_format="flac", seed=7)
+    result = mimo("synth", "--model", "tiny", "--text", TEXT, "--seed", 7, "--format", "flac",
+                  "-o", tmp_path / "cli.flac")
+    assert result.returncode == 0, result.stderr
+    assert response.content == (tmp_path / "cli.flac").read_bytes()
+
+
+def test_sse_streams_deltas_before_the_end(client):
+    start = time.perf_counter()
+    events = []
+    with client.stream("POST", "/v1/audio/speech",
+                       json={"model": "tiny", "input": TEXT, "response_format": "pcm",
+                             "stream_format": "sse", "seed": 2}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line:
+                assert line.startswith("data: ")
+                events.append((time.perf_counter() - start, json.loads(line[6:])))
+    deltas = [(t, e) for t, e in events if e["type"] == "speech.audio.delta"]
+    (done_at, done), = [(t, e) for t, e in events if e["type"] == "speech.audio.done"]
+    assert len(deltas) >= 2 and deltas[0][0] < done_at
+    usage = done["usage"]
+    assert usage["output_tokens"] > 0 and usage["total_tokens"] == \
+        usage["input_tokens"] + usage["output_tokens"]
+    audio = b"".join(base64.b64decode(e["audio"]) for _, e in deltas)
+    assert audio == speech(client, response_format="pcm", seed=2).content
+
+
+def test_streamed_pcm_arrives_in_several_chunks(client):
+    with client.stream("POST", "/v1/audio/speech",
+                       json={"model": "tiny", "input": TEXT, "response_format": "pcm"}) as r:
+        arrivals = [time.perf_counter() for _ in r.iter_raw()]
+    assert len(arrivals) >= 2 and arrivals[0] < arrivals[-1]
+
+
+def test_concurrent_requests_are_batched(client):
+    def one(i: int):
+        return speech(client, input=f"Request number {i}.", response_format="wav")
+
+    with concurrent.futures.ThreadPoolExecutor(CONCURRENT) as pool:
+        responses = list(pool.map(one, range(CONCURRENT)))
+    assert [r.status_code for r in responses] == [200] * CONCURRENT
+    rows = [int(r.headers["x-mimo-batch-rows"]) for r in responses]
+    assert max(rows) > 1
+    assert health(client)["max_batch_rows"] > 1
+    for response in responses:
+        audio, rate = sf.read(io.BytesIO(response.content))
+        assert rate == 24000 and len(audio) > 0
+
+
+def test_overload_answers_503_with_retry_after(client):
+    total = 3 * (CONCURRENT + QUEUE)
+    with concurrent.futures.ThreadPoolExecutor(total) as pool:
+        responses = list(pool.map(lambda i: speech(client, response_format="pcm"),
+                                  range(total)))
+    busy = [r for r in responses if r.status_code == 503]
+    assert busy and len(busy) < total
+    assert all(r.status_code in (200, 503) for r in responses)
+    for response in busy:
+        assert int(response.headers["retry-after"]) >= 1
+        assert response.json()["error"]["code"] == "busy"
+    state = wait_idle(client)
+    assert state["active"] == state["queued"] == 0
+
+
+def test_disconnect_mid_stream_frees_the_slot(client):
+    cancelled = health(client)["requests"]["cancelled"]
+    long = " ".join(f"Sentence {i} is long enough to fill most of a piece of its own, "
+                    f"{'and it goes on ' * 14}until it ends." for i in range(10))  # 10 pieces
+    with client.stream("POST", "/v1/audio/speech",
+                       json={"model": "tiny", "input": long, "response_format": "pcm"}) as r:
+        chunks = r.iter_raw()  # kept: a dropped iterator would close the response
+        assert r.status_code == 200 and next(chunks)
+        assert health(client)["active"] == 1
+    state = wait_idle(client)
+    assert state["active"] == 0 and state["requests"]["cancelled"] == cancelled + 1
+    assert speech(client, response_format="wav").status_code == 200
+
+
+def test_disconnect_before_audio_frees_the_slot(url, client):
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url + "/v1/audio/speech", timeout=0.2,
+                   json={"model": "tiny", "input": TEXT, "response_format": "flac"})
+    state = wait_idle(client)
+    assert state["active"] == state["queued"] == 0
+    assert speech(client, response_format="flac").status_code == 200
+
+
+def test_voices_and_instructions(client):
+    for fields in ({"voice": "clone"}, {"voice": "clone", "instructions": "calm"},
+                   {"instructions": "calm, low voice"}, {"voice": "alloy"},
+                   {"voice": "natural", "input": "Whisper: good night."}):
+        response = speech(client, response_format="wav", **fields)
+        assert response.status_code == 200, (fields, response.text)
+        assert len(sf.read(io.BytesIO(response.content))[0]) > 0
+
+
+@pytest.mark.parametrize(("fields", "status", "message"), [
+    ({"input": ""}, 400, "input: empty text"),
+    ({"input": "a\x01b"}, 400, "input: text has control character U+0001 at 1"),
+    ({"input": "x" * 4097}, 400, "input is 4097 characters; the limit is 4096"),
+    ({"voice": "nobody"}, 400, "unknown voice 'nobody'; choose one of default, natural, clone"),
+    ({"response_format": "ogg"}, 400, "response_format must be one of pcm, wav, flac"),
+    ({"stream_format": "chunks"}, 400, "stream_format must be audio or sse"),
+    ({"seed": -1}, 400, "--seed must be in [0, 2**64 - 1]"),
+    ({"seed": "3"}, 400, "seed must be an integer"),
+    ({"speed": 1.5}, 400, "speed is not supported"),
+    ({"instructions": " "}, 400, "instruct is empty"),
+    ({"voice": "natural", "instructions": "calm"}, 400,
+     "task tts_sft_with_natural_instruction takes no instruction"),
+    ({"temperature": 0.5}, 400, "unknown field(s): temperature"),
+    ({"model": "other"}, 404, "model 'other' is not served"),
+    ({"model": None}, 400, "model is required"),
+])
+def test_bad_requests_get_json_errors(client, fields, status, message):
+    response = speech(client, **fields)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert message in error["message"] and "Traceback" not in response.text
+    assert error["type"] == "invalid_request_error"
+
+
+def test_malformed_bodies_and_routes(client):
+    for body, status, message in ((b"{nope", 400, "not valid JSON"),
+                                  (b"[1, 2]", 400, "must be a JSON object"),
+                                  (b"x" * (1 << 20 | 1), 413, "request body over")):
+        response = client.post("/v1/audio/speech", content=body)
+        assert response.status_code == status and message in response.json()["error"]["message"]
+    assert client.get("/v1/nothing").json()["error"]["message"] == "Not Found"
+    assert client.get("/v1/audio/speech").status_code == 405
+    assert health(client)["status"] == "ok"  # still serving after every failure
