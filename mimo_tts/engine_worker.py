@@ -199,6 +199,85 @@ class StaticBatcher:
                 yield Finished(job, error or MimoTTSError("request cancelled"))
 
 
+class ContinuousStrategy:
+    """Batching strategy on the native engine: `lm.batching.ContinuousBatcher` keeps up to
+    `batch_size` rows busy; a row that ends takes the next queued job at once, whatever its
+    seed or samplers (each row samples from its own generator), so a request's audio does not
+    depend on what it was batched with. Same contract as `StaticBatcher`."""
+
+    def __init__(self, tts, batch_size: int, log=None):
+        self.tts, self.batch_size = tts, batch_size
+        self.log = log or (lambda message: None)
+
+    def run(self, source: JobQueue) -> Iterator[Started | Group | Finished]:
+        from mimo_tts.lm.batching import IDLE, JobDone, JobGroup
+
+        feed = _QueueFeed(source)
+        batcher = self.tts.batcher(feed, self.batch_size)
+        steps = batcher.run()
+        live: set[Job] = set()
+        while True:
+            try:
+                with self.tts.stage0_guard():
+                    event = next(steps, None)
+            except MimoTTSError as exc:  # the step failed (out of memory): its rows fail
+                for job in live:
+                    yield Finished(job, exc)
+                return  # the engine thread starts a fresh batch for the jobs still queued
+            live.update(feed.started)
+            for job in feed.started:  # rows: the live rows it joined
+                yield Started(job, len(live))
+            feed.started.clear()
+            for job in [j for j in live if j.cancelled.is_set()]:
+                batcher.cancel(job)
+            if event is None:
+                return
+            if event is IDLE:
+                if not feed.wait():
+                    return
+            elif isinstance(event, JobGroup):
+                if not event.job.key.cancelled.is_set():
+                    yield Group(event.job.key, event.output)
+            elif isinstance(event, JobDone):
+                job = event.job.key
+                live.discard(job)
+                error = event.error if event.reason != "cancelled" else \
+                    MimoTTSError("request cancelled")
+                yield Finished(job, error)
+
+
+class _QueueFeed:
+    """The `JobQueue` as an `lm.batching.JobSource` (non-blocking `pull`); `wait` blocks
+    until a job is queued (False once the queue is closed)."""
+
+    def __init__(self, source: JobQueue):
+        self.source, self.started, self.exhausted = source, [], False
+        self._next: Job | None = None
+
+    def pull(self):
+        from mimo_tts.lm.batching import Job as RowJob
+
+        job, self._next = self._next, None
+        if job is None:
+            taken = self.source.take(1, block=False)
+            if taken is None:
+                self.exhausted = True
+                return None
+            job = taken[0] if taken else None
+        if job is None or job.cancelled.is_set():
+            return None
+        self.started.append(job)
+        return RowJob(job.prompt.input_ids, job.options, key=job)
+
+    def wait(self) -> bool:
+        taken = self.source.take(1, block=True)
+        if taken is None:
+            self.exhausted = True
+            return False
+        self._next = taken[0] if taken else None
+        return True
+
+
 class Engine:
     """The engine thread (Stage-0 through a batching strategy) and the Stage-1 thread."""
 

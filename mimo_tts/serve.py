@@ -19,7 +19,14 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from mimo_tts import io as mio
-from mimo_tts.engine_worker import Engine, Job, JobQueue, StaticBatcher, Ticket
+from mimo_tts.engine_worker import (
+    ContinuousStrategy,
+    Engine,
+    Job,
+    JobQueue,
+    StaticBatcher,
+    Ticket,
+)
 from mimo_tts.errors import DeviceError, InputError, MimoTTSError, UsageError
 from mimo_tts.inputs import MAX_SEED, clean_text
 
@@ -129,7 +136,8 @@ class SpeechServer:
         self.formats = ["pcm", "wav", "flac", *mio.lossy_formats()]
         self.default_format = "mp3" if "mp3" in self.formats else "wav"
         self.jobs = JobQueue(cfg.max_queue, cfg.max_concurrent)
-        self.engine = Engine(tts, self.jobs, StaticBatcher(tts, cfg.batch_size, self.log), base,
+        strategy = ContinuousStrategy if tts.lm is not None else StaticBatcher  # vLLM: static
+        self.engine = Engine(tts, self.jobs, strategy(tts, cfg.batch_size, self.log), base,
                              self.log)
         self.counts = {"ok": 0, "failed": 0, "cancelled": 0, "rejected": 0}
         self.serial = 0
