@@ -62,16 +62,20 @@ def test_dev_full_is_no_space_and_dev_null_stays_a_device(invoke, rel):
     assert not [p for p in os.listdir("/dev") if p.startswith(rel.TEMP_MARK)]
 
 
-def test_closed_stdout_pipe_is_an_io_error(base_env, entry_point, tmp_path):
-    """`--raw | head -c 100`: the reader goes away; one error line, no traceback."""
-    proc = subprocess.Popen([str(entry_point), *TINY[:3], "--text", "Piped away.", "--raw",
-                             "--stream", "--max-new-groups", "40"],
+@pytest.mark.parametrize("args", [
+    ["--raw", "--stream"],  # chunks as decoded
+    ["-o", "-"],  # the encoded file, bigger than the pipe: a short write (issue 13 B)
+], ids=["raw-stream", "stdout-file"])
+def test_closed_stdout_pipe_is_an_io_error(base_env, entry_point, tmp_path, args):
+    """`... | head -c 100`: the reader goes away; exit 5, one error line, no traceback."""
+    proc = subprocess.Popen([str(entry_point), *TINY[:3], "--text", "Piped away.", *args,
+                             "--max-new-groups", "40"],
                             cwd=tmp_path, env=base_env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
     assert len(proc.stdout.read(100)) == 100
     proc.stdout.close()
     stderr = proc.stderr.read().decode()
-    assert proc.wait(timeout=120) == EXIT_IO, stderr
+    assert proc.wait(timeout=300) == EXIT_IO, stderr
     assert "broken pipe" in stderr and "Traceback" not in stderr
     assert "Exception ignored" not in stderr
 
