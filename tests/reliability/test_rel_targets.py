@@ -251,8 +251,7 @@ def test_10_json_run_level_errors_are_one_json_object(invoke, args, code):
     assert record["error"] in result.stderr
 
 
-# --- B: a short write to a closed stdout: test_rel_outputs.py::test_closed_stdout_pipe_is_an_io_error
-
+# --- B: a short write to a closed stdout: in test_rel_outputs.py (closed_stdout_pipe) -------
 
 # --- C: sidecars and codes beside -o FILE are never replaced ----------------------------------
 
