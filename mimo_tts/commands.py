@@ -105,12 +105,20 @@ def summary(results: list[ItemResult], runner: BatchRunner, elapsed: float) -> s
 
 
 def preflight_report(flags: Mapping[str, object], config: str | None) -> dict:
-    """The preflight of the run these flags describe (`--text` values size the memory plan)."""
+    """The preflight of the run these flags describe: the `--input` files are read and checked
+    as a run reads them (stdin is left alone), and their texts with `--text` size the memory
+    plan."""
     texts = [t for t in flags.get("text") or [] if t != "-"]
+    files = [f for f in flags.get("input") or [] if f != "-"]
     settings = settings_for(flags, config)
+    items = read_items([], files) if files else []
     if not (settings.run.output or settings.run.raw):
         settings = with_shard(settings, flags, os.environ)
-    return preflight(settings, texts)
+    report = preflight(settings, texts + [i.text for i in items if isinstance(i.text, str)])
+    if files:
+        report["inputs"] = {"files": files, "items": len(items),
+                            "bad_items": sum(i.error is not None for i in items)}
+    return report
 
 
 # --- decode -------------------------------------------------------------------------------------

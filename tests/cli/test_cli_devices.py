@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from mimo_tts.errors import EXIT_CHECKPOINT, EXIT_DEVICE
+from mimo_tts.errors import EXIT_CHECKPOINT, EXIT_DEVICE, EXIT_INPUT, EXIT_OK
 
 ENV_DEVICE = "MIMO_AUDIO_TOKENIZER_DEVICE"
 
@@ -121,6 +121,18 @@ def test_dry_run_reports_a_missing_model_without_loading(mimo):
     report = json.loads(proc.stdout)
     assert report["checkpoints"]["model"]["status"].startswith("missing")
     assert "mimo-tts download" in proc.stderr.decode()
+
+
+def test_dry_run_reads_the_input_files(invoke, tmp_path):
+    """Issue 13 item 8: a dry run checks the inputs a run would read (before: exit 0)."""
+    missing = invoke("synth", "--model", "tiny", "--input", str(tmp_path / "none.txt"),
+                     "--dry-run")
+    assert missing.exit_code == EXIT_INPUT and "input file not found" in missing.stderr
+    lines = tmp_path / "lines.txt"
+    lines.write_text("First line.\nSecond line.\n")
+    ok = invoke("synth", "--model", "tiny", "--input", str(lines), "--dry-run", "--json")
+    assert ok.exit_code == EXIT_OK, ok.stderr
+    assert json.loads(ok.stdout)["inputs"] == {"files": [str(lines)], "items": 2, "bad_items": 0}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the profile is valid on a CUDA machine")
