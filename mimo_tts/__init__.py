@@ -15,9 +15,18 @@ _FACE = {"load": "mimo_tts.synth", "MiMoTTS": "mimo_tts.synth", "Audio": "mimo_t
          "AudioChunk": "mimo_tts.synth", "SynthesisOptions": "mimo_tts.options"}
 
 
-def __getattr__(name: str):
-    if name in _FACE:
+def lazy_exports(package: str, exports: dict[str, str]):
+    """A package's module `__getattr__`: each name in `exports` (name -> defining module) is
+    imported on first use, so importing the package itself stays cheap."""
+
+    def __getattr__(name: str):
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
         import importlib
 
-        return getattr(importlib.import_module(_FACE[name]), name)
-    raise AttributeError(f"module 'mimo_tts' has no attribute {name!r}")
+        return getattr(importlib.import_module(exports[name]), name)
+
+    return __getattr__
+
+
+__getattr__ = lazy_exports("mimo_tts", _FACE)

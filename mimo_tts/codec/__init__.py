@@ -6,6 +6,8 @@ cheap to import for preflights.
 
 from __future__ import annotations
 
+from mimo_tts import lazy_exports
+
 _EXPORTS = {
     "AudioTokenizer": "mimo_tts.codec.tokenizer",
     "CodecConfig": "mimo_tts.codec.config",
@@ -18,9 +20,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'mimo_tts.codec' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports("mimo_tts.codec", _EXPORTS)

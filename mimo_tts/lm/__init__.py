@@ -5,6 +5,8 @@ Exports resolve lazily so that `mimo_tts.lm.text` (no torch) stays cheap to impo
 
 from __future__ import annotations
 
+from mimo_tts import lazy_exports
+
 _EXPORTS = {
     "LMConfig": "mimo_tts.lm.config",
     "MAX_GROUPS": "mimo_tts.lm.config",
@@ -25,9 +27,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'mimo_tts.lm' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports("mimo_tts.lm", _EXPORTS)
