@@ -349,15 +349,20 @@ class ContinuousBatcher:
         keep = any(self.slots[r].job.options.keep_logits for r in live)
         raw = logits.detach().to("cpu", copy=True) if keep else None
         tokens = torch.zeros(self.rows, dtype=torch.long, device=self.device)
-        for r in live:
+        # Each row's own hook and min-length rule, then every row drawn at once: row-wise
+        # filters and each row's generator give what its single run draws (sampling.sample).
+        index = torch.tensor(live, device=self.device)
+        text = logits.index_select(0, index)  # [n, V], a copy the rules may write into
+        for i, r in enumerate(live):
             row = self.slots[r]
-            options, one = row.job.options, logits[r:r + 1]
+            options = row.job.options
             if options.text_logits_processor is not None:
-                one = options.text_logits_processor(row.step, one)
+                text[i] = options.text_logits_processor(row.step, logits[r:r + 1])[0]
             if row.step < options.min_new_groups:
-                one = one.clone()
-                one[:, row.stop_ids] = float("-inf")
-            tokens[r] = sample(one, options.text_sampler, row.generator)[0]
+                text[i, row.stop_ids] = float("-inf")
+        rows = [self.slots[r] for r in live]
+        tokens[index] = sample(text, [row.job.options.text_sampler for row in rows],
+                               [row.generator for row in rows])
         cfg = self.model.cfg
         codes = self.model.empty_ids.expand(self.rows, cfg.group_size, -1).clone()
         token_list = tokens.tolist()

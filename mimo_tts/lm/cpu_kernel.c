@@ -152,30 +152,45 @@ static void amx_configure(int n) {
     _tile_loadconfig(&c);
 }
 
-/* xp[(i / 2) * 2n + 2j + i % 2] = x[j * in + i]: the B operand of every column block. */
+/* xp[(i / 2) * 2n + 2j + i % 2] = x[j * in + i]: the B operand of every column block, one
+ * 32-bit pair a (p, j). Shared by the team (an orphaned `omp for`: ends in a barrier). */
 static void amx_pack(const bf16 *x, int n, long in, bf16 *xp) {
-    for (long p = 0; p < in / 2; p++)
-        for (int j = 0; j < n; j++) {
-            xp[(p * n + j) * 2] = x[(long)j * in + 2 * p];
-            xp[(p * n + j) * 2 + 1] = x[(long)j * in + 2 * p + 1];
-        }
+    const uint32_t *pairs = (const uint32_t *)x;
+    uint32_t *out = (uint32_t *)xp;
+    long half = in / 2;
+    #pragma omp for schedule(static)
+    for (long p = 0; p < half; p++)
+        for (int j = 0; j < n; j++) out[p * n + j] = pairs[(long)j * half + p];
 }
 
 static void amx_rows(const bf16 *w, const bf16 *b, long in, long r0, long r1, const bf16 *xp,
                      int n, float *y, long ldy) {
     float tile[16 * 16];
+    const __m512i column = _mm512_mullo_epi32(  /* k * n: row k of a tile column */
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(n));
     for (long r = r0; r < r1; r += 16) {
         const bf16 *w0 = w + r * in;
+        /* The next block's 16 rows are contiguous: each k step brings 16 of its lines into
+         * L2 as it consumes 16 lines of this one (the tile loads alone stall on memory). */
+        const char *next = (const char *)(w0 + 16 * in);
         _tile_zero(0);
-        for (long i = 0; i < in; i += 32) {
+        for (long i = 0, line = 0; i < in; i += 32, line += 16) {
+            if (r + 16 < r1)
+                for (int k = 0; k < 16; k++) _mm_prefetch(next + (line + k) * 64, _MM_HINT_T1);
             _tile_loadd(1, w0 + i, in * 2);
             _tile_loadd(2, xp + i * n, 4 * n);
             _tile_dpbf16ps(0, 1, 2);
         }
         _tile_stored(0, tile, 4 * n);
-        for (int k = 0; k < 16; k++)
-            for (int j = 0; j < n; j++)
-                y[(long)j * ldy + r + k] = bf2f(f2bf(tile[k * n + j] + bias_at(b, r + k)));
+        /* Column j of the tile is rows r..r+15 of vector j: gathered, biased, rounded. */
+        __m512 bias = b ? _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)(b + r)))
+                        : _mm512_setzero_ps();
+        for (int j = 0; j < n; j++) {
+            __m512i at = _mm512_add_epi32(column, _mm512_set1_epi32(j));
+            __m512 v = _mm512_add_ps(_mm512_i32gather_ps(at, tile, 4), bias);
+            _mm512_storeu_ps(y + (long)j * ldy + r, _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)));
+        }
     }
 }
 static void amx_release(void) { _tile_release(); }
@@ -284,7 +299,6 @@ static void gemv_bf16(int n, const void *w, const float *scale, const void *b, l
     }
 #if HAVE_AMX
     if (use_amx(n) && in % 32 == 0 && out % 16 == 0) {
-        #pragma omp single
         amx_pack(x, n, in, xp);
         amx_rows((const bf16 *)w, (const bf16 *)b, in, r0, r1, xp, n, y, out);
         #pragma omp barrier

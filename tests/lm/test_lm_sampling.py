@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mimo_tts.errors import UsageError
+from mimo_tts.lm import sampling
 from mimo_tts.lm.sampling import (
     GREEDY,
     TASK_SAMPLERS,
@@ -111,3 +112,24 @@ def test_per_row_draws_are_each_rows_multinomial(vocab):
     assert tokens[1::2].tolist() == logits[1::2].argmax(-1).tolist()
     with pytest.raises(RuntimeError, match="nan"):
         draw_rows(torch.full((1, vocab), float("nan")), [None])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_parallel_draws_keep_each_rows_stream(threads):
+    """A large vocab's rows draw on a thread pool (inference mode carried to it); each row
+    still gets its own generator's multinomial draw, whatever the torch thread count."""
+    vocab = sampling.PARALLEL_DRAW_VOCAB * 2
+    probs = torch.randn(5, vocab, generator=torch.Generator().manual_seed(3)).softmax(-1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gens = [torch.Generator().manual_seed(40 + i) for i in range(5)]
+        alone = [torch.Generator().manual_seed(40 + i) for i in range(5)]
+        with torch.inference_mode():
+            for _ in range(2):
+                want = [int(torch.multinomial(probs[i:i + 1], 1, generator=g))
+                        for i, g in enumerate(alone)]
+                assert draw_rows(probs, gens).tolist() == want
+        assert (sampling._draw_pool(vocab) is None) == (threads == 1)
+    finally:
+        torch.set_num_threads(before)
