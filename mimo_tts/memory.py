@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mimo_tts.devices import DTYPE_BYTES
-from mimo_tts.errors import CheckpointError, DeviceError, UsageError
+from mimo_tts.errors import DeviceError, UsageError
 
 AVAILABLE_ENV = "MIMO_TTS_AVAILABLE_MEMORY"
 GIB = 2**30
@@ -106,20 +106,12 @@ def weights_bytes(path: Path, dtype: str) -> int:
     return total
 
 
-def _config(path: Path) -> dict:
-    from mimo_tts.weights import read_config
-
-    config = read_config(path)
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path}/config.json is not a JSON object")
-    return config
-
-
 def lm_need(path: Path, device: str, dtype: str, lengths: Lengths) -> StageNeed:
     """LM weights, KV cache (backbone for prompt + new groups, patch decoder) and workspace."""
     from mimo_tts.lm.config import LMConfig
+    from mimo_tts.weights import parse_config
 
-    cfg = LMConfig.from_json(_config(path))  # the loader's own checks and messages
+    cfg = parse_config(path, LMConfig.from_json)  # the loader's own checks and messages
     back, local = cfg.backbone, cfg.patch_decoder
     layers, kv, head_dim, hidden = back.layers, back.kv_heads, back.head_dim, back.dim
     vocab, ffn, local_dim, local_layers = cfg.vocab_size, back.ffn_dim, local.dim, local.layers
@@ -137,8 +129,9 @@ def lm_need(path: Path, device: str, dtype: str, lengths: Lengths) -> StageNeed:
 def tokenizer_need(path: Path, device: str, dtype: str, lengths: Lengths) -> StageNeed:
     """Audio-tokenizer weights and the decode workspace for the run's longest audio."""
     from mimo_tts.codec.config import CodecConfig
+    from mimo_tts.weights import parse_config
 
-    cfg = CodecConfig.from_json(_config(path))
+    cfg = parse_config(path, CodecConfig.from_json)
     d_model, ffn, heads = cfg.d_model, cfg.decoder_ffn_dim, cfg.decoder_attention_heads
     frames = 2 * 4 * (lengths.prompt_groups + lengths.new_groups)  # 25 Hz codes -> 50 Hz
     size = max(DTYPE_BYTES[dtype], 4)  # norms and attention run in float32

@@ -9,10 +9,13 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TypeVar
 
 from mimo_tts.errors import CheckpointError
+
+T = TypeVar("T")
 
 SINGLE_FILE = "model.safetensors"
 _SHARD_NAME = re.compile(r"[\w.-]+\.safetensors")  # a plain file name: no "/" or ".."
@@ -31,6 +34,20 @@ def read_config(directory: str | Path) -> dict:
         return json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"unreadable {path}: {exc}") from None
+
+
+def parse_config(directory: str | Path, parse: Callable[[dict], T]) -> T:
+    """`parse` (LMConfig.from_json, CodecConfig.from_json) of a checkpoint's config.json, its
+    errors naming the file: `<dir>/config.json: field 'x' = ... must be ...`."""
+    config = read_config(directory)
+    path = Path(directory) / "config.json"
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    try:
+        return parse(config)
+    except CheckpointError as exc:
+        message = str(exc).split("config.json: ", 1)[-1]  # the parser's own prefix, if any
+        raise CheckpointError(f"{path}: {message}") from None
 
 
 def weight_files(directory: str | Path) -> list[Path]:
@@ -102,15 +119,14 @@ def check_files(directory: str | Path, role: str) -> None:
     ("model" or "tokenizer"), every safetensors header and file size, and that a sharded
     index's tensors are in the shards it names."""
     directory = Path(directory)
-    config = read_config(directory)
     if role == "model":
         from mimo_tts.lm.config import LMConfig
 
-        LMConfig.from_json(config)
+        parse_config(directory, LMConfig.from_json)
     else:
         from mimo_tts.codec.config import CodecConfig
 
-        CodecConfig.from_json(config)
+        parse_config(directory, CodecConfig.from_json)
     files = weight_files(directory)
     found: dict[str, str] = {}
     for path in files:

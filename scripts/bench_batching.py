@@ -5,6 +5,8 @@ The same items run two ways, back to back and alternating, best of --rounds:
   all wait for its longest one (what BatchRunner did before continuous batching);
 - "continuous": one `ContinuousBatcher` of --batch rows; a row that stops takes the next
   item at once (mimo_tts/lm/batching.py).
+Then the first --check items, each with its own seed, run once more in a continuous batch of
+3 rows and alone: the report says how many came out identical (codes and text tokens).
 Every item has its own prompt length and its own number of groups (its text forced to
 <|empty|> for n - 1 groups, then <|eostm|>), spread widely, so windows waste rows; audio is
 sampled with the tts sampler. Throughput is the items' groups / wall seconds (prefills
@@ -25,7 +27,7 @@ import torch
 from _common import TINY_A
 from bench_lm import QUIET, SPECIAL, _cpu_name, audio_prompt, build_model
 
-from mimo_tts.lm.batching import ContinuousBatcher, Job, Jobs
+from mimo_tts.lm.batching import ContinuousBatcher, Job, JobDone, Jobs
 from mimo_tts.lm.generate import GenerationOptions, generate
 from mimo_tts.lm.load import load_lm
 from mimo_tts.lm.text import TextTokenizer
@@ -84,6 +86,21 @@ def run_continuous(model, special, items, batch: int) -> tuple[int, int]:
     return groups, steps - 1  # the last call found every row free
 
 
+def identical_to_single_runs(model, special, items, rows: int) -> str:
+    """Each item (its own seed) in one continuous batch of `rows` rows against its single
+    run: "k of n" whose codes and text tokens are identical."""
+    jobs = [Job(p, GenerationOptions(**{**options(forced([s])).__dict__, "seed": 11 + n}),
+                key=n) for n, (p, s) in enumerate(items)]
+    batcher = ContinuousBatcher(model, special, rows, Jobs(jobs))
+    done = {e.job.key: e.generation for e in batcher.run() if isinstance(e, JobDone)}
+    same = 0
+    for job in jobs:
+        alone = generate(model, [job.ids], job.options, special)[0]
+        same += (done[job.key].text_tokens == alone.text_tokens
+                 and torch.equal(done[job.key].new_ids, alone.new_ids))
+    return f"{same} of {len(jobs)}"
+
+
 def bench(name: str, model, special, args, groups: tuple[int, int],
           prompt: tuple[int, int]) -> dict:
     items = make_items(model, special, args.items, groups, prompt)
@@ -103,7 +120,10 @@ def bench(name: str, model, special, args, groups: tuple[int, int],
     best = {k: min(v) for k, v in seconds.items()}
     rate = {k: round(made[k] / s, 2) for k, s in best.items()}
     lengths = [len(s) for _, s in items]
+    check = items[:args.check] if args.check else []
     return {
+        "identical_to_single_runs": identical_to_single_runs(model, special, check, 3)
+        if check else "not checked",
         "model": name, "items": len(items), "batch": args.batch,
         "groups_per_item": {"min": min(lengths), "max": max(lengths),
                             "total": sum(lengths)},
@@ -127,6 +147,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (best of)")
     parser.add_argument("--groups", default=None,
                         help="MIN,MAX groups per item (default 4,48 for full, 8,160 for tiny)")
+    parser.add_argument("--check", type=int, default=4,
+                        help="items (own seeds, 3 rows) checked equal to their single runs")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--quiet-wait", type=float, default=3.0,
                         help="seconds to wait before each timed run for a quiet CPU (0: never)")

@@ -20,7 +20,7 @@ from mimo_tts.codec.layers import prepack
 from mimo_tts.codec.tokenizer import AudioTokenizer
 from mimo_tts.devices import normalize_device, torch_dtype
 from mimo_tts.errors import UsageError
-from mimo_tts.weights import load_module_weights, read_config
+from mimo_tts.weights import load_module_weights, parse_config
 
 # Checkpoint tensors that exist only for training (RVQ EMA state); everything else must match.
 IGNORED_TENSORS = (
@@ -85,7 +85,7 @@ def load_audio_tokenizer(
     """Load a MiMo-Audio tokenizer directory (config.json + safetensors) onto `device`."""
     device = torch.device(normalize_device(str(device)))
     dtype = resolve_dtype(dtype)
-    config = CodecConfig.from_json(read_config(path))
+    config = parse_config(path, CodecConfig.from_json)
     model = build_model(config, dtype)
     load_module_weights(model, path, f"audio tokenizer {path}", ignore=IGNORED_TENSORS)
     return AudioTokenizer(place_model(model, device, dtype), device, dtype, cuda_graph=cuda_graph)

@@ -124,7 +124,7 @@ static void rows_bf16(const bf16 *w, const bf16 *b, long in, long r0, long r1, c
 }
 
 #if HAVE_AMX
-/* AMX tiles for 2-16 vectors: C (tile 0) [16 rows, n] fp32 += A (tile 1) [16 rows, 32]
+/* AMX tiles for 1-16 vectors: C (tile 0) [16 rows, n] fp32 += A (tile 1) [16 rows, 32]
  * weights . B (tile 2) [16 pairs, n] vectors in pair-interleaved (VNNI) layout. */
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -133,7 +133,7 @@ typedef struct {
 } TileConfig;
 
 static int amx_state = -1;  /* -1 unknown, 0 unavailable, 1 granted to this process */
-static int amx_from = 2;  /* fewest rows that use the tiles (17: never; set by Python) */
+static int amx_from = 1;  /* fewest rows that use the tiles (17: never; set by Python) */
 static inline int use_amx(int n) { return amx_state == 1 && n >= amx_from && n <= 16; }
 
 int amx_enable(void) {
@@ -504,7 +504,7 @@ long step_work_floats(const Step *s) {
 
 int max_head_dim(void) { return MAX_HEAD_DIM; }
 
-/* AMX tiles for `rows` >= this (2-16); 17 turns them off (the AVX512-BF16 path runs). */
+/* AMX tiles for `rows` >= this (1-16); 17 turns them off (the AVX512-BF16 path runs). */
 void set_amx_min_rows(int rows) { amx_from = rows; }
 int amx_min_rows(void) { return amx_from; }
 

@@ -12,7 +12,7 @@ from mimo_tts.lm.config import LMConfig
 from mimo_tts.lm.cpu_kernel import check_mode, mode_from_env
 from mimo_tts.lm.model import MiMoAudioLM
 from mimo_tts.lm.quant import QUANTS, quantize_lm
-from mimo_tts.weights import load_module_weights, read_config
+from mimo_tts.weights import load_module_weights, parse_config
 
 # Known checkpoint tensors that inference does not use (spec §4.9).
 IGNORED = (r"mel_transform\..*",)
@@ -20,7 +20,7 @@ IGNORED = (r"mel_transform\..*",)
 
 def load_config(path: str | Path) -> LMConfig:
     """LMConfig from `<path>/config.json`."""
-    return LMConfig.from_json(read_config(path))
+    return parse_config(path, LMConfig.from_json)
 
 
 def load_lm(path: str | Path, device: str | torch.device = "cpu",

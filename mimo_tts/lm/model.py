@@ -84,6 +84,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 # matmul(x [..., in], weight [out, in], bias [out] | None) -> [..., out]: how a stack multiplies
 # by its weights (`linear`, or the CPU kernel's products, mimo_tts/lm/cpu_kernel.py).
 Matmul = Callable[[Tensor, Tensor, Tensor | None], Tensor]
+# The keys a step attends to: the first `span` cache slots of every row (under its mask), or
+# row i's first span[i] slots (a continuous batch: each row alone, no mask, as its single run).
+Span = int | Sequence[int]
 
 
 class Linear(nn.Linear):
@@ -185,7 +188,7 @@ class Attention(nn.Module):
             [getattr(self, name) for name in self.PARTS], weight, bias)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None,
-                slot: int | Tensor, span: int, mask: Tensor | None, matmul: Matmul) -> Tensor:
+                slot: int | Tensor, span: Span, mask: Tensor | None, matmul: Matmul) -> Tensor:
         b, length, _ = x.shape
         heads, kv = self.heads, self.kv_heads
         qkv = matmul(x, self.qkv_weight, self.qkv_bias)
@@ -193,13 +196,19 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[:, :, : heads + kv].transpose(1, 2), cos, sin)  # [B, h+kv, L, D]
         q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[:, :, heads + kv :].transpose(1, 2)
+        spans = None if isinstance(span, int) else list(span)
         if cache is not None:
-            k, v = cache.update(self.layer, slot, span, k, v)
-        # is_causal aligns top-left: only valid when the queries start at key 0 (prefill).
-        causal = self.causal and mask is None and length > 1
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=heads != kv
-        )
+            k, v = cache.update(self.layer, slot, span if spans is None else max(spans), k, v)
+        if spans is not None:  # one row at a time over its own keys, as its single run does
+            out = torch.cat([F.scaled_dot_product_attention(
+                q[r:r + 1], k[r:r + 1, :, :n], v[r:r + 1, :, :n], enable_gqa=heads != kv)
+                for r, n in enumerate(spans)])
+        else:
+            # is_causal aligns top-left: only valid when the queries start at key 0 (prefill).
+            causal = self.causal and mask is None and length > 1
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=heads != kv
+            )
         return matmul(out.transpose(1, 2).reshape(b, length, -1), self.o_proj.weight, None)
 
 
@@ -265,12 +274,12 @@ class Transformer(nn.Module):
             layer.mlp.fuse()
 
     def forward(self, x: Tensor, positions: Tensor, cache: KVCache | None = None,
-                slot: int | Tensor = 0, span: int | None = None,
+                slot: int | Tensor = 0, span: Span | None = None,
                 mask: Tensor | None = None, matmul: Matmul = linear) -> Tensor:
         """x [B, L, dim], positions [B or 1, L] -> normed hidden [B, L, dim].
 
         A tensor `slot` (one cache position per row, L = 1, on x's device) needs an explicit
-        span.
+        span: one for all rows (with a mask), or one per row (`Span`).
         """
         span = slot + x.shape[1] if span is None else span
         cos = self.rope_cos[positions].unsqueeze(1)  # [B, 1, L, D]
@@ -418,7 +427,7 @@ class MiMoAudioLM(nn.Module):
 
     # -- backbone and heads ---------------------------------------------------------------
     def backbone(self, embeds: Tensor, positions: Tensor, cache: KVCache,
-                 slot: int | Tensor, span: int | None = None,
+                 slot: int | Tensor, span: Span | None = None,
                  mask: Tensor | None = None, matmul: Matmul = linear) -> Tensor:
         """embeds [B, L, H] at per-row positions [B, L] -> normed hidden [B, L, H]."""
         return self.model(embeds, positions, cache, slot, span, mask, matmul)

@@ -70,12 +70,17 @@ class EagerStep:
                                        self.matmul)
 
     def backbone(self, embeds: Tensor, positions: Tensor, slot: Slot) -> Tensor:
-        index = slot if isinstance(slot, int) else torch.tensor(slot, device=embeds.device)
-        mask, last = None, slot  # a per-row slot comes with a mask (continuous batches have one)
+        if not isinstance(slot, int):  # a continuous batch: each row over its own keys
+            index = torch.tensor(slot, device=embeds.device)
+            if self.valid is not None:
+                mark_keys(self.valid, slot, index)
+            return self.model.backbone(embeds, positions, self.cache, index,
+                                       [s + 1 for s in slot], None, self.matmul)[:, -1]
+        mask = None
         if self.valid is not None:
-            last = mark_keys(self.valid, slot, index)
-            mask = self.valid[:, None, None, : last + 1]  # [B, 1, 1, S]: a view, no copy
-        return self.model.backbone(embeds, positions, self.cache, index, last + 1, mask,
+            mark_keys(self.valid, slot, slot)
+            mask = self.valid[:, None, None, : slot + 1]  # [B, 1, 1, S]: a view, no copy
+        return self.model.backbone(embeds, positions, self.cache, slot, slot + 1, mask,
                                    self.matmul)[:, -1]
 
     def text_logits(self, hidden: Tensor) -> Tensor:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mimo_tts.errors import UsageError
+from mimo_tts.lm import cpu_kernel
 from mimo_tts.lm.batching import (
     IDLE,
     ContinuousBatcher,
@@ -177,6 +178,33 @@ def test_other_decode_steps_equal_single_runs(lm, kernel_lm, special, prompts, f
                    decode_step="static" if mode == "static" else "auto")
     for job in jobs:
         _assert_single(model, special, job, done[job.key])
+
+
+@pytest.fixture(scope="module")
+def bf16_kernel_lm(lm_dir):
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    return load_lm(lm_dir, dtype=torch.bfloat16, cpu_kernel="on")
+
+
+@pytest.mark.parametrize("amx", ["amx", "no-amx"])
+def test_bfloat16_kernel_rows_equal_single_runs(bf16_kernel_lm, special, prompts, forcing,
+                                                amx):
+    """In bfloat16 the kernel's products take AMX tiles where the CPU grants them (or its
+    dot products): a row's arithmetic must not depend on how many rows share the step, so
+    every job still equals its single run (one row) exactly."""
+    features = cpu_kernel.features()
+    if amx == "amx" and not features["amx"]:
+        pytest.skip("this CPU grants no AMX tiles")
+    before = features["amx_min_rows"]
+    cpu_kernel.set_amx_min_rows(cpu_kernel.MAX_ROWS + 1 if amx == "no-amx" else before)
+    try:
+        jobs = _mixed_jobs(prompts, special, forcing)[:5]
+        _, done = _run(bf16_kernel_lm, special, jobs, rows=4)
+        for job in jobs:
+            _assert_single(bf16_kernel_lm, special, job, done[job.key])
+    finally:
+        cpu_kernel.set_amx_min_rows(before)
 
 
 def test_a_job_queue_feeds_a_running_batch_from_another_thread(lm, special, prompts):

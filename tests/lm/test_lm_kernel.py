@@ -34,7 +34,7 @@ def amx(request):
     elif not cpu_kernel.features()["amx"]:
         pytest.skip("no AMX tiles on this CPU")
     else:
-        cpu_kernel.set_amx_min_rows(2)
+        cpu_kernel.set_amx_min_rows(1)
     yield request.param
     cpu_kernel.set_amx_min_rows(before)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -102,6 +103,21 @@ def test_missing_config_and_weights_are_named(lm_copy):
         load_lm(lm_copy)
     (lm_copy / "config.json").unlink()
     with pytest.raises(CheckpointError, match="missing config.json"):
+        load_lm(lm_copy)
+
+
+def test_a_bad_config_field_names_the_file(lm_copy):
+    """The message of a config error names the checkpoint's config.json (which of the two
+    checkpoints, and where), not just the field."""
+    path = lm_copy / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["local_dim"] = cfg["local_dim"] + 1
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError) as caught:
+        load_lm(lm_copy)
+    assert str(caught.value).startswith(f"{path}: local_dim {cfg['local_dim']} is not a multiple")
+    path.write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match=f"^{re.escape(str(path))} is not a JSON object"):
         load_lm(lm_copy)
 
 
