@@ -195,6 +195,29 @@ def _cgroup_available(root: str = "/sys/fs/cgroup") -> int | None:
         return None
 
 
+def cpu_total(env: Mapping[str, str] | None = None) -> int | None:
+    """The most memory this process can hold: MIMO_TTS_AVAILABLE_MEMORY's CPU figure when set,
+    else MemTotal capped by the cgroup's memory.max; None when unknown."""
+    env = os.environ if env is None else env
+    stated = stated_available("cpu", env)
+    if stated is not None:
+        return stated
+    found = []
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            found += [int(line.split()[1]) * 1024 for line in handle
+                      if line.startswith("MemTotal:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
 def available(device: str, env: Mapping[str, str] | None = None) -> tuple[int | None, str]:
     """(bytes available on `device`, where the number comes from); None when unknown."""
     env = os.environ if env is None else env

@@ -23,6 +23,7 @@ import torch
 
 from mimo_tts import __version__, checkpoints
 from mimo_tts import io as mio
+from mimo_tts.devices import torch_dtype
 from mimo_tts.errors import CheckpointError, InputError, NoAudioError, UsageError
 from mimo_tts.inputs import split_text
 from mimo_tts.lm.vllm.launch import import_vllm_engine, vllm_options
@@ -103,19 +104,24 @@ class Stage1:
         self._prompt_codes: dict[str, torch.Tensor] = {}
 
     @classmethod
-    def load(cls, tok_path: Path, placement, log, threads: int | None = None) -> Stage1:
+    def load(cls, tok_path: Path, placement, log, threads: int | None = None,
+             beside: int = 0) -> Stage1:
+        """`beside`: bytes of LM weights on the CPU (the GEMM's memory rule, `gemm.choose`)."""
         from mimo_tts.codec import load_audio_tokenizer
 
-        with _naming(tok_path), \
-                oom_advice("audio tokenizer loading", placement.tokenizer_device.value):
-            codec = load_audio_tokenizer(tok_path, placement.tokenizer_device.value,
-                                         placement.tokenizer_dtype.value,
-                                         cuda_graph=bool(placement.cuda_graph.value))
-        log(f"audio tokenizer loaded from {tok_path}")
-        if codec.device.type == "cpu" and codec.dtype == torch.float32:
+        device, dtype = placement.tokenizer_device.value, placement.tokenizer_dtype.value
+        choice = None
+        if str(device) == "cpu" and torch_dtype(str(dtype)) == torch.float32:
             from mimo_tts.codec.gemm import choose
+            from mimo_tts.memory import weights_bytes
 
-            choice = choose()
+            choice = choose(beside, weights_bytes(tok_path, "float32") if beside else 0)
+        with _naming(tok_path), oom_advice("audio tokenizer loading", device):
+            codec = load_audio_tokenizer(tok_path, device, dtype,
+                                         cuda_graph=bool(placement.cuda_graph.value),
+                                         use_gemm=None if choice is None else choice.active)
+        log(f"audio tokenizer loaded from {tok_path}")
+        if choice is not None:
             log(f"tokenizer float32 GEMM: {'on' if choice.active else 'off'}, {choice.reason}")
         return cls(codec, threads)
 
@@ -200,7 +206,12 @@ class MiMoTTS:
             + ("" if lm is None or lm.quant is None else f" ({lm.quant} weights)")
             + ("" if lm is None else f" (CPU kernel: {_kernel_words(lm)})"))
         try:
-            stage1 = Stage1.load(tok_ref.path, placement, log, threads.get("tokenizer"))
+            beside = 0
+            if lm is not None and lm.lm_head.weight.device.type == "cpu":
+                from mimo_tts.memory import weights_bytes
+
+                beside = weights_bytes(lm_ref.path, placement.lm_dtype.value)
+            stage1 = Stage1.load(tok_ref.path, placement, log, threads.get("tokenizer"), beside)
             check_pairing((lm or stage0).cfg, stage1.codec.config, lm_ref.path, tok_ref.path)
         except BaseException:
             if stage0 is not None:

@@ -189,10 +189,20 @@ def faster() -> tuple[bool, float, float]:
 ENV = "MIMO_TTS_CODEC_KERNEL"  # "auto" (default), "1" (wherever it can run) or "0" (never)
 
 
-def choose() -> Choice:
+HEADROOM = 4 << 30  # bytes left beside both stages' weights for the process and the cache
+
+
+def choose(beside: int = 0, weights: int = 0) -> Choice:
     """Whether the codec's float32 CPU linears run through the GEMM, and why (not), under
     MIMO_TTS_CODEC_KERNEL: "on" wherever AMX runs it, "auto" where it measured faster than
-    torch's float32 product (`faster`), "off" never."""
+    torch's float32 product (`faster`) and memory allows, "off" never.
+
+    Packed, the tokenizer's `weights` bytes become anonymous memory, which the kernel can no
+    longer drop and re-read like the checkpoint's file pages; with `beside` bytes of LM weights
+    on the CPU (file pages the LM reads every step) auto packs only when both and HEADROOM fit
+    in the machine's memory (`memory.cpu_total`): on a 24 GiB machine with the full-size LM the
+    squeezed page cache made Stage-0 re-read its weights from disk (1.48 s a group, not 1.19).
+    """
     mode = mode_from_env(ENV)
     if mode == "off":
         return Choice(False, f"off ({ENV}=0)")
@@ -201,5 +211,13 @@ def choose() -> Choice:
         return Choice(False, why)
     if mode == "on":
         return Choice(True, f"on ({ENV}=1): bf16x3 AMX products")
+    if beside:
+        from mimo_tts.memory import cpu_total, gib
+
+        total = cpu_total()
+        if total is not None and beside + weights + HEADROOM > total:
+            return Choice(False, f"auto: off, {gib(weights)} of packed tokenizer weights beside "
+                                 f"{gib(beside)} of LM weights would leave under "
+                                 f"{gib(HEADROOM)} of {gib(total)}")
     ok, gemm, eager = faster()
     return Choice(ok, f"auto: bf16x3 AMX {gemm} vs float32 {eager} GFLOP/s measured")

@@ -483,10 +483,11 @@ def _run_local(layers: nn.ModuleList, rotary: Rotary, x: Tensor, spec: AttnSpec,
     return x[:, start:start + size], kept
 
 
-def prepack(model: nn.Module) -> None:
+def prepack(model: nn.Module, use_gemm: bool | None = None) -> None:
     """Prepack the linears of every CPU `TransformerLayer` of `model`: bfloat16 ones in
-    oneDNN's layout (`PackedLinear`), float32 ones for the bf16x3 AMX GEMM where
-    `gemm.choose()` picks it (`gemm.PackedGemm`, which replaces the float32 weights)."""
+    oneDNN's layout (`PackedLinear`), float32 ones for the bf16x3 AMX GEMM where `use_gemm`
+    (default: `gemm.choose()`) picks it (`gemm.PackedGemm`, which replaces the float32
+    weights)."""
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer) and
               isinstance(m.fc1, nn.Linear) and m.fc1.weight.device.type == "cpu"]
     dtypes = {m.fc1.weight.dtype for m in layers}
@@ -494,7 +495,9 @@ def prepack(model: nn.Module) -> None:
         for m in layers:
             if m.fc1.weight.dtype == torch.bfloat16:
                 m.prepack(PackedLinear.of)
-    if torch.float32 in dtypes and gemm.choose().active:
+    if use_gemm is None:
+        use_gemm = torch.float32 in dtypes and gemm.choose().active
+    if torch.float32 in dtypes and use_gemm:
         lib = gemm.library()
         for m in layers:
             if m.fc1.weight.dtype == torch.float32:

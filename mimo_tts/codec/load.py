@@ -62,7 +62,8 @@ def build_model(config: CodecConfig, dtype: torch.dtype = torch.float32) -> Code
     return model
 
 
-def place_model(model: CodecModel, device: torch.device, dtype: torch.dtype) -> CodecModel:
+def place_model(model: CodecModel, device: torch.device, dtype: torch.dtype,
+                use_gemm: bool | None = None) -> CodecModel:
     """Move to `device`; parameters (not the float32 codebook/window buffers) to `dtype`.
 
     On CPU in bfloat16 the transformer layers' linears are then prepacked (`layers.prepack`).
@@ -72,7 +73,7 @@ def place_model(model: CodecModel, device: torch.device, dtype: torch.dtype) -> 
         if param.dtype != dtype:
             param.data = param.data.to(dtype)
     model.eval().requires_grad_(False)
-    prepack(model)
+    prepack(model, use_gemm)
     return model
 
 
@@ -81,11 +82,14 @@ def load_audio_tokenizer(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str = torch.float32,
     cuda_graph: bool = False,
+    use_gemm: bool | None = None,
 ) -> AudioTokenizer:
-    """Load a MiMo-Audio tokenizer directory (config.json + safetensors) onto `device`."""
+    """Load a MiMo-Audio tokenizer directory (config.json + safetensors) onto `device`;
+    `use_gemm` overrides `gemm.choose()` for float32 on the CPU (the pipeline's memory rule)."""
     device = torch.device(normalize_device(str(device)))
     dtype = resolve_dtype(dtype)
     config = parse_config(path, CodecConfig.from_json)
     model = build_model(config, dtype)
     load_module_weights(model, path, f"audio tokenizer {path}", ignore=IGNORED_TENSORS)
-    return AudioTokenizer(place_model(model, device, dtype), device, dtype, cuda_graph=cuda_graph)
+    return AudioTokenizer(place_model(model, device, dtype, use_gemm), device, dtype,
+                          cuda_graph=cuda_graph)

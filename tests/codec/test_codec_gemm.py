@@ -11,7 +11,14 @@ from torch import nn
 
 from mimo_tts.codec import gemm, load_audio_tokenizer
 from mimo_tts.codec.int8 import quantize_int8
-from mimo_tts.codec.layers import AttnSpec, TransformerLayer, plain_state_dict, prepack, unpack
+from mimo_tts.codec.layers import (
+    AttnSpec,
+    TransformerLayer,
+    _packed_gemms,
+    plain_state_dict,
+    prepack,
+    unpack,
+)
 from mimo_tts.errors import UsageError
 
 needs_amx = pytest.mark.skipif(gemm.library() is None, reason=f"no GEMM: {gemm._build()[1]}")
@@ -146,3 +153,23 @@ def test_dropping_pages_keeps_values(tmp_path):
     for t in (mapped, anonymous):
         gemm._drop_file_pages(t)
         assert torch.equal(t, values)
+
+
+@needs_amx
+def test_auto_leaves_the_gemm_off_where_memory_is_short(monkeypatch, tokenizer_dir):
+    """Packing makes the tokenizer's weights anonymous memory: auto packs beside CPU LM
+    weights only when both and the headroom fit (here the machine is stated to hold 6 GiB),
+    and says so; forced on and the run without an LM on the CPU are not held back."""
+    gib = 1 << 30
+    monkeypatch.setenv("MIMO_TTS_AVAILABLE_MEMORY", "6GiB")
+    monkeypatch.delenv(gemm.ENV, raising=False)
+    short = gemm.choose(beside=3 * gib, weights=gib // 2)
+    assert not short.active and "of 6.0 GiB" in short.reason
+    assert gemm.choose().active == gemm.faster()[0]  # no LM beside: speed alone decides
+    assert gemm.choose(beside=gib, weights=gib // 2).active == gemm.faster()[0]
+    monkeypatch.setenv(gemm.ENV, "1")
+    assert gemm.choose(beside=3 * gib, weights=gib // 2).active
+    monkeypatch.setenv(gemm.ENV, "auto")
+    plain = load_audio_tokenizer(tokenizer_dir, use_gemm=False)
+    assert not list(_packed_gemms(plain.model))
+    assert list(_packed_gemms(load_audio_tokenizer(tokenizer_dir, use_gemm=True).model))
