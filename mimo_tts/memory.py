@@ -173,48 +173,41 @@ def stated_available(device: str, env: Mapping[str, str]) -> int | None:
     return found.get(device, found.get("*"))
 
 
-def _meminfo_available(meminfo: str = "/proc/meminfo") -> int | None:
+def _meminfo(field: str, meminfo: str = "/proc/meminfo") -> int | None:
+    """Bytes of one /proc/meminfo field ("MemAvailable", "MemTotal"); None when unreadable."""
     try:
         with open(meminfo, encoding="ascii") as handle:
             for line in handle:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return None
 
 
-def _cgroup_available(root: str = "/sys/fs/cgroup") -> int | None:
-    """memory.max - memory.current of this process's cgroup v2, when a limit is set."""
+def _cgroup(name: str, root: str = "/sys/fs/cgroup") -> int | None:
+    """A cgroup v2 memory figure of this process ("memory.max", "memory.current"); None when
+    unset ("max") or unreadable."""
     try:
-        limit = Path(root, "memory.max").read_text().strip()
-        if limit == "max":
-            return None
-        return int(limit) - int(Path(root, "memory.current").read_text().strip())
+        value = Path(root, name).read_text().strip()
+        return None if value == "max" else int(value)
     except (OSError, ValueError):
         return None
+
+
+def _cgroup_available() -> int | None:
+    """memory.max - memory.current of this process's cgroup v2, when a limit is set."""
+    limit, current = _cgroup("memory.max"), _cgroup("memory.current")
+    return None if limit is None or current is None else limit - current
 
 
 def cpu_total(env: Mapping[str, str] | None = None) -> int | None:
     """The most memory this process can hold: MIMO_TTS_AVAILABLE_MEMORY's CPU figure when set,
     else MemTotal capped by the cgroup's memory.max; None when unknown."""
-    env = os.environ if env is None else env
-    stated = stated_available("cpu", env)
+    stated = stated_available("cpu", os.environ if env is None else env)
     if stated is not None:
         return stated
-    found = []
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            found += [int(line.split()[1]) * 1024 for line in handle
-                      if line.startswith("MemTotal:")]
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max":
-            found.append(int(limit))
-    except (OSError, ValueError):
-        pass
+    found = [v for v in (_meminfo("MemTotal"), _cgroup("memory.max")) if v is not None]
     return min(found) if found else None
 
 
@@ -225,7 +218,7 @@ def available(device: str, env: Mapping[str, str] | None = None) -> tuple[int | 
     if stated is not None:
         return stated, f"env {AVAILABLE_ENV}"
     if device == "cpu":
-        found = [(v, s) for v, s in ((_meminfo_available(), "MemAvailable"),
+        found = [(v, s) for v, s in ((_meminfo("MemAvailable"), "MemAvailable"),
                                      (_cgroup_available(), "cgroup memory.max"))
                  if v is not None]
         return min(found) if found else (None, "unknown")

@@ -125,17 +125,16 @@ def draw_rows(probs: Tensor, generators: Sequence[Rng]) -> Tensor:
 
 
 PARALLEL_DRAW_VOCAB = 16384  # from this many ids a row's draw outweighs a thread hand-off
-_pool: ThreadPoolExecutor | None = None
+_pools: dict[int, ThreadPoolExecutor] = {}  # by thread count
 
 
 def _draw_pool(vocab: int) -> ThreadPoolExecutor | None:
     """Threads for the rows' exponential draws of a large vocab (the text head's 151680 ids:
     ~4 ms a row, serial inside torch, GIL released), one per torch thread; None when a
     row's draw is cheap or torch runs on one thread."""
-    global _pool
     threads = torch.get_num_threads()
     if vocab < PARALLEL_DRAW_VOCAB or threads < 2:
         return None
-    if _pool is None or _pool._max_workers != threads:
-        _pool = ThreadPoolExecutor(threads, thread_name_prefix="mimo-draw")
-    return _pool
+    if threads not in _pools:
+        _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="mimo-draw")
+    return _pools[threads]
