@@ -63,3 +63,9 @@ class InputError(MimoTTSError):
     """A bad input item (empty text, malformed line, unusable prompt audio)."""
 
     exit_code = EXIT_INPUT
+
+
+def short_repr(value, limit: int = 40) -> str:
+    """A value's repr for an error message, cut at `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -171,8 +171,8 @@ def speed_rows(tok: AudioTokenizer, seconds: float, repeats: int, encode: bool) 
 
 def pipeline_chunks(group_size: int, mode: str):
     """Frames per push as `mimo-tts synth --stream --stream-mode MODE` pushes them."""
-    from mimo_tts.options import SynthesisOptions
-    from mimo_tts.overlap import chunk_cap, chunk_schedule
+    from mimo_tts.synthesis.options import SynthesisOptions
+    from mimo_tts.synthesis.streaming import chunk_cap, chunk_schedule
 
     o = SynthesisOptions()
     cap = chunk_cap(mode, o.stream_chunk_groups, o.stream_max_chunk_groups)

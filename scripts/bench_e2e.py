@@ -129,7 +129,7 @@ def summarise(run: dict, weights: dict) -> dict:
 
 
 def weights_by_dtype(preset: Path) -> dict:
-    from mimo_tts.memory import weights_bytes
+    from mimo_tts.synthesis.preflight import weights_bytes
 
     return {part: {d: weights_bytes(preset / part, d) for d in ("bfloat16", "float32")}
             for part in ("lm", "tokenizer")}

@@ -41,8 +41,8 @@ from _common import FULL_SIZE, cpu_ticks
 from mimo_tts.lm import cpu_kernel
 from mimo_tts.lm.config import LMConfig
 from mimo_tts.lm.generate import GenerationOptions, decode_patch, prefill, stream
+from mimo_tts.lm.int8 import matrices, quantize_lm
 from mimo_tts.lm.model import KVCache, MiMoAudioLM
-from mimo_tts.lm.quant import matrices, quantize_lm
 from mimo_tts.lm.sampling import GREEDY
 from mimo_tts.lm.step import EagerStep
 from mimo_tts.lm.text import SpecialTokens

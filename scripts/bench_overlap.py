@@ -54,7 +54,7 @@ NEVER_STOP = 1e6
 
 def write_model(root: Path, lm: dict, codec: dict) -> tuple[Path, Path]:
     """(lm_dir, tokenizer_dir) of the mid-size random model, written once per set of widths."""
-    from mimo_tts.presets import WRITER_VERSION, write_random_checkpoint
+    from mimo_tts.presets.write import WRITER_VERSION, write_random_checkpoint
 
     spec = [lm, codec, NEVER_STOP, WRITER_VERSION]
     key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()
@@ -69,8 +69,8 @@ def write_model(root: Path, lm: dict, codec: dict) -> tuple[Path, Path]:
 
 
 def _runner(args, **changes):
-    from mimo_tts.batch import BatchRunner
-    from mimo_tts.options import resolve
+    from mimo_tts.batch.runner import BatchRunner
+    from mimo_tts.synthesis.options import resolve
 
     return BatchRunner(resolve({"model": str(args.lm_dir), "tokenizer": str(args.tok_dir),
                                 "lm_device": "cpu", "tokenizer_device": "cpu",
@@ -109,8 +109,8 @@ class Meter:
 def _run_once(synth, name: str, sink):
     """One item through `BatchRunner.run` (into the output directory when codes are saved,
     else in memory): (wall s, result, start)."""
-    from mimo_tts.inputs import Item
-    from mimo_tts.outputs import DirectorySink, MemorySink
+    from mimo_tts.batch.items import Item
+    from mimo_tts.batch.sinks import DirectorySink, MemorySink
 
     item = Item(id=name, text=TEXT, source="bench")
     s = synth.settings
@@ -144,12 +144,12 @@ def child_stage1(args) -> dict:
     """The streaming decode alone, chunked as `--stream` chunks it."""
     import torch
 
-    from mimo_tts import io as mio
+    from mimo_tts.batch import files as mio
     from mimo_tts.codec import StreamingDecoder, load_audio_tokenizer
 
     torch.set_num_threads(args.tokenizer_threads)
     codec = load_audio_tokenizer(args.tok_dir, "cpu", "float32")
-    from mimo_tts.overlap import chunk_schedule
+    from mimo_tts.synthesis.streaming import chunk_schedule
 
     (codes,), _ = mio.load_codes(args.codes)  # [K, T]
     mode = {} if args.stream_mode == "official" else {"mode": args.stream_mode}
@@ -276,8 +276,8 @@ def main() -> None:
         return
     if args.quick:
         args.groups, args.repeats = min(args.groups, 30), 1
-    from mimo_tts.options import SynthesisOptions
-    from mimo_tts.overlap import chunk_cap
+    from mimo_tts.synthesis.options import SynthesisOptions
+    from mimo_tts.synthesis.streaming import chunk_cap
 
     defaults = SynthesisOptions()
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from _common import busy_cores
 from bench_e2e import machine
 
-from mimo_tts.presets import FULL_LM, write_random_checkpoint
+from mimo_tts.presets.write import FULL_LM, write_random_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

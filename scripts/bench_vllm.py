@@ -29,10 +29,10 @@ import torch
 
 from mimo_tts.lm.generate import GenerationOptions, generate
 from mimo_tts.lm.load import load_config, load_lm
+from mimo_tts.lm.prompts import build_prompt
 from mimo_tts.lm.sampling import GREEDY
 from mimo_tts.lm.text import TextTokenizer
-from mimo_tts.presets import write_random_checkpoint, write_tiny_preset
-from mimo_tts.prompts import build_prompt
+from mimo_tts.presets.write import write_random_checkpoint, write_tiny_preset
 
 MID = {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
        "num_key_value_heads": 4, "head_dim": 64, "intermediate_size": 2816,

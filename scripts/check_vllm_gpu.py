@@ -32,12 +32,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_vllm  # noqa: E402  (scripts/bench_vllm.py: shared checkpoint and prompt helpers)
 
-from mimo_tts.lm.generate import GenerationOptions, generate  # noqa: E402
-from mimo_tts.lm.load import load_config, load_lm  # noqa: E402
-from mimo_tts.lm.sampling import GREEDY, TASK_SAMPLERS  # noqa: E402
-from mimo_tts.lm.text import TextTokenizer  # noqa: E402
-from mimo_tts.presets import FULL_LM, write_tiny_preset  # noqa: E402
-from mimo_tts.prompts import build_prompt  # noqa: E402
+from mimo_tts.lm.generate import GenerationOptions, generate
+from mimo_tts.lm.load import load_config, load_lm
+from mimo_tts.lm.prompts import build_prompt
+from mimo_tts.lm.sampling import GREEDY, TASK_SAMPLERS
+from mimo_tts.lm.text import TextTokenizer
+from mimo_tts.presets.write import FULL_LM, write_tiny_preset
 
 GREEDY_OPTIONS = GenerationOptions(text_sampler=GREEDY, audio_sampler=GREEDY, max_new_groups=64)
 KV_BYTES = 512 << 20

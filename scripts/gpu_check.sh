@@ -14,7 +14,7 @@
 #   bash scripts/gpu_check.sh [--out gpu_check.json]      (PYTHON=... picks the interpreter)
 set -u
 cd "$(dirname "$0")/.."
-OUT=gpu_check.json
+OUT=.bench/gpu_check.json  # under the ignored .bench/
 if [ "${1:-}" = "--out" ] && [ -n "${2:-}" ]; then OUT=$2; fi
 PY=${PYTHON:-python}
 WORK=$(mktemp -d)
@@ -90,6 +90,7 @@ for name in NAMES:
     report["sections"][name] = entry
 report["wall_s"] = int(time.time()) - start
 report["ok"] = all(s["status"] in ("ok", "no CUDA") for s in report["sections"].values())
+out.parent.mkdir(parents=True, exist_ok=True)
 out.write_text(json.dumps(report, indent=2) + "\n")
 print(json.dumps(report, indent=2))
 sys.exit(0 if report["ok"] else 1)

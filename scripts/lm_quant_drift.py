@@ -30,17 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import TINY_A  # noqa: E402
 from bench_lm import SPECIAL, _cpu_name, audio_prompt, build_model  # noqa: E402
 
-from mimo_tts.lm.generate import (  # noqa: E402
-    GenerationOptions,
-    decode_patch,
-    decode_step,
-    generate,
-    prefill,
-)
-from mimo_tts.lm.load import load_lm  # noqa: E402
-from mimo_tts.lm.quant import quantize_lm  # noqa: E402
-from mimo_tts.lm.sampling import GREEDY  # noqa: E402
-from mimo_tts.lm.text import TextTokenizer  # noqa: E402
+from mimo_tts.lm.generate import GenerationOptions, decode_patch, decode_step, generate, prefill
+from mimo_tts.lm.int8 import quantize_lm
+from mimo_tts.lm.load import load_lm
+from mimo_tts.lm.sampling import GREEDY
+from mimo_tts.lm.text import TextTokenizer
 
 
 def options(groups: int) -> GenerationOptions:

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from mimo_tts.presets import WRITER_VERSION, write_full_size_preset
+from mimo_tts.presets.write import WRITER_VERSION, write_full_size_preset
 
 CODEBOOK = "._codebook."  # RVQ buffers (embed + EMA state): values, not parameters (spec §3.7)
 

@@ -7,8 +7,8 @@
 import argparse
 import sys
 
+from mimo_tts.batch.results import exit_code_for
 from mimo_tts.errors import MimoTTSError
-from mimo_tts.results import exit_code_for
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
 p.add_argument("input", help=".txt or .jsonl items, as synth --input")
@@ -22,7 +22,7 @@ p.add_argument("--max-new-groups", type=int)
 a = p.parse_args()
 import ray  # noqa: E402 (pip install 'mimo-tts[ray]'; --help works without it)
 
-from mimo_tts import ray as mray  # noqa: E402
+from mimo_tts.batch import ray as mray  # noqa: E402
 
 ray.init(address=a.address, log_to_driver=False)
 flags = {"input": [a.input], "output_dir": a.output_dir, "model": a.model,

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from mimo_tts.presets import ensure_tiny_preset
+from mimo_tts.runtime.paths import CACHE_ENV
+
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(os.environ.get("MIMO_TTS_FIXTURES") or REPO / "tests" / "fixtures")
 TINY_A = FIXTURES / "tiny-a"
@@ -79,10 +82,9 @@ SCRUBBED = ("MIMO_AUDIO_TOKENIZER_DEVICE", "MIMO_AUDIO_TOKENIZER_PATH", "MIMO_TT
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory) -> Path:
     """A cache root holding the tiny preset, written once for the whole session."""
-    from mimo_tts import checkpoints
 
     root = tmp_path_factory.mktemp("mimo-cache")
-    checkpoints.ensure_tiny_preset({checkpoints.CACHE_ENV: str(root)})
+    ensure_tiny_preset({CACHE_ENV: str(root)})
     return root
 
 
@@ -120,7 +122,7 @@ def invoke(base_env, tmp_path, monkeypatch):
     """Run the Typer app in-process (CliRunner) with the session env, cwd = tmp_path."""
     from typer.testing import CliRunner
 
-    from mimo_tts.cli import app
+    from mimo_tts.cli.app import app
 
     for key in SCRUBBED:
         monkeypatch.delenv(key, raising=False)

@@ -6,7 +6,7 @@ cheap to import for preflights.
 
 from __future__ import annotations
 
-from mimo_tts import lazy_exports
+from mimo_tts._lazy import lazy_exports
 
 _EXPORTS = {
     "AudioTokenizer": "mimo_tts.codec.tokenizer",

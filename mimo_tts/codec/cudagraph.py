@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mimo_tts.cudagraph import capture
+from mimo_tts.runtime.cudagraph import capture
 
 # Spec §7.8: bucket sizes in code frames (the largest is 10.24 s).
 BUCKETS = (4, 6, 8, 12, 16, 24, 32, 64, 128, 256)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mimo_tts.native import Choice, build, mode_from_env
+from mimo_tts.runtime.kernels import Choice, build, mode_from_env
 
 SOURCE = files("mimo_tts.codec") / "gemm.c"
 
@@ -212,7 +212,7 @@ def choose(beside: int = 0, weights: int = 0) -> Choice:
     if mode == "on":
         return Choice(True, f"on ({ENV}=1): bf16x3 AMX products")
     if beside:
-        from mimo_tts.memory import cpu_total, gib
+        from mimo_tts.runtime.machine import cpu_total, gib
 
         total = cpu_total()
         if total is not None and beside + weights + HEADROOM > total:

@@ -27,13 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mimo_tts.codec.layers import (
-    KV_ALIGN,
-    apply_rotary,
-    attention_mask,
-    layer_norm_fp32,
-    sdpa,
-)
+from mimo_tts.codec.layers import KV_ALIGN, apply_rotary, attention_mask, layer_norm_fp32, sdpa
 from mimo_tts.codec.vocoder import MIN_ENVELOPE
 from mimo_tts.errors import UsageError
 

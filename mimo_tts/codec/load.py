@@ -18,9 +18,9 @@ from mimo_tts.codec.decoder import AudioDecoder
 from mimo_tts.codec.encoder import AudioEncoder
 from mimo_tts.codec.layers import prepack
 from mimo_tts.codec.tokenizer import AudioTokenizer
-from mimo_tts.devices import normalize_device, torch_dtype
 from mimo_tts.errors import UsageError
-from mimo_tts.weights import load_module_weights, parse_config
+from mimo_tts.runtime.devices import normalize_device, torch_dtype
+from mimo_tts.runtime.safetensors import load_module_weights, parse_config
 
 # Checkpoint tensors that exist only for training (RVQ EMA state); everything else must match.
 IGNORED_TENSORS = (

@@ -16,7 +16,7 @@ import torch
 
 from mimo_tts.codec.load import load_audio_tokenizer, resolve_dtype
 from mimo_tts.codec.tokenizer import AudioTokenizer
-from mimo_tts.devices import normalize_device
+from mimo_tts.runtime.devices import normalize_device
 
 Key = tuple[str, str, torch.dtype]
 

@@ -5,7 +5,7 @@ Exports resolve lazily so that `mimo_tts.lm.text` (no torch) stays cheap to impo
 
 from __future__ import annotations
 
-from mimo_tts import lazy_exports
+from mimo_tts._lazy import lazy_exports
 
 _EXPORTS = {
     "LMConfig": "mimo_tts.lm.config",

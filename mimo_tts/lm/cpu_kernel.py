@@ -34,11 +34,11 @@ from importlib.resources import files
 import torch
 from torch import Tensor
 
-from mimo_tts import native
 from mimo_tts.errors import UsageError
 from mimo_tts.lm.model import KVCache, MiMoAudioLM, linear
 from mimo_tts.lm.step import EagerStep
-from mimo_tts.native import MODES, Choice, build
+from mimo_tts.runtime import kernels as native
+from mimo_tts.runtime.kernels import MODES, Choice, build
 
 SOURCE = files("mimo_tts.lm") / "cpu_kernel.c"
 

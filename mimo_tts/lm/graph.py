@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from mimo_tts.cudagraph import capture
 from mimo_tts.lm.model import KVCache, MiMoAudioLM
 from mimo_tts.lm.step import Slot, mark_keys
+from mimo_tts.runtime.cudagraph import capture
 
 SPAN_MIN = 64  # smallest attention span bucket of the backbone step, in groups
 

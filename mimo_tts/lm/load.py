@@ -6,13 +6,13 @@ from pathlib import Path
 
 import torch
 
-from mimo_tts.devices import torch_dtype
 from mimo_tts.errors import CheckpointError, DeviceError, UsageError
 from mimo_tts.lm.config import LMConfig
 from mimo_tts.lm.cpu_kernel import check_mode, mode_from_env
+from mimo_tts.lm.int8 import QUANTS, quantize_lm
 from mimo_tts.lm.model import MiMoAudioLM
-from mimo_tts.lm.quant import QUANTS, quantize_lm
-from mimo_tts.weights import load_module_weights, parse_config
+from mimo_tts.runtime.devices import torch_dtype
+from mimo_tts.runtime.safetensors import load_module_weights, parse_config
 
 # Known checkpoint tensors that inference does not use (spec §4.9).
 IGNORED = (r"mel_transform\..*",)

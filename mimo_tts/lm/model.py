@@ -65,7 +65,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     An int8 weight (mimo_tts/lm/quant.py) is dequantized to x's dtype first.
     """
     if weight.dtype == torch.int8:
-        from mimo_tts.lm.quant import dequantize
+        from mimo_tts.lm.int8 import dequantize
 
         weight = dequantize(weight, x.dtype)
     rows = x.numel() // weight.shape[1]

@@ -9,10 +9,10 @@ from importlib.util import find_spec
 
 import pytest
 
-from mimo_tts.devices import Choice, Placement
 from mimo_tts.errors import EXIT_USAGE, UsageError
 from mimo_tts.lm.vllm.launch import CPU_KV_CACHE_MIB, vllm_options
-from mimo_tts.options import EngineOptions
+from mimo_tts.runtime.devices import Choice, Placement
+from mimo_tts.synthesis.options import EngineOptions
 
 TINY = ("synth", "--model", "tiny", "--text", "hello")
 no_vllm = pytest.mark.skipif(find_spec("vllm") is not None, reason="vLLM is installed here")

@@ -122,7 +122,7 @@ def test_unwritable_output_dir_exit_5(invoke, tmp_path):
 
 
 def test_locked_output_dir_exit_5(invoke, tmp_path):
-    from mimo_tts.outputs import DirectorySink
+    from mimo_tts.batch.sinks import DirectorySink
 
     with DirectorySink(tmp_path / "output_audio", "tts_sft"):
         result = invoke(*TINY, "--text", "hi", "--max-new-groups", "1")

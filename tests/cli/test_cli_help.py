@@ -11,13 +11,13 @@ import pytest
 from typer.main import get_command
 from typer.testing import CliRunner
 
-from mimo_tts.cli import app
-from mimo_tts.devices import DTYPES
+from mimo_tts.cli.app import app
 from mimo_tts.errors import EXIT_IO, EXIT_USAGE
-from mimo_tts.io import FORMATS
 from mimo_tts.lm.config import LM_QUANTS
-from mimo_tts.options import ENGINES, STREAM_MODES
-from mimo_tts.tasks import TASKS
+from mimo_tts.lm.tasks import TASKS
+from mimo_tts.runtime.devices import DTYPES
+from mimo_tts.synthesis.audio import FORMATS
+from mimo_tts.synthesis.options import ENGINES, STREAM_MODES
 
 GROUP = get_command(app)
 COMMANDS = sorted(GROUP.commands)

@@ -10,9 +10,9 @@ import subprocess
 import time
 from collections import Counter
 
+from mimo_tts.batch.items import read_items
+from mimo_tts.batch.shards import shard_of
 from mimo_tts.errors import EXIT_INCOMPLETE
-from mimo_tts.inputs import read_items
-from mimo_tts.shards import shard_of
 
 
 def _lines(path):

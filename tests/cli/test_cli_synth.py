@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from mimo_tts.presets import ensure_tiny_preset
+from mimo_tts.runtime.paths import CACHE_ENV
+
 SPF = 960  # samples per code frame at 24 kHz (spec §1)
 HELLO = "Hello from MiMo"
 
@@ -54,7 +57,7 @@ def test_layout_header_and_960_samples_per_frame(default_run):
     names = {p.name for p in task_dir.iterdir()}
     assert names == {f"{stem}.wav", f"{stem}.json", f"{stem}.codes.safetensors",
                      "results.jsonl", ".mimo-tts.lock"}
-    from mimo_tts.io import load_codes
+    from mimo_tts.batch.files import load_codes
 
     pieces, meta = load_codes(task_dir / f"{stem}.codes.safetensors")
     assert len(pieces) == 1 and pieces[0].shape[0] == 8 and meta["id"] == stem
@@ -228,7 +231,7 @@ def test_stream_to_file_matches_codes(invoke, tmp_path):
                     "--max-new-groups", "7", "--save-codes", "--json")
     assert result.exit_code == 0, result.stderr
     record = json.loads(result.stdout)
-    from mimo_tts.io import load_codes
+    from mimo_tts.batch.files import load_codes
 
     pieces, _ = load_codes(tmp_path / record["codes_path"])
     assert sf.info(str(tmp_path / record["path"])).frames == SPF * pieces[0].shape[1] == SPF * 28
@@ -240,7 +243,8 @@ def test_split_long_text_joins_pieces_with_a_pause(invoke, tmp_path):
                     "--max-new-groups", "2", "--save-codes", "--json")
     assert result.exit_code == 0, result.stderr
     record = json.loads(result.stdout)
-    from mimo_tts.io import PAUSE_FRAMES, load_codes
+    from mimo_tts.batch.files import load_codes
+    from mimo_tts.synthesis.audio import PAUSE_FRAMES
 
     pieces, meta = load_codes(tmp_path / record["codes_path"])
     assert len(pieces) == 2 and meta["pause_frames"] == PAUSE_FRAMES
@@ -263,7 +267,7 @@ def test_version_and_help():
     from typer.testing import CliRunner
 
     from mimo_tts import __version__
-    from mimo_tts.cli import app
+    from mimo_tts.cli.app import app
 
     runner = CliRunner()
     assert runner.invoke(app, ["--version"]).stdout.strip() == f"mimo-tts {__version__}"
@@ -279,14 +283,13 @@ def test_stream_piece_matches_one_shot_codes(tiny_cache):
     import torch
 
     import mimo_tts
-    from mimo_tts import checkpoints
-    from mimo_tts.options import SynthesisOptions
+    from mimo_tts.synthesis.options import SynthesisOptions
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        lm_dir, tok_dir = checkpoints.ensure_tiny_preset(
-            {checkpoints.CACHE_ENV: str(tiny_cache)})
+        lm_dir, tok_dir = ensure_tiny_preset(
+            {CACHE_ENV: str(tiny_cache)})
         tts = mimo_tts.load(str(lm_dir), str(tok_dir), lm_device="cpu", tokenizer_device="cpu")
         options = SynthesisOptions(max_new_groups=12, stream_chunk_groups=2)
         (prompt,) = tts.prompts("Streaming check.", options, 0)

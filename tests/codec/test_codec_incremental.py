@@ -6,12 +6,7 @@ import pytest
 import torch
 
 from mimo_tts.codec import StreamingDecoder
-from mimo_tts.codec.incremental import (
-    DecoderCache,
-    IncrementalDecoder,
-    RunningNorm,
-    VocoderStream,
-)
+from mimo_tts.codec.incremental import DecoderCache, IncrementalDecoder, RunningNorm, VocoderStream
 from mimo_tts.codec.layers import KV_ALIGN, AttnSpec, group_norm_fp32, run_layers
 from mimo_tts.errors import UsageError
 

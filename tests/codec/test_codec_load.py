@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from mimo_tts.codec import CodecConfig, load_audio_tokenizer
 from mimo_tts.errors import EXIT_CHECKPOINT, CheckpointError
-from mimo_tts.weights import read_config
+from mimo_tts.runtime.safetensors import read_config
 
 
 def test_full_size_config_official_values(tiny_a):

@@ -12,15 +12,7 @@ import torch
 
 from mimo_tts.errors import UsageError
 from mimo_tts.lm import cpu_kernel
-from mimo_tts.lm.batching import (
-    IDLE,
-    ContinuousBatcher,
-    Job,
-    JobDone,
-    JobGroup,
-    JobQueue,
-    Jobs,
-)
+from mimo_tts.lm.batching import IDLE, ContinuousBatcher, Job, JobDone, JobGroup, JobQueue, Jobs
 from mimo_tts.lm.config import MAX_GROUPS
 from mimo_tts.lm.generate import GenerationOptions, generate
 from mimo_tts.lm.load import load_lm

@@ -85,7 +85,7 @@ def test_growing_kv_cache_equals_full_allocation(lm, monkeypatch, greedy):
     sampler = SamplerConfig(0.0 if greedy else 0.9, None if greedy else 20, 1.0)
     options = GenerationOptions(text_sampler=sampler, audio_sampler=sampler, seed=3,
                                 max_new_groups=40, min_new_groups=40)
-    from mimo_tts.lm.text import TextTokenizer  # the real special-token resolver
+    from mimo_tts.lm.text import TextTokenizer
     from tests.conftest import TINY_A
 
     special = TextTokenizer.from_dir(TINY_A / "lm").special

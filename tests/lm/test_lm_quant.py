@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from mimo_tts.errors import UsageError
 from mimo_tts.lm import cpu_kernel
 from mimo_tts.lm.generate import generate
+from mimo_tts.lm.int8 import dequantize, quantize_rows
 from mimo_tts.lm.load import load_lm
-from mimo_tts.lm.quant import dequantize, quantize_rows
 
 needs_kernel = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 

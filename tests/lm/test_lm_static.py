@@ -11,7 +11,7 @@ from mimo_tts.errors import UsageError
 from mimo_tts.lm.generate import GenerationOptions, generate
 from mimo_tts.lm.graph import SPAN_MIN, span_buckets
 from mimo_tts.lm.model import SMALL_ROWS, linear
-from mimo_tts.weights import load_tensors
+from mimo_tts.runtime.safetensors import load_tensors
 
 TOL = 1e-4
 CASES = [

@@ -9,7 +9,7 @@ import json
 import torch
 from safetensors.torch import load_file, save_file
 
-from mimo_tts import io as mio
+from mimo_tts.batch import files as mio
 from mimo_tts.errors import EXIT_AUDIO_CHECK, EXIT_PARTIAL
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mimo_tts.errors import EXIT_DEVICE, DeviceError
-from mimo_tts.runtime import is_out_of_memory, oom_advice
+from mimo_tts.runtime.guards import is_out_of_memory, oom_advice
 
 OOM_ADVICE = "try --tokenizer-device cpu, a smaller --batch-size or a smaller --max-chars"
 

@@ -17,7 +17,7 @@ from mimo_tts.errors import EXIT_INTERRUPTED
 # A process stopped inside `atomic_write`, after part of the file went to disk.
 WRITER = """
 import sys, time
-from mimo_tts.io import atomic_write
+from mimo_tts.runtime.paths import atomic_write
 
 def writer(handle):
     handle.write(b"partial audio bytes")

@@ -14,8 +14,10 @@ import time
 import pytest
 import torch
 
-from mimo_tts import devices
 from mimo_tts.errors import UsageError
+from mimo_tts.presets import ensure_tiny_preset
+from mimo_tts.runtime import devices
+from mimo_tts.runtime.paths import CACHE_ENV
 
 # Runs the real CLI entry point; at exit (after typer's SystemExit) reports heavy imports.
 TRACE = """
@@ -72,7 +74,7 @@ def _busy_threads(fn) -> dict[str, int]:
 def test_thread_budgets_hold_per_thread():
     """LM thread with 2 intra-op threads, decode thread with 1, concurrently: 3 busy OS threads,
     and each thread reports its own budget."""
-    from mimo_tts.runtime import thread_budget
+    from mimo_tts.runtime.guards import thread_budget
 
     x = torch.randn(2_000_000)
     worked, release, seen = threading.Event(), threading.Event(), {}
@@ -107,24 +109,23 @@ def test_thread_budgets_hold_per_thread():
 
 @pytest.fixture
 def tiny_synth_options(tiny_cache):
-    from mimo_tts import checkpoints
 
-    lm, tok = checkpoints.ensure_tiny_preset({checkpoints.CACHE_ENV: str(tiny_cache)})
+    lm, tok = ensure_tiny_preset({CACHE_ENV: str(tiny_cache)})
     return dict(model=str(lm), tokenizer=str(tok), lm_device="cpu", tokenizer_device="cpu")
 
 
 def _runner(**values):
     """A BatchRunner for option values (resolved without env or profile)."""
-    from mimo_tts.batch import BatchRunner
-    from mimo_tts.options import resolve
+    from mimo_tts.batch.runner import BatchRunner
+    from mimo_tts.synthesis.options import resolve
 
     return BatchRunner(resolve(values, env={}), env={})
 
 
 def test_stream_in_memory_reports_stage_timings(tiny_synth_options):
     """The benchmark path: a MemorySink keeps the audio; the result times both stages."""
-    from mimo_tts.inputs import Item
-    from mimo_tts.outputs import MemorySink
+    from mimo_tts.batch.items import Item
+    from mimo_tts.batch.sinks import MemorySink
 
     synth = _runner(**tiny_synth_options, stream=True, lm_threads=1, tokenizer_threads=1,
                     max_new_groups=8, stream_chunk_groups=2)
@@ -141,7 +142,7 @@ def test_stream_in_memory_reports_stage_timings(tiny_synth_options):
 
 
 def test_stream_on_one_cpu_splits_the_threads_by_default(tiny_synth_options):
-    from mimo_tts.batch import thread_budgets
+    from mimo_tts.batch.runner import thread_budgets
 
     before = torch.get_num_threads()
     torch.set_num_threads(4)
@@ -160,9 +161,9 @@ def test_stream_on_one_cpu_splits_the_threads_by_default(tiny_synth_options):
 def test_incremental_stream_mode_through_the_runner(tiny_synth_options):
     """`stream_mode="incremental"` (the default) reaches the worker: whole frames, close to
     one-shot audio; the official scheme's outputs are kept apart by their resume keys."""
-    from mimo_tts.inputs import Item
-    from mimo_tts.options import SynthesisOptions
-    from mimo_tts.outputs import MemorySink
+    from mimo_tts.batch.items import Item
+    from mimo_tts.batch.sinks import MemorySink
+    from mimo_tts.synthesis.options import SynthesisOptions
 
     item = Item(id="a", text="Incremental.", source="test")
     common = dict(**tiny_synth_options, lm_threads=1, tokenizer_threads=1, max_new_groups=8)
@@ -182,7 +183,7 @@ def test_incremental_stream_mode_through_the_runner(tiny_synth_options):
 def test_chunk_schedule_grows_from_the_first_chunk_to_the_cap():
     from itertools import islice
 
-    from mimo_tts.overlap import chunk_schedule
+    from mimo_tts.synthesis.streaming import chunk_schedule
 
     assert list(islice(chunk_schedule(5, 30), 6)) == [5, 10, 20, 30, 30, 30]
     assert list(islice(chunk_schedule(3), 3)) == [3, 3, 3]  # no cap: fixed chunks
@@ -191,10 +192,10 @@ def test_chunk_schedule_grows_from_the_first_chunk_to_the_cap():
 
 def test_stream_pushes_follow_the_chunk_schedule(tiny_synth_options, monkeypatch):
     """Stage-1 gets the first audio after `stream_chunk_groups`, then ever larger chunks."""
-    from mimo_tts import overlap
-    from mimo_tts.inputs import Item
-    from mimo_tts.options import SynthesisOptions
-    from mimo_tts.outputs import MemorySink
+    from mimo_tts.batch.items import Item
+    from mimo_tts.batch.sinks import MemorySink
+    from mimo_tts.synthesis import streaming as overlap
+    from mimo_tts.synthesis.options import SynthesisOptions
 
     pushed = []
     push = overlap.DecodeWorker.push
@@ -221,7 +222,7 @@ def test_incremental_worker_merges_queued_chunks_without_changing_the_audio(tiny
     """While Stage-1 is busy, later chunks queue up; the incremental worker decodes them in one
     push, and the audio equals decoding the same frames in one stream of small pushes."""
     from mimo_tts.codec import StreamingDecoder, load_audio_tokenizer
-    from mimo_tts.overlap import DecodeWorker
+    from mimo_tts.synthesis.streaming import DecodeWorker
 
     codec = load_audio_tokenizer(tiny_synth_options["tokenizer"])
     generator = torch.Generator().manual_seed(5)

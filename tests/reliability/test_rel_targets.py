@@ -17,6 +17,8 @@ import pytest
 import soundfile as sf
 
 from mimo_tts.errors import EXIT_CHECKPOINT, EXIT_DEVICE, EXIT_IO, EXIT_USAGE
+from mimo_tts.presets import ensure_tiny_preset, tiny_preset_dir
+from mimo_tts.runtime.paths import CACHE_ENV
 
 TINY = ("synth", "--model", "tiny", "--max-new-groups", "3")
 FRAMES = 960 * 4 * 3  # 3 groups of 4 frames of 960 samples
@@ -331,15 +333,14 @@ def test_l_stale_temps_beside_an_output_file_are_removed(invoke, tmp_path):
 
 
 def test_l_half_built_preset_folders_are_removed(tmp_path):
-    from mimo_tts import checkpoints
 
-    env = {checkpoints.CACHE_ENV: str(tmp_path)}
-    final = checkpoints.tiny_preset_dir(env)
+    env = {CACHE_ENV: str(tmp_path)}
+    final = tiny_preset_dir(env)
     stale = final.with_name(f"{final.name}.tmp-{_dead_pid()}")
     (stale / "lm").mkdir(parents=True)
     (stale / "lm" / "model.safetensors").write_bytes(b"half")
     live = final.with_name(f"{final.name}.tmp-{os.getppid()}")
     live.mkdir()
-    lm, tok = checkpoints.ensure_tiny_preset(env)
+    lm, tok = ensure_tiny_preset(env)
     assert (lm / "model.safetensors").is_file() and (final / "complete").is_file()
     assert not stale.exists() and live.is_dir()

@@ -12,10 +12,10 @@ import torch
 
 from mimo_tts.lm.generate import GenerationOptions
 from mimo_tts.lm.load import load_lm
+from mimo_tts.lm.prompts import build_prompt
 from mimo_tts.lm.sampling import GREEDY
 from mimo_tts.lm.text import TextTokenizer
-from mimo_tts.presets import write_tiny_preset
-from mimo_tts.prompts import build_prompt
+from mimo_tts.presets.write import write_tiny_preset
 
 KV_BYTES = 64 << 20  # a small KV cache: the engine starts in seconds (issue 7)
 

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from mimo_tts.runtime.paths import CACHE_ENV
+
 pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/setup_vllm_venv.sh)")
 
-from mimo_tts import checkpoints  # noqa: E402
 
 ENTRY_POINT = Path(sys.executable).with_name("mimo-tts")
 LINES = "Hello there.\nThe weather is nice today, is it not?\n今天天气真好。\n"
@@ -28,7 +29,7 @@ def run(tmp_path_factory):
     (`run.stderr`: that run's stderr)."""
     root = tmp_path_factory.mktemp("vllm-cli")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MIMO_", "VLLM_"))}
-    env.update({checkpoints.CACHE_ENV: str(root / "cache"), "HF_HUB_OFFLINE": "1", "NO_COLOR": "1",
+    env.update({CACHE_ENV: str(root / "cache"), "HF_HUB_OFFLINE": "1", "NO_COLOR": "1",
                 "OMP_NUM_THREADS": "1"})
     (root / "lines.txt").write_text(LINES, encoding="utf-8")
 

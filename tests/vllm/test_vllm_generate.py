@@ -11,10 +11,10 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/setup_vllm_venv.sh)")
 
-from mimo_tts.errors import InputError, UsageError  # noqa: E402
-from mimo_tts.lm.extract import extract  # noqa: E402
-from mimo_tts.lm.generate import GenerationOptions, generate  # noqa: E402
-from mimo_tts.lm.sampling import GREEDY, TASK_SAMPLERS, SamplerConfig  # noqa: E402
+from mimo_tts.errors import InputError, UsageError
+from mimo_tts.lm.extract import extract
+from mimo_tts.lm.generate import GenerationOptions, generate
+from mimo_tts.lm.sampling import GREEDY, TASK_SAMPLERS, SamplerConfig
 
 from .conftest import KV_BYTES  # noqa: E402
 

@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/setup_vllm_venv.sh)")
 
-from mimo_tts.lm.generate import generate  # noqa: E402
-from mimo_tts.lm.vllm import ARCHITECTURE  # noqa: E402
+from mimo_tts.lm.generate import generate
+from mimo_tts.lm.vllm import ARCHITECTURE
 
 from .conftest import KV_BYTES  # noqa: E402
 

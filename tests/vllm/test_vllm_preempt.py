@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/setup_vllm_venv.sh)")
 
-from mimo_tts.lm.generate import generate  # noqa: E402
+from mimo_tts.lm.generate import generate
 
 MAX_LEN = 256  # groups per request
 BLOCK = 32  # the CPU attention backend's block multiple

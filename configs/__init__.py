@@ -1,0 +1,1 @@
+"""The built-in run profiles (`--config NAME`), shipped in the wheel as `mimo_tts.configs`."""

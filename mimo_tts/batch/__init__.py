@@ -1,0 +1,1 @@
+"""Batch jobs: many items -> files, resumable (items, runner, sinks, files, shards, status, Ray)."""

@@ -1,0 +1,203 @@
+"""Files, streams and audio: atomic writes, audio checks, joins and encoding, codes files, stdout.
+
+Nothing here imports torch at module level, so the CLI can import it cheaply. Every regular
+file is written through a temp file in the destination directory followed by `os.replace`, so
+an output is either complete or absent, even after `kill -9`; temp files are created with
+O_EXCL | O_NOFOLLOW (never written through a link) and `clean_temp_files` removes what a killed
+run left behind. A target that is not a regular file (`/dev/null`, a FIFO) is written
+in place: renaming over it would replace the device or pipe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from mimo_tts.errors import InputError, OutputError
+from mimo_tts.lm.config import AUDIO_CHANNELS
+from mimo_tts.runtime.paths import atomic_write
+from mimo_tts.synthesis.audio import encode_audio, pcm16
+
+
+def companion_paths(audio: Path) -> tuple[Path, Path]:
+    """The sidecar and codes files of an audio file: `x.json` beside `x.wav`, `x.flac.json`
+    beside `x.flac` (each format has its own, so formats in one folder never share one)."""
+    base = audio.stem if audio.suffix.lower() in ("", ".wav") else audio.name
+    return audio.with_name(base + ".json"), audio.with_name(base + ".codes.safetensors")
+
+
+# --- atomic files -------------------------------------------------------------------------------
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+# --- audio --------------------------------------------------------------------------------------
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+def write_audio(path: str | Path, audio, sample_rate: int, fmt: str = "wav") -> Path:
+    data = encode_audio(audio, sample_rate, fmt)
+    return atomic_write(path, lambda f: f.write(data))
+
+
+
+
+# --- codes files --------------------------------------------------------------------------------
+
+
+def save_codes(path: str | Path, pieces: list, metadata: dict) -> Path:
+    """Stage-0 codes (one [8, T] int32 tensor per text piece) as safetensors + JSON metadata."""
+    import torch
+    from safetensors.torch import save
+
+    tensors = {f"codes.{i}": p.to(torch.int32).cpu().contiguous() for i, p in enumerate(pieces)}
+    meta = {"format": "mimo-tts-codes", "pieces": str(len(pieces)),
+            "metadata": json.dumps(metadata, ensure_ascii=False)}
+    data = save(tensors, metadata=meta)
+    return atomic_write(path, lambda f: f.write(data))
+
+
+CODE_CHANNELS = AUDIO_CHANNELS  # codebooks the LM emits and `decode` takes
+MAX_PAUSE_FRAMES = 250  # 10 s of silence between pieces
+
+
+def load_codes(path: str | Path) -> tuple[list, dict]:
+    """Read codes saved by `save_codes` (or a bare `codes` tensor in any safetensors file).
+
+    Every piece must be an integer [8, T] tensor (T >= 1) and `pause_frames` in the metadata an
+    integer in [0, 250]; anything else is an InputError naming the file, so the other files of a
+    `decode` run still go on.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"codes file not found: {path}")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata() or {}
+            keys = sorted((k for k in handle.keys() if k.split(".")[0] == "codes"),
+                          key=lambda k: int(k.split(".")[1]) if "." in k else 0)
+            pieces = [handle.get_tensor(k) for k in keys]
+        metadata = json.loads(meta.get("metadata", "{}"))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise InputError(f"unreadable codes file {path}: {exc}") from None
+    if not pieces:
+        raise InputError(f"{path}: no 'codes' tensor found")
+    for key, piece in zip(keys, pieces, strict=True):
+        if piece.is_floating_point() or piece.is_complex() or piece.dtype == _bool_dtype():
+            raise InputError(f"{path}: {key} holds {piece.dtype} values; codes are integers")
+        if piece.dim() != 2 or piece.shape[0] != CODE_CHANNELS or piece.shape[1] < 1:
+            raise InputError(f"{path}: {key} has shape {list(piece.shape)}; codes are "
+                             f"[{CODE_CHANNELS}, T] with T >= 1")
+    metadata = metadata if isinstance(metadata, dict) else {}
+    pause = metadata.get("pause_frames", 0)
+    if isinstance(pause, bool) or not isinstance(pause, int) or \
+            not 0 <= pause <= MAX_PAUSE_FRAMES:
+        raise InputError(f"{path}: metadata pause_frames must be an integer in "
+                         f"[0, {MAX_PAUSE_FRAMES}], got {str(pause)[:20]!r}")
+    return [p.long() for p in pieces], metadata
+
+
+def _bool_dtype():
+    import torch
+
+    return torch.bool
+
+
+# --- stdout -----------------------------------------------------------------------------------
+
+
+def _broken_pipe() -> OutputError:
+    """The reader closed stdout: silence later writes (and the exit-time flush) to it."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return OutputError("stdout was closed by the reader (broken pipe)")
+
+
+def write_stdout_bytes(data: bytes, stream=None) -> None:
+    """Bytes on stdout, all of them, flushed: a short write is retried until the reader has
+    everything or has gone away (then an OutputError: the data did not arrive)."""
+    stream = stream or sys.stdout.buffer
+    view = memoryview(data)
+    try:
+        while view:
+            written = stream.write(view)
+            if not written:
+                raise OutputError("cannot write to stdout: the write made no progress")
+            view = view[written:]
+        stream.flush()
+    except BrokenPipeError:
+        raise _broken_pipe() from None
+    except OSError as exc:
+        raise OutputError(f"cannot write to stdout: {exc.strerror or exc}") from None
+
+
+def write_stdout_pcm(chunk, stream=None) -> None:
+    """Audio as PCM16 on stdout (`--raw`), flushed at once."""
+    write_stdout_bytes(pcm16(chunk), stream)
+
+
+def write_stdout_audio(audio, sample_rate: int, fmt: str, stream=None) -> None:
+    """A whole item's encoded audio file on stdout (`-o -`)."""
+    write_stdout_bytes(encode_audio(audio, sample_rate, fmt), stream)
+
+
+def write_stdout_line(text: str) -> None:
+    """One line of data on stdout (a path, a JSON record); a closed pipe is an OutputError."""
+    try:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise _broken_pipe() from None
+
+
+def iter_jsonl(path: Path) -> Iterator[dict]:
+    """Records of a JSON-lines file, skipping lines a killed writer left incomplete."""
+    with contextlib.suppress(FileNotFoundError), open(path, "rb") as handle:
+        for raw in handle:
+            try:
+                record = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                continue
+            if isinstance(record, dict):
+                yield record

@@ -1,0 +1,260 @@
+"""Input items: reading `--text` / `.txt` / `.jsonl` / stdin, safe ids, text cleaning, splitting.
+
+A bad line never stops a batch: it becomes an `Item` carrying its `InputError` (with the file
+and line number), reported as that item's failure while the other items run. No torch here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import sys
+import unicodedata
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mimo_tts.errors import InputError, short_repr
+from mimo_tts.synthesis.options import MAX_SEED
+from mimo_tts.synthesis.text import clean_text
+
+JSONL_FIELDS = {"id", "text", "instruct", "prompt_audio", "seed"}
+_RESERVED = {"con", "prn", "aux", "nul", *(f"com{i}" for i in range(10)),
+             *(f"lpt{i}" for i in range(10))}
+_UNSAFE = re.compile(r"[^\w.\-]+")
+MAX_ID_BYTES = 120  # UTF-8 bytes of a file stem: with suffixes and temp prefixes < NAME_MAX 255
+
+
+@dataclass
+class Item:
+    """One thing to synthesise; `error` set means the item is bad and is reported, not run."""
+
+    id: str
+    text: str
+    source: str
+    instruct: str | None = None
+    prompt_audio: str | None = None
+    seed: int | None = None
+    source_id: str | None = None
+    error: InputError | None = None
+    extra: dict = field(default_factory=dict)
+
+
+# --- ids and text -------------------------------------------------------------------------------
+
+
+def sanitize_id(raw: str) -> str:
+    """A safe file stem: no separators, no `..`, no reserved device names, bounded length."""
+    text = unicodedata.normalize("NFC", str(raw)).strip()
+    text = _UNSAFE.sub("_", text).strip("._-")  # surrogates are not \w: they go too
+    text = re.sub(r"\.{2,}", ".", text)
+    text = text.encode("utf-8")[:MAX_ID_BYTES].decode("utf-8", errors="ignore").rstrip("._-")
+    if not text:
+        return "item"
+    if text.split(".")[0].lower() in _RESERVED:
+        text = "_" + text
+    return text
+
+
+def text_id(text: str) -> str:
+    """A stable id for an item without one: a slug of the text plus a short content hash."""
+    digest = hashlib.sha1(text.encode("utf-8", errors="surrogatepass")).hexdigest()[:8]
+    slug = sanitize_id(" ".join(text.split()[:6]))[:32].rstrip("._-")
+    return f"{slug}-{digest}" if slug != "item" else f"item-{digest}"
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+# --- reading items ------------------------------------------------------------------------------
+
+
+def read_items(texts: Iterable[str], inputs: Iterable[str], stdin=None) -> list[Item]:
+    """Items from `--text` values and `--input` files (`.txt`/`.jsonl`; `-` reads stdin)."""
+    items: list[Item] = []
+    for n, text in enumerate(texts, 1):
+        if text == "-":
+            text = _stdin_text(stdin)
+        items.append(_make_item(None, text, f"--text #{n}", {}))
+    for name in inputs:
+        items.extend(_read_input(name, stdin))
+    return _dedupe(items)
+
+
+def _stdin_text(stdin) -> str:
+    return _stdin_bytes(stdin, "'-' reads from stdin, but stdin is a terminal; pipe text in"
+                        ).decode("utf-8", errors="surrogateescape")  # clean_text refuses those
+
+
+def _read_input(name: str, stdin) -> list[Item]:
+    if name == "-":
+        lines = _decode_lines(_stdin_bytes(
+            stdin, "--input - reads items from stdin, but stdin is a terminal"))
+        return _parse_lines(lines, "stdin", _looks_like_jsonl(lines))
+    path = Path(name)
+    if not path.exists():  # FIFOs, /dev/fd/N and /dev/stdin are read like files
+        raise InputError(f"input file not found: {path}")
+    if path.is_dir():
+        raise InputError(f"input {path} is a directory, not a .txt or .jsonl file")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise InputError(f"cannot read input file {path}: {exc.strerror or exc}") from None
+    return _parse_lines(_decode_lines(data), path.name, path.suffix.lower() == ".jsonl")
+
+
+def _looks_like_jsonl(lines: list[str]) -> bool:
+    """stdin holds JSON lines when its first non-blank line is a JSON object (not just "{")."""
+    first = next((ln for ln in lines if ln.strip()), "")
+    try:
+        return isinstance(json.loads(first), dict)
+    except (ValueError, TypeError):
+        return False
+
+
+def _stdin_bytes(stdin, on_terminal: str) -> bytes:
+    stream = stdin if stdin is not None else sys.stdin
+    try:
+        if stream is None or stream.closed:
+            raise InputError("stdin is closed; pipe the items in or use --text / --input FILE")
+        if stream.isatty():
+            raise InputError(on_terminal)
+        buffer = getattr(stream, "buffer", None)
+        return buffer.read() if buffer is not None else stream.read().encode("utf-8")
+    except (OSError, ValueError) as exc:  # a closed or unreadable descriptor
+        raise InputError(f"cannot read stdin: {exc}") from None
+
+
+def _decode_lines(data: bytes) -> list[str]:
+    """UTF-8 lines; invalid bytes become a per-line error marker (reported with the line)."""
+    lines = []
+    for raw in data.splitlines():
+        try:
+            lines.append(raw.decode("utf-8").removeprefix("\ufeff"))
+        except UnicodeDecodeError as exc:
+            lines.append(_BadLine(f"invalid UTF-8 at byte {exc.start}"))
+    return lines
+
+
+class _BadLine(str):
+    """A line that could not be decoded; carries the reason."""
+
+
+def _parse_lines(lines: list[str], where: str, as_jsonl: bool) -> list[Item]:
+    items = []
+    for number, line in enumerate(lines, 1):
+        label = f"{where}:{number}"
+        if isinstance(line, _BadLine):
+            items.append(_bad_item(f"line-{number:05d}", label, f"{label}: {line}"))
+        elif line.strip():
+            items.append(_jsonl_item(line, label, number) if as_jsonl
+                         else _make_item(None, line, label, {}))
+    return items
+
+
+def _jsonl_item(line: str, label: str, number: int) -> Item:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return _bad_item(f"line-{number:05d}", label, f"{label}: malformed JSON ({exc.msg})")
+    if not isinstance(record, dict):
+        return _bad_item(f"line-{number:05d}", label, f"{label}: expected a JSON object")
+    unknown = sorted(set(record) - JSONL_FIELDS)
+    if unknown:
+        return _bad_item(str(record.get("id") or f"line-{number:05d}"), label,
+                         f"{label}: unknown field(s) {', '.join(unknown)} "
+                         f"(allowed: {', '.join(sorted(JSONL_FIELDS))})")
+    return _make_item(record.get("id"), record.get("text", ""), label, record)
+
+
+def _make_item(raw_id, text, label: str, record: dict) -> Item:
+    try:
+        if raw_id is not None and (isinstance(raw_id, bool) or not isinstance(raw_id, str | int)):
+            bad, raw_id = raw_id, f"line-{label.rsplit(':', 1)[-1]}"
+            raise InputError(f"{label}: id must be a string or an integer, got "
+                             f"{type(bad).__name__}")
+        text = clean_text(text, label)
+        seed = record.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                                 or not 0 <= seed <= MAX_SEED):
+            raise InputError(f"{label}: seed must be an integer in [0, 2**64 - 1], "
+                             f"got {short_repr(seed)}")
+        for key in ("instruct", "prompt_audio"):
+            if record.get(key) is not None and not isinstance(record[key], str):
+                raise InputError(f"{label}: {key} must be a string")
+        instruct = record.get("instruct")
+        instruct = clean_text(instruct, f"{label} instruct") if instruct else None
+        if record.get("prompt_audio"):
+            _check_path(record["prompt_audio"], f"{label} prompt_audio")
+    except InputError as exc:
+        return _bad_item(str(raw_id) if raw_id is not None else text_id(str(text)), label, exc)
+    item_id = sanitize_id(str(raw_id)) if raw_id is not None else text_id(text)
+    return Item(id=item_id, text=text, source=label, instruct=instruct,
+                prompt_audio=record.get("prompt_audio"), seed=seed,
+                source_id=str(raw_id) if raw_id is not None else None)
+
+
+
+
+def _check_path(path: str, where: str) -> None:
+    """A path the OS can take: no lone surrogates beyond undecodable argv/JSON bytes."""
+    import os
+
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError:
+        raise InputError(f"{where}: the path is not valid Unicode (a lone surrogate)") from None
+
+
+def _bad_item(raw_id: str, label: str, error) -> Item:
+    error = error if isinstance(error, InputError) else InputError(str(error))
+    return Item(id=sanitize_id(raw_id), text="", source=label, error=error)
+
+
+def _dedupe(items: list[Item]) -> list[Item]:
+    """Explicit duplicate ids are an error on the later item; derived ids get a suffix.
+
+    A failed item is renamed after its line, so it never shares a manifest line or an
+    output name with a good item. Two different ids that sanitise to one file name are a
+    collision, and the message says so.
+    """
+    seen: dict[str, tuple[str, str | None]] = {}  # file stem -> (source, raw id)
+    for item in items:
+        if item.id in seen:
+            if item.error is None and item.source_id is None:
+                item.id = _free_id(item.id, seen)
+            else:
+                first, first_raw = seen[item.id]
+                if item.error is None and first_raw not in (None, item.source_id):
+                    item.error = InputError(
+                        f"{item.source}: id {item.source_id!r} becomes the file name "
+                        f"{item.id!r}, which id {first_raw!r} (at {first}) already uses")
+                elif item.error is None:
+                    item.error = InputError(f"{item.source}: duplicate id {item.source_id!r} "
+                                            f"(first at {first})")
+                item.id = _free_id(f"{item.id}-{_line_tag(item.source)}", seen)
+        seen.setdefault(item.id, (item.source, item.source_id))
+    return items
+
+
+def _free_id(base: str, seen: dict) -> str:
+    n, candidate = 2, base
+    while candidate in seen:
+        candidate, n = f"{base}-{n}", n + 1
+    return candidate
+
+
+def _line_tag(source: str) -> str:
+    return "line-" + sanitize_id(source.rsplit(":", 1)[-1])

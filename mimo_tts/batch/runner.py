@@ -1,0 +1,427 @@
+"""The batch runner: input items -> typed `ItemResult`s, written through one sink (`outputs.py`).
+
+`BatchRunner` loads `MiMoTTS` once on first need and yields one result per item, in input
+order: written, skipped (the sink holds it done with the same inputs: the resume key) or failed
+with its exit code (a failed item never stops the batch). On the native engine with
+`batch_size` > 1 every item's pieces run through one continuous batch (`lm.batching`: a row that
+stops takes the next piece, each piece samples from its own seeded generator, so an item's
+output is its single run's); otherwise items are generated `batch_size` at a time (vLLM:
+max(batch_size, max_num_seqs)), prompts of one seed in one call. Each finished item
+goes to the sink as data: its samples, codes and provenance record (`sidecar_record`); the sink
+decides where the bytes go and never calls back into the runner. `BatchRunner.codes` (Stage-0
+of a window) and `finish_item` (Stage-1 of one item) are also what the Ray pipeline's actors
+run (`mimo_tts/ray.py`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from mimo_tts import __version__
+from mimo_tts.batch.items import Item
+from mimo_tts.batch.results import ItemResult, fail
+from mimo_tts.errors import MimoTTSError
+from mimo_tts.lm.vllm.launch import DEFAULT_MAX_NUM_SEQS, import_vllm_engine
+from mimo_tts.runtime import checkpoints
+from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, resample
+from mimo_tts.synthesis.options import Settings
+from mimo_tts.synthesis.pieces import Piece
+from mimo_tts.synthesis.preflight import check_memory, engine_record, lengths_for
+from mimo_tts.synthesis.streaming import chunk_cap
+
+# Per-item timings that are work (the rest describe the streaming overlap within them).
+BUSY_TIMINGS = ("prompt_s", "generate_s", "decode_s")
+
+
+class BatchRunner:
+    """Loads the checkpoints once and turns items into results, through a sink."""
+
+    def __init__(self, settings: Settings, log=None, env: Mapping[str, str] | None = None):
+        self.settings = settings
+        self.log = log or (lambda message: None)
+        self.env = os.environ if env is None else env
+        self.refs = None  # (lm, tokenizer) ModelRefs once resolved
+        self.tts = None  # MiMoTTS once loaded
+        self.timings: dict[str, float] = {}
+        self.threads: dict = {}
+        self.lengths = lengths_for(settings, [])  # sized from the items by `run`
+
+    def resolve(self):
+        """Locate the checkpoints; with `engine="vllm"` also import vLLM (both end a run early)."""
+        if self.refs is None:
+            if self.settings.engine.engine == "vllm":
+                import_vllm_engine()
+            self.refs = checkpoints.resolve_names(self.settings.checkpoints, self.env)
+        return self.refs
+
+    def load(self):
+        """Load the LM, its text tokenizer and the audio tokenizer (once)."""
+        if self.tts is None:
+            from mimo_tts.synthesis.synthesizer import MiMoTTS
+
+            s = self.settings
+            self.resolve()
+            plan = check_memory(s, self.resolve(), self.lengths, self.env, self.log)
+            p = s.placement
+            self.log(f"LM dtype {p.lm_dtype.value} ({p.lm_dtype.source}); tokenizer dtype "
+                     f"{p.tokenizer_dtype.value} ({p.tokenizer_dtype.source})")
+            for entry in plan:
+                self.log(f"memory on {entry['device']}: need ~{entry['need_gib']} GiB, "
+                         f"available {entry['available_gib']} GiB ({entry['available_source']})")
+            start = time.perf_counter()
+            self.threads = thread_budgets(s)
+            self.tts = MiMoTTS.load(*self.resolve(), s.placement, s.engine, self.log,
+                                    self.threads)
+            self.timings["load_s"] = time.perf_counter() - start
+            self.log(f"loaded models in {self.timings['load_s']:.2f} s "
+                     f"(LM on {s.placement.lm_device.value}, "
+                     f"tokenizer on {s.placement.tokenizer_device.value}; "
+                     f"threads {self.threads}; engine {s.engine.engine})")
+        return self.tts
+
+    def close(self) -> None:
+        """Shut the Stage-0 engine down (vLLM frees its memory); loading again is possible."""
+        tts, self.tts = self.tts, None
+        if tts is not None:
+            tts.close()
+
+    def __enter__(self) -> BatchRunner:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def seed(self, item: Item) -> int:
+        return item.seed if item.seed is not None else self.settings.synthesis.seed
+
+    def item_key(self, item: Item) -> str:
+        """A hash of everything that determines an item's output (resume skips on a match)."""
+        return item_key(self.settings, self.resolve(), item, self.seed(item))
+
+    def batch_window(self) -> int:
+        """Items per Stage-0 call: batch_size, or for vLLM at least its max_num_seqs."""
+        s = self.settings
+        if s.engine.engine != "vllm" or s.run.stream:
+            return s.run.batch_size
+        return max(s.run.batch_size, s.engine.max_num_seqs or DEFAULT_MAX_NUM_SEQS)
+
+    def run(self, items: list[Item], sink) -> Iterator[ItemResult]:
+        """Yield one result per item, in input order; a failed item is recorded, the rest go on.
+
+        Checkpoint and device errors while loading are not per-item: they end the run (raised).
+        """
+        items = list(items)
+        texts = [i.text for i in items if isinstance(i.text, str)]
+        self.lengths = lengths_for(self.settings, texts,
+                                   1 if self.settings.run.stream else self.batch_window())
+        if self.continuous():
+            yield from self._run_continuous([self.prepare(item, sink) for item in items], sink)
+            return
+        window: list[ItemResult] = []
+        for item in items:
+            window.append(self.prepare(item, sink))
+            if sum(r.status == "pending" for r in window) >= self.batch_window():
+                yield from self._flush(window, sink)
+                window = []
+        yield from self._flush(window, sink)
+
+    def continuous(self) -> bool:
+        """Whether items run through one continuous batch (native engine, batch size > 1)."""
+        s = self.settings
+        return s.engine.engine == "native" and not s.run.stream and s.run.batch_size > 1
+
+    def _run_continuous(self, results: list[ItemResult], sink) -> Iterator[ItemResult]:
+        """Every pending item's pieces as jobs of one continuous batch (lm.batching): a row
+        that stops takes the next piece. Items finish (decode, write, manifest) and are
+        yielded in input order, each as soon as it and those before it are done."""
+        from mimo_tts.lm.batching import JobDone
+        from mimo_tts.synthesis.text import split_text
+
+        pending = [r for r in results if r.status == "pending"]
+        if pending:
+            self.load()
+        max_chars = self.settings.synthesis.max_chars
+        rows = min(self.settings.run.batch_size,
+                   sum(len(split_text(r.item.text, max_chars)) for r in pending) or 1)
+        pieces: dict[int, list] = {}  # id(result) -> its pieces, None until generated
+        done = 0
+        for event in self._events(pending, pieces, rows):
+            if isinstance(event, JobDone):
+                self._job_done(event, pieces)
+                done, ready = self._ready(results, done, pieces, sink)
+                yield from ready
+        yield from self._ready(results, done, pieces, sink)[1]
+
+    def _events(self, pending: list[ItemResult], pieces: dict, rows: int):
+        """The batch's events, each step under the Stage-0 guard. A step that fails (out of
+        memory) fails the items it was running; a fresh batch takes the jobs not yet begun."""
+        from mimo_tts.lm.batching import Jobs
+
+        source = Jobs(self._jobs(pending, pieces))
+        while True:
+            steps = self.tts.batcher(source, rows).run()
+            while True:
+                try:
+                    with self.tts.stage0_guard():
+                        event = next(steps, None)
+                except MimoTTSError as exc:
+                    for r in pending:
+                        if r.status == "pending" and None in pieces.get(id(r), ()):
+                            fail(r, exc)
+                            del pieces[id(r)]
+                    break
+                if event is None:
+                    return
+                yield event
+
+    def _jobs(self, pending: list[ItemResult], pieces: dict):
+        """Jobs (one per text piece) of the pending items, in order, prompts built lazily."""
+        from mimo_tts.lm.batching import Job
+
+        for r in pending:
+            prompts = self._prompts(r)
+            if r.status != "pending":
+                continue
+            pieces[id(r)] = [None] * len(prompts)
+            r.timings["generate_s"] = 0.0
+            options = self.settings.synthesis.generation_options(r.seed)
+            for index, prompt in enumerate(prompts):
+                if r.status == "pending":  # not failed meanwhile
+                    yield Job(prompt.input_ids, options, key=(r, index, prompt))
+
+    def _job_done(self, event, pieces: dict) -> None:
+        r, index, prompt = event.job.key
+        if r.status != "pending" or id(r) not in pieces:
+            return
+        if event.error is not None:
+            fail(r, event.error)
+            del pieces[id(r)]
+            return
+        r.timings["generate_s"] += event.busy_s
+        pieces[id(r)][index] = self.tts.piece(prompt, event.generation, r.seed)
+
+    def _ready(self, results: list[ItemResult], done: int, pieces: dict,
+               sink) -> tuple[int, list[ItemResult]]:
+        """From result `done` on, finish and hand out those settled, in order, up to the
+        first still generating -> (new `done`, the results handed out)."""
+        out = []
+        for r in results[done:]:
+            mine = pieces.get(id(r))
+            if r.status == "pending":
+                if mine is None or None in mine:
+                    break
+                _guard(r, self._finish, r, mine, sink)
+            if r.status in ("ok", "error"):
+                sink.finished(r, self.settings.synthesis.task)
+            out.append(r)
+        return done + len(out), out
+
+    def prepare(self, item: Item, sink) -> ItemResult:
+        """A pending result with its seed and resume key, or skipped (done) or failed."""
+        result = ItemResult(item=item, status="pending", seed=item.seed,
+                            format=self.settings.run.format)
+        try:
+            if item.error is not None:
+                raise item.error
+            result.seed = self.seed(item)
+            result.key = self.item_key(item)
+            sink.check(result)
+        except MimoTTSError as exc:
+            fail(result, exc)
+        return result
+
+    def _flush(self, window: list[ItemResult], sink) -> Iterator[ItemResult]:
+        pending = [r for r in window if r.status == "pending"]
+        if pending:
+            self.load()
+            self._synthesize(pending, sink)
+        for result in window:
+            if result.status in ("ok", "error"):
+                sink.finished(result, self.settings.synthesis.task)
+            yield result
+
+    def _synthesize(self, results: list[ItemResult], sink) -> None:
+        """Stage-0 for every item (`codes`), then finish each item into the sink."""
+        pieces = self.codes(results, sink.on_chunk)
+        for r in results:
+            if r.status == "pending" and pieces.get(id(r)) is not None:
+                _guard(r, self._finish, r, pieces[id(r)], sink)
+
+    def codes(self, results: list[ItemResult], on_chunk=None) -> dict[int, list[Piece] | None]:
+        """Stage-0: prompts for every item, one generate call per seed (batched), or each
+        streamed; {id(result): pieces}. A failing item is marked failed, the rest go on."""
+        pieces: dict[int, list[Piece] | None] = {}
+        prompts = {id(r): self._prompts(r) for r in results}
+        ready = [r for r in results if r.status == "pending"]
+        if self.settings.run.stream:
+            for r in ready:
+                pieces[id(r)] = _guard(r, self._stream_item, r, prompts[id(r)], on_chunk)
+        else:
+            for seed in dict.fromkeys(r.seed for r in ready):
+                self._generate_group([r for r in ready if r.seed == seed], prompts, pieces)
+        return pieces
+
+    def _prompts(self, result: ItemResult) -> list:
+        item, start = result.item, time.perf_counter()
+        found = _guard(result, self.tts.prompts, item.text, self.settings.synthesis, result.seed,
+                       item.instruct, item.prompt_audio)
+        result.timings["prompt_s"] = time.perf_counter() - start
+        if found:
+            result.template_index = found[0].template_index
+        return found or []
+
+    def _generate_group(self, group: list[ItemResult], prompts: dict, pieces: dict) -> None:
+        """Stage-0 for items sharing a seed: their prompts run `batch_size` at a time."""
+        flat = [p for r in group for p in prompts[id(r)]]
+        seed, start = group[0].seed, time.perf_counter()
+        try:
+            made = self.tts.generate(flat, self.settings.synthesis.generation_options(seed), seed,
+                                     self.settings.run.batch_size)
+        except MimoTTSError as exc:
+            for r in group:
+                fail(r, exc)
+            return
+        elapsed = time.perf_counter() - start
+        for r in group:
+            n = len(prompts[id(r)])
+            pieces[id(r)], made = made[:n], made[n:]
+            r.timings["generate_s"] = elapsed * n / max(len(flat), 1)
+
+    def _stream_item(self, result: ItemResult, prompts: list, on_chunk) -> list[Piece]:
+        """Stage-0 with Stage-1 decoding concurrently in a worker thread, piece by piece."""
+        import torch
+
+        pieces, start = [], time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            if i and on_chunk is not None:
+                on_chunk(torch.zeros(PAUSE_FRAMES * self.tts.stage1.samples_per_frame))
+            pieces.append(self.tts.stream_piece(prompt, self.settings.synthesis, result.seed,
+                                                on_chunk, self.log))
+        result.timings["generate_s"] = time.perf_counter() - start
+        for name in ("stage0_s", "stage1_s", "stage1_wait_s"):
+            result.timings[name] = sum(p.timings.get(name, 0.0) for p in pieces)
+        result.timings["first_audio_s"] = pieces[0].timings.get("first_audio_s", 0.0)
+        return pieces
+
+    def _finish(self, result: ItemResult, pieces: list[Piece], sink) -> None:
+        """Stage-1 (`finish_item`); then the sink writes it."""
+        sink.write(result, *finish_item(self.tts.stage1, self.settings, self.context(), result,
+                                        pieces))
+
+    def context(self) -> dict:
+        """What every sidecar of this run shares: checkpoints, placement, engine, threads,
+        load timings, argv (the Ray pipeline ships it from Stage-0 to Stage-1)."""
+        return {"described": self.tts.describe(self.settings.synthesis),
+                "tokenizer": str(self.refs[1].path), "threads": self.threads,
+                "timings": dict(self.timings), "argv": sys.argv[1:]}
+
+
+def finish_item(stage1, settings: Settings, context: dict, result: ItemResult,
+                pieces: list[Piece]) -> tuple:
+    """Stage-1 for one item: decode (unless streamed), join, check and resample ->
+    (samples, codes, sidecar record), the result marked ok with its length and timings."""
+    run = settings.run
+    result.generated_text_ids = [p.new_text_ids for p in pieces]
+    result.text_out = [p.text for p in pieces]
+    start = time.perf_counter()
+    decoding = all(p.codes is not None for p in pieces) and any(p.audio is None for p in pieces)
+    audio = stage1.finish(pieces, result.item.id)
+    if decoding:
+        result.timings["decode_s"] = time.perf_counter() - start
+    samples = resample(audio, SAMPLE_RATE, run.sample_rate)
+    result.seconds = len(samples) / run.sample_rate
+    busy = sum(v for k, v in result.timings.items() if k in BUSY_TIMINGS)
+    result.timings["total_s"] = busy
+    result.rtf = busy / max(result.seconds, 1e-9)
+    result.status = "ok"
+    codes = {"pieces": [p.codes for p in pieces],
+             "metadata": {"pause_frames": PAUSE_FRAMES, "id": result.item.id,
+                          "tokenizer": context["tokenizer"]}}
+    return samples, codes, sidecar_record(settings, context, result, pieces)
+
+
+def sidecar_record(settings: Settings, context: dict, result: ItemResult,
+                   pieces: list[Piece]) -> dict:
+    """Everything needed to reproduce one output; the sink adds `result` last."""
+    s, item = settings, result.item
+    o, described = s.synthesis, context["described"]
+    return {
+        "runner": {"name": "mimo-tts", "version": __version__, "argv": context["argv"]},
+        "id": item.id, "source": item.source, "text": item.text, "task": o.task,
+        "instruct": item.instruct or o.instruct,
+        "prompt_audio": item.prompt_audio or o.prompt_audio,
+        "model": described["model"], "tokenizer": described["tokenizer"],
+        "placement": described["placement"], "threads": context["threads"],
+        "engine": engine_record(s, described["engine"]),
+        "sampler": o.sampler_settings(), "effective_sampler": described["effective_sampler"],
+        "seed": result.seed, "max_new_groups": o.max_new_groups,
+        "batch_size": s.run.batch_size, "stream": s.run.stream, "stream_mode": o.stream_mode,
+        "max_chars": o.max_chars,
+        "audio": {"format": s.run.format, "sample_rate": s.run.sample_rate,
+                  "seconds": round(result.seconds, 4), "pause_frames": PAUSE_FRAMES},
+        "pieces": [p.record() for p in pieces],
+        "timings": {**{k: round(v, 4) for k, v in context["timings"].items()},
+                    **{k: round(v, 4) for k, v in result.timings.items()}},
+    }
+
+
+def thread_budgets(settings: Settings) -> dict:
+    """Per-stage CPU threads: the options', else half each when streaming on one CPU."""
+    e, p = settings.engine, settings.placement
+    both_cpu = p.lm_device.value == p.tokenizer_device.value == "cpu"
+    if e.lm_threads is None and e.tokenizer_threads is None and settings.run.stream and both_cpu:
+        import torch
+
+        n = torch.get_num_threads()
+        if n >= 2:
+            return {"lm": n - n // 2, "tokenizer": n // 2, "source": "auto (--stream, cpu)"}
+    return {"lm": e.lm_threads, "tokenizer": e.tokenizer_threads, "source": "options"}
+
+
+def item_key(settings: Settings, refs, item: Item, seed: int) -> str:
+    """The resume key: a hash of every input that determines an item's output bytes."""
+    o, run, p, (lm, tok) = settings.synthesis, settings.run, settings.placement, refs
+    inputs = {
+        "text": item.text, "instruct": item.instruct or o.instruct, "seed": seed,
+        "prompt_audio": _file_stamp(item.prompt_audio or o.prompt_audio), "task": o.task,
+        "template": o.template, "model": [str(lm.path), lm.revision],
+        "tokenizer": [str(tok.path), tok.revision], "sampler": o.sampler_settings(),
+        "max_new_groups": o.max_new_groups, "batch_size": run.batch_size,
+        "max_chars": o.max_chars, "format": run.format, "sample_rate": run.sample_rate,
+        "stream": run.stream, "dtypes": [p.lm_dtype.value, p.tokenizer_dtype.value],
+    }
+    if run.stream and o.stream_mode != "official":  # keeps the keys of earlier outputs
+        inputs["stream_mode"] = o.stream_mode
+    if run.stream and o.stream_mode == "official":  # its audio depends on the chunks
+        inputs["stream_chunk_groups"] = [
+            o.stream_chunk_groups,
+            chunk_cap(o.stream_mode, o.stream_chunk_groups, o.stream_max_chunk_groups)]
+    if settings.engine.engine != "native":  # likewise
+        inputs["engine"] = settings.engine.engine
+    blob = json.dumps(inputs, sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+def _guard(result: ItemResult, fn, *args):
+    """Run one item step; a MimoTTSError fails that item only."""
+    try:
+        return fn(*args)
+    except MimoTTSError as exc:
+        fail(result, exc)
+        return None
+
+
+def _file_stamp(path: str | None) -> dict | None:
+    if not path:
+        return None
+    try:
+        stat = Path(path).stat()
+    except OSError:
+        return {"path": path}
+    return {"path": str(Path(path).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}

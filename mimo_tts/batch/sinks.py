@@ -1,0 +1,424 @@
+"""Sinks: where a batch run's results go. The runner hands each one data; sinks write bytes.
+
+- `DirectorySink`: `<output-dir>/<task>/` with its lock, manifest and per-item files (codes,
+  then sidecar, then audio, each atomic: audio present => done). One run at a time may write a
+  task directory: opening takes an exclusive `flock` on `.mimo-tts.lock` (released by the
+  kernel even after `kill -9`), then removes temp files a killed run left behind.
+  `results.jsonl` holds one line per item and format; a line cut by a killed writer is dropped
+  next time. The locks and the manifests are never opened through a symbolic link.
+  Shard K of N (`shards.py`) holds `.mimo-tts.lock` shared and its own
+  `.mimo-tts.shard-K-of-N.lock` exclusively, and writes `results.shard-K-of-N.jsonl`: shards
+  share a folder without waiting on each other, and an unsharded run is refused beside them.
+  Temp files are removed only by a run that finds the folder otherwise idle.
+- `FileSink` (`-o FILE`, also `decode`'s files; a same-input re-run is skipped),
+  `StdoutSink` (`-o -`), `RawPcmSink` (`--raw`: PCM on stdout, chunks as they are decoded or
+  each finished item) and `MemorySink` (results keep their samples).
+
+Every sink has `check(result)` (resume or refuse before work), `on_chunk` (streamed audio, or
+None), `write(result, samples, codes, record)` and `finished(result, task)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+
+from mimo_tts.batch import files as mio
+from mimo_tts.batch.files import iter_jsonl
+from mimo_tts.errors import OutputError
+from mimo_tts.runtime.paths import (
+    atomic_write,
+    clean_temp_files,
+    is_special_file,
+    open_no_follow,
+    remove_quietly,
+    write_json,
+)
+from mimo_tts.synthesis.audio import FORMATS, SAMPLE_RATE
+
+LOCK_NAME = ".mimo-tts.lock"
+MANIFEST_NAME = "results.jsonl"
+SHARED_LOCK_WAIT_S = 2.0  # a shard waits this long for another shard's temp-file clean-up
+
+
+def manifest_name(shard=None) -> str:
+    """`results.jsonl`, or `results.shard-K-of-N.jsonl` for shard K of N."""
+    return MANIFEST_NAME if shard is None else f"results.{shard.tag}.jsonl"
+
+
+def lock_name(shard=None) -> str:
+    return LOCK_NAME if shard is None else f".mimo-tts.{shard.tag}.lock"
+
+
+class Manifest:
+    """`results.jsonl`: one line per item and format (the last line wins), crash tolerant.
+
+    A new item is appended; a re-recorded one rewrites the file atomically, so the file always
+    holds one line per item and format. An identical record is not written again (bad lines
+    re-reported by a resumed run cost nothing). A manifest path that is a directory, a link or
+    a device is an OutputError: it is never read through or appended to.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            kind = "a symbolic link" if path.is_symlink() else "not a regular file"
+            raise OutputError(f"{path} is {kind}; remove it or use another --output-dir")
+        self.records: dict[tuple[str, str], dict] = {}
+        lines = 0
+        try:
+            for record in iter_jsonl(path):
+                lines += 1
+                if "id" in record:
+                    self.records[_manifest_key(record)] = record
+            needs_compaction = self._needs_compaction(lines)
+        except OSError as exc:
+            raise OutputError(f"cannot read {path}: {exc.strerror or exc}") from None
+        if needs_compaction:
+            self.compact()
+
+    def _needs_compaction(self, parsed: int) -> bool:
+        if not self.path.is_file():
+            return False
+        data = self.path.read_bytes()
+        complete = data.endswith(b"\n") or not data
+        return not complete or data.count(b"\n") != parsed or parsed != len(self.records)
+
+    def compact(self) -> None:
+        """Rewrite the file with exactly one line per item and format (atomically)."""
+        payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.records.values())
+        atomic_write(self.path, lambda f: f.write(payload.encode("utf-8")))
+
+    def get(self, item_id: str, fmt: str | None = None) -> dict | None:
+        return self.records.get((item_id, _suffix(fmt)))
+
+    def add(self, record: dict) -> None:
+        """Record an item: append a line, or rewrite the file when it is already present."""
+        key = _manifest_key(record)
+        previous = self.records.get(key)
+        if previous == record:
+            return
+        self.records[key] = record
+        if previous is not None:
+            self.compact()
+            return
+        line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+        try:
+            with open_no_follow(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT) as handle:
+                handle.write(line)
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as exc:
+            del self.records[key]
+            raise OutputError(f"cannot write {self.path}: {exc.strerror or exc}") from None
+        except OutputError:
+            del self.records[key]
+            raise
+
+
+def _suffix(fmt: str | None) -> str:
+    """The audio file extension of a format (lines from before formats were recorded: wav)."""
+    return FORMATS.get(fmt or "wav", FORMATS["wav"])[2]
+
+
+def _manifest_key(record: dict) -> tuple[str, str]:
+    """Lines are per item and audio file: wav and flac of one id each keep their own line."""
+    return str(record["id"]), _suffix(record.get("format"))
+
+
+def _done_record(audio: Path, sidecar: Path, key: str) -> dict | None:
+    """The result of a finished item with this input key, or None.
+
+    The sidecar (holding the key and the result) is written before the audio, so an audio
+    file whose sidecar carries the same key is complete, even if the run was then killed
+    before anything else was recorded.
+    """
+    if not audio.is_file():
+        return None
+    result = _sidecar_result(sidecar)
+    if result is not None and result.get("key") == key and result.get("status") == "ok":
+        return result
+    return None
+
+
+def _sidecar_result(sidecar: Path) -> dict | None:
+    if sidecar.is_symlink():
+        return None
+    try:
+        data = json.loads(sidecar.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    result = data.get("result") if isinstance(data, dict) else None
+    return result if isinstance(result, dict) else None
+
+
+def _skip(result, path: Path, done: dict) -> None:
+    result.status, result.path = "skipped", path
+    result.seconds, result.rtf = done.get("seconds", 0.0), done.get("rtf")
+
+
+class Sink:
+    """A sink that writes nothing and refuses nothing (the base of the others)."""
+
+    on_chunk = None  # streamed audio chunks [S_i] float32 24 kHz, or None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def check(self, result) -> None:
+        """Before an item runs: mark it skipped, or raise when its target is taken."""
+
+    def write(self, result, samples, codes: dict, record: dict) -> None:
+        """One finished item: `samples` [S] at the run rate, `codes` {"pieces", "metadata"},
+        `record` the sidecar without its `result` (added last, once paths are known)."""
+
+    def finished(self, result, task: str) -> None:
+        """An item ended ok or failed (after `write`, or without it)."""
+
+
+class MemorySink(Sink):
+    """Results keep their samples (`ItemResult.audio`): benchmarks and tests.
+
+    `on_chunk` receives streamed chunks (e.g. `list.append`) when the run streams.
+    """
+
+    def __init__(self, on_chunk=None):
+        self.on_chunk = on_chunk
+
+    def write(self, result, samples, codes, record) -> None:
+        result.audio = samples
+
+
+class StdoutSink(Sink):
+    """`-o -`: each item's encoded audio file on stdout."""
+
+    def __init__(self, fmt: str = "wav", sample_rate: int = SAMPLE_RATE):
+        self.fmt, self.sample_rate = fmt, sample_rate
+
+    def write(self, result, samples, codes, record) -> None:
+        mio.write_stdout_audio(samples, self.sample_rate, self.fmt)
+
+
+class RawPcmSink(Sink):
+    """`--raw`: 16-bit PCM on a binary stream (stdout): chunks as they are decoded when the
+    run streams, else each item's whole audio once it is finished."""
+
+    def __init__(self, stream=None, streamed: bool = True):
+        self.stream, self.streamed = stream, streamed
+
+    def on_chunk(self, chunk) -> None:
+        mio.write_stdout_pcm(chunk, self.stream)
+
+    def write(self, result, samples, codes, record) -> None:
+        if not self.streamed:
+            mio.write_stdout_pcm(samples, self.stream)
+
+
+class FileSink(Sink):
+    """`-o FILE`: one item's audio, with its sidecar (and codes) beside it unless `audio_only`.
+
+    A re-run with the same inputs is skipped (the sidecar holds the resume key); any other
+    existing file among the item's (audio, sidecar, codes) is kept unless `overwrite`. Missing
+    folders are created. Temp files a killed run left beside the target are removed (those of
+    dead pids). A target that is not a regular file (`/dev/null`, a FIFO) gets the audio only.
+    """
+
+    def __init__(self, path: str | Path, fmt: str = "wav", sample_rate: int = SAMPLE_RATE,
+                 save_codes: bool = False, overwrite: bool = False, audio_only: bool = False):
+        self.path, self.fmt, self.sample_rate = Path(path), fmt, sample_rate
+        self.save_codes, self.overwrite, self.audio_only = save_codes, overwrite, audio_only
+
+    def __enter__(self) -> FileSink:
+        if not is_special_file(self.path):
+            _make_folder(self.path.parent, "directory")
+            clean_temp_files(self.path.parent,
+                                 tuple(p.name for p in self._own_files(self.path)))
+        return self
+
+    def _own_files(self, path: Path) -> tuple[Path, ...]:
+        sidecar, codes = mio.companion_paths(path)
+        return (path,) if self.audio_only else (path, sidecar, codes)
+
+    def targets(self, result) -> tuple[Path, Path, Path]:
+        return (self.path, *mio.companion_paths(self.path))
+
+    def check(self, result) -> None:
+        """Skip an item done with the same inputs; refuse to replace anything else."""
+        path, sidecar, codes = self.targets(result)
+        if self.overwrite or is_special_file(path):
+            return
+        if not self.audio_only:
+            done = _done_record(path, sidecar, result.key)
+            if done is not None:
+                _skip(result, path, done)
+                return
+        ours = not self.audio_only and (_sidecar_result(sidecar) or {}).get("key") == result.key
+        mine = () if self.audio_only or ours else (sidecar, codes) if self.save_codes else (
+            sidecar,)
+        for taken in (path, *mine):
+            if taken.exists() or taken.is_symlink():
+                raise OutputError(f"{taken} exists; use --overwrite to replace it")
+
+    def write(self, result, samples, codes, record) -> None:
+        """Codes, then the sidecar (with the result), then the audio: audio present => done.
+
+        Audio being replaced is removed first, so a run stopped half-way leaves the item absent
+        (redone next time), never old audio beside a new sidecar. A failed item leaves none of
+        its files behind.
+        """
+        path, sidecar, codes_path = self.targets(result)
+        if self.audio_only or is_special_file(path):
+            result.path = mio.write_audio(path, samples, self.sample_rate, self.fmt)
+            return
+        if path.is_file() or path.is_symlink():
+            remove_quietly(path)
+        try:
+            if self.save_codes:
+                result.codes_path = mio.save_codes(codes_path, codes["pieces"],
+                                                   codes["metadata"])
+            result.path, result.sidecar = path, sidecar
+            write_json(sidecar, {**record, "result": result.record(record["task"])})
+            mio.write_audio(path, samples, self.sample_rate, self.fmt)
+        except BaseException:
+            remove_quietly(sidecar, result.codes_path)
+            result.path = result.sidecar = result.codes_path = None
+            raise
+
+
+def _make_folder(folder: Path, what: str) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create {what} {folder}: {exc.strerror or exc}") from None
+
+
+class DirectorySink(FileSink):
+    """`<output-dir>/<task>/` with its lock, manifest and per-item file names; resumable.
+
+    Each format has its own files (`<id>.wav` + `<id>.json`, `<id>.flac` + `<id>.flac.json`)
+    and manifest line. A failed or refused item never replaces the `ok` line of an output that
+    is still there. The lock file is opened without following links.
+    """
+
+    def __init__(self, root: str | Path, task: str, fmt: str = "wav",
+                 sample_rate: int = SAMPLE_RATE, save_codes: bool = False,
+                 overwrite: bool = False, shard=None):
+        super().__init__(Path(root) / task, fmt, sample_rate, save_codes, overwrite)
+        self.dir = self.path
+        self.suffix = FORMATS[fmt][2]
+        self.shard = shard  # shards.Shard or None
+        self._locks: list = []
+        self.manifest: Manifest | None = None
+
+    def open(self) -> DirectorySink:
+        names = [LOCK_NAME] if self.shard is None else [LOCK_NAME, lock_name(self.shard)]
+        _make_folder(self.dir, "output directory")
+        try:
+            for name in names:
+                self._locks.append(open_no_follow(self.dir / name, os.O_RDWR | os.O_CREAT))
+        except OSError as exc:
+            self.close()
+            raise OutputError(f"cannot create output directory {self.dir}: "
+                              f"{exc.strerror or exc}") from None
+        folder, own = self._locks[0], self._locks[-1]
+        try:
+            alone = _flock(folder, exclusive=True)
+            if alone:
+                clean_temp_files(self.dir)
+            if self.shard is None:
+                self._hold(folder, alone, f"is writing to {self.dir}", record=True)
+            else:  # shared folder lock (waiting out a clean-up), then this shard's own lock
+                self._hold(folder, _flock(folder, exclusive=False, wait=SHARED_LOCK_WAIT_S),
+                           f"is writing to {self.dir} unsharded")
+                self._hold(own, _flock(own, exclusive=True),
+                           f"is writing shard {self.shard.label} to {self.dir}", record=True)
+            self.manifest = Manifest(self.dir / manifest_name(self.shard))
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _hold(self, lock, held: bool, doing: str, record: bool = False) -> None:
+        """Refuse when `lock` is taken; else `record` this pid in it (exclusive locks)."""
+        if not held:
+            lock.seek(0)
+            holder = lock.read().decode("utf-8", "replace").strip() or "?"
+            raise OutputError(f"another mimo-tts run (pid {holder}) {doing}; "
+                              "wait for it or use another --output-dir")
+        if record:
+            with contextlib.suppress(OSError):  # e.g. a full disk: the lock is held all the same
+                lock.seek(0)
+                lock.truncate()
+                lock.write(str(os.getpid()).encode())
+                lock.flush()
+
+    def close(self) -> None:
+        """Release the locks."""
+        while self._locks:
+            self._locks.pop().close()
+
+    def __enter__(self) -> DirectorySink:
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def targets(self, result) -> tuple[Path, Path, Path]:
+        item_id = result.item.id
+        return self.audio_path(item_id), self.sidecar_path(item_id), self.codes_path(item_id)
+
+    def check(self, result) -> None:
+        """Skip an item whose audio and sidecar say it is done with the same inputs."""
+        item = result.item
+        path = self.audio_path(item.id)
+        done = self.done_record(item.id, result.key)
+        if done is not None and not self.overwrite:
+            _skip(result, path, done)
+            line = self.manifest.get(item.id, self.fmt) or {}
+            if line.get("status") != "ok" or line.get("key") != result.key:
+                self.manifest.add({"format": self.fmt, **done})  # killed before its line
+        elif (path.exists() or path.is_symlink()) and not self.overwrite:
+            raise OutputError(f"{path} exists from other inputs; use --overwrite to replace it")
+
+    def finished(self, result, task: str) -> None:
+        line = self.manifest.get(result.item.id, self.fmt) or {}
+        if result.status == "error" and line.get("status") == "ok" and \
+                self.audio_path(result.item.id).is_file():
+            return  # the output that line describes was kept: the line stays true
+        self.manifest.add(result.record(task))
+
+    def audio_path(self, item_id: str) -> Path:
+        return self.dir / f"{item_id}{self.suffix}"
+
+    def sidecar_path(self, item_id: str) -> Path:
+        return mio.companion_paths(self.audio_path(item_id))[0]
+
+    def codes_path(self, item_id: str) -> Path:
+        return mio.companion_paths(self.audio_path(item_id))[1]
+
+    def done_record(self, item_id: str, key: str) -> dict | None:
+        """The result of a finished item with this input key, or None (`_done_record`)."""
+        return _done_record(self.audio_path(item_id), self.sidecar_path(item_id), key)
+
+
+def _flock(handle, exclusive: bool, wait: float = 0.0) -> bool:
+    """Take (or convert to) an exclusive or shared `flock` without blocking, retrying for
+    `wait` seconds; False when another process holds it."""
+    import fcntl
+
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(handle.fileno(), (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+                        | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)

@@ -1,0 +1,123 @@
+"""`mimo-tts status`: which items of an output folder are done, failed or missing.
+
+Reads every manifest of a task folder (`results.jsonl` and each shard's
+`results.shard-K-of-N.jsonl`) without locking or rewriting them, so it runs beside live
+shards. An item is done when a line says `ok` and its audio is there; with `--input`, an item
+with no line, or a line for other text, is missing. `--merge` writes one `results.jsonl` with
+a line per item (under the folder's lock: refused while a run writes). No torch here.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from mimo_tts.batch.files import iter_jsonl
+from mimo_tts.batch.items import read_items
+from mimo_tts.batch.shards import Shard, parse_tag, shard_of
+from mimo_tts.batch.sinks import MANIFEST_NAME, DirectorySink, manifest_name
+from mimo_tts.errors import EXIT_INCOMPLETE, EXIT_OK, OutputError
+
+
+def manifests(folder: Path) -> list[Path]:
+    """The unsharded manifest first, then the shards' in (N, K) order."""
+    tags = {p: parse_tag(p.name) for p in folder.glob("results.*.jsonl")}
+    sharded = [p for p, tag in tags.items()
+               if tag and 1 <= tag[0] <= tag[1] and p.name == manifest_name(Shard(*tag))]
+    found = [folder / MANIFEST_NAME] if (folder / MANIFEST_NAME).is_file() else []
+    return found + sorted(sharded, key=lambda p: tags[p][::-1])
+
+
+def task_folder(output_dir: str, task: str, inputs: list[str]) -> Path:
+    """OUTPUT_DIR/<task>, or OUTPUT_DIR itself when it is the task folder."""
+    root = Path(output_dir)
+    if (root / task).is_dir() or (inputs and not manifests(root)):
+        return root / task
+    if root.is_dir() and manifests(root):
+        return root
+    raise OutputError(f"no manifest in {root} or {root / task} (results*.jsonl); "
+                      "give the folder a synth run wrote, or --input to list what is missing")
+
+
+def report(output_dir: str, task: str = "tts_sft", inputs: list[str] = (),
+           merge: bool = False) -> dict:
+    """Done / failed / missing items over every manifest (and `--input`), per shard."""
+    folder = task_folder(output_dir, task, list(inputs))
+    found = manifests(folder) if folder.is_dir() else []
+    records: dict[str, dict] = {}
+    for path in found:
+        for record in iter_jsonl(path):
+            item_id = str(record.get("id"))
+            if records.get(item_id, {}).get("status") != "ok" or record.get("status") == "ok":
+                records[item_id] = record
+    counts = {parse_tag(p.name)[1] for p in found if parse_tag(p.name)}
+    count = counts.pop() if len(counts) == 1 else None  # missing items get their shard
+    texts = ({i.id: i.text for i in read_items([], inputs, sys.stdin)} if inputs
+             else dict.fromkeys(records))
+    done, failed, missing = [], [], []
+    for item_id, text in texts.items():
+        record, where = records.get(item_id), _shard(item_id, count)
+        if record is None or (text is not None and record.get("text") != text):
+            missing.append({"id": item_id, "shard": where,
+                            **({} if record is None else {"reason": "other text"})})
+        elif record.get("status") != "ok":
+            failed.append({"id": item_id, "shard": where, "exit_code": record.get("exit_code"),
+                           "error": record.get("error")})
+        elif not (folder / Path(str(record.get("path"))).name).is_file():
+            missing.append({"id": item_id, "shard": where, "reason": "audio file gone"})
+        else:
+            done.append(item_id)
+    out = {"dir": str(folder), "manifests": [p.name for p in found], "items": len(texts),
+           "done": len(done), "failed": failed, "missing": missing,
+           "complete": not failed and not missing, "merged": None}
+    if count is not None:
+        out["shards"] = {f"{k}/{count}": {
+            "done": sum(_shard(i, count) == f"{k}/{count}" for i in done),
+            "failed": sum(e["shard"] == f"{k}/{count}" for e in failed),
+            "missing": sum(e["shard"] == f"{k}/{count}" for e in missing)}
+            for k in range(1, count + 1)}
+    elif len(counts) > 1:
+        out["warning"] = "manifests of different shard counts: use one N per folder"
+    if merge:
+        out["merged"] = str(_merge(folder, records, list(texts)))
+    return out
+
+
+def _shard(item_id: str, count: int | None) -> str | None:
+    return None if count is None else f"{shard_of(item_id, count)}/{count}"
+
+
+def _merge(folder: Path, records: dict[str, dict], order: list[str]) -> Path:
+    """One line per item (input order first) into results.jsonl, under the folder lock."""
+    with DirectorySink(folder.parent, folder.name) as sink:
+        ordered = [i for i in order if i in records] + [i for i in records if i not in order]
+        sink.manifest.records = {i: records[i] for i in ordered}
+        sink.manifest.compact()
+        return sink.manifest.path
+
+
+def exit_code(report: dict) -> int:
+    return EXIT_OK if report["complete"] else EXIT_INCOMPLETE
+
+
+def lines(report: dict) -> list[str]:
+    """The report as text: a summary, one line per shard, then each failed / missing item."""
+    out = [f"{report['dir']}: {report['items']} items: {report['done']} done, "
+           f"{len(report['failed'])} failed, {len(report['missing'])} missing "
+           f"({', '.join(report['manifests']) or 'no manifest'})"]
+    for label, c in report.get("shards", {}).items():
+        out.append(f"shard {label}: {c['done']} done, {c['failed']} failed, "
+                   f"{c['missing']} missing")
+    if report.get("warning"):
+        out.append(f"warning: {report['warning']}")
+    for e in report["failed"]:
+        out.append(f"failed {e['id']}{_in(e)} (exit {e['exit_code']}): {e['error']}")
+    for e in report["missing"]:
+        out.append(f"missing {e['id']}{_in(e)}" + (f" ({e['reason']})" if "reason" in e else ""))
+    if report["merged"]:
+        out.append(f"merged manifest: {report['merged']}")
+    return out
+
+
+def _in(entry: dict) -> str:
+    return f" [shard {entry['shard']}]" if entry.get("shard") else ""

@@ -1,0 +1,190 @@
+"""Which checkpoints: a directory, an HF id in the local cache, or the built-in `tiny` preset.
+
+Resolution never downloads unless the caller allows it; a missing model is a CheckpointError
+that spells out the command that would fetch it. Nothing here loads weights: `locate` and
+`mimo_tts.memory` read only `config.json` and safetensors headers (JSON), for preflights, so
+`mimo-tts devices` never imports torch. The loaded models live in `mimo_tts.synth`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from mimo_tts.errors import CheckpointError
+from mimo_tts.presets import ensure_tiny_preset, tiny_preset_dir
+
+DEFAULT_MODEL = "XiaomiMiMo/MiMo-Audio-7B-Instruct"
+DEFAULT_TOKENIZER = "XiaomiMiMo/MiMo-Audio-Tokenizer"
+TOKENIZER_PATH_ENV = "MIMO_AUDIO_TOKENIZER_PATH"
+TINY = "tiny"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A resolved checkpoint: what was asked, where it came from, and the local directory."""
+
+    name: str
+    source: str
+    kind: str  # "directory" | "hf-cache" | "download" | "preset"
+    path: Path | None
+    revision: str | None = None
+
+    def describe(self) -> dict:
+        return {"name": self.name, "source": self.source, "kind": self.kind,
+                "path": str(self.path) if self.path else None, "revision": self.revision}
+
+
+
+
+
+
+
+
+
+
+
+
+def fetch_hint(repo_id: str) -> str:
+    return (f"fetch it with `mimo-tts download` (or `hf download {repo_id}`, "
+            f"formerly `huggingface-cli download {repo_id}`)")
+
+
+def _cached_snapshot(repo_id: str, revision: str = "main") -> Path | None:
+    """The local snapshot of `repo_id` at `revision` in the Hugging Face cache, or None.
+
+    The cache's documented layout (models--ORG--NAME/refs/REV -> snapshots/HASH), read with
+    huggingface_hub's constants only: its download API costs 0.3 s to import, too slow for
+    `mimo-tts devices`; `snapshot_download` still handles downloads.
+    """
+    from huggingface_hub import constants
+
+    repo = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
+    try:
+        commit = (repo / "refs" / revision).read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+    snapshot = repo / "snapshots" / commit
+    return snapshot if re.fullmatch(r"[0-9a-f]{40}", commit) and snapshot.is_dir() else None
+
+
+def _from_hf_cache(repo_id: str, source: str, allow_download: bool) -> ModelRef:
+    if not allow_download:
+        cached = _cached_snapshot(repo_id)
+        if cached is None:
+            raise CheckpointError(f"model {repo_id} is not in the local Hugging Face cache "
+                                  f"({_hf_cache_dir()}); {fetch_hint(repo_id)}")
+        return ModelRef(repo_id, source, "hf-cache", cached, revision=cached.name)
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = Path(snapshot_download(repo_id))
+    except Exception as exc:  # the hub raises many types (offline, not cached, HTTP)
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(f"could not download {repo_id} (is this machine online? "
+                              f"HF_ENDPOINT / HF_TOKEN may be needed): {reason}") from None
+    return ModelRef(repo_id, source, "download", path, revision=path.name)
+
+
+def _hf_cache_dir() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
+
+
+def resolve(name: str, source: str, role: str, allow_download: bool = False,
+            env=None, seed: int = 0) -> ModelRef:
+    """Resolve one checkpoint name (`tiny`, a directory, or an HF repo id) to a local dir."""
+    if name == TINY:
+        lm_dir, tok_dir = ensure_tiny_preset(env, seed)
+        return ModelRef(TINY, source, "preset", lm_dir if role == "model" else tok_dir)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return ModelRef(name, source, "directory", path.resolve(), _snapshot_revision(path))
+    if _REPO_ID.match(name) and not name.startswith((".", "/", "~")):
+        return _from_hf_cache(name, source, allow_download)
+    raise CheckpointError(f"{role} checkpoint directory not found: {name} (from {source})")
+
+
+def _snapshot_revision(path: Path) -> str | None:
+    """The commit hash when `path` is an HF cache snapshot directory."""
+    resolved = path.resolve()
+    if resolved.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", resolved.name):
+        return resolved.name
+    return None
+
+
+def pick_names(model: str | None, tokenizer: str | None, profile: Mapping | None = None,
+               env: Mapping[str, str] | None = None) -> tuple[tuple[str, str], tuple[str, str]]:
+    """(name, source) for the LM and the tokenizer: flag > env > profile > default."""
+    env = os.environ if env is None else env
+    profile = profile or {}
+    lm = _first((model, "flag"), (profile.get("model"), "config"), (DEFAULT_MODEL, "default"))
+    tok_env = env.get(TOKENIZER_PATH_ENV) or None
+    if tok_env is not None and not Path(tok_env).expanduser().is_dir():
+        raise CheckpointError(f"{TOKENIZER_PATH_ENV}={tok_env!r} is not a directory; it must "
+                              "point to a local copy of the MiMo-Audio tokenizer")
+    default_tok = TINY if lm[0] == TINY else DEFAULT_TOKENIZER
+    tok = _first((tokenizer, "flag"), (tok_env, f"env {TOKENIZER_PATH_ENV}"),
+                 (profile.get("tokenizer"), "config"), (default_tok, "default"))
+    return lm, tok
+
+
+def _first(*candidates):
+    return next((str(v), s) for v, s in candidates if v is not None)
+
+
+def resolve_names(names, env=None, seed: int = 0) -> tuple[ModelRef, ModelRef]:
+    """Both checkpoints of `options.CheckpointNames`, resolved to local directories (the tiny
+    preset is written if needed)."""
+    lm = resolve(*names.lm, "model", names.allow_download, env, seed)
+    tok = resolve(*names.tokenizer, "tokenizer", names.allow_download, env, seed)
+    return lm, tok
+
+
+def download(repo_ids: list[str]) -> list[ModelRef]:
+    """Fetch checkpoints into the Hugging Face cache (needs network access)."""
+    return [_from_hf_cache(repo_id, "download", allow_download=True) for repo_id in repo_ids]
+
+
+# --- preflight (no weights are read) ------------------------------------------------------------
+
+
+def locate(name: str, source: str, role: str, env=None) -> tuple[Path | None, str]:
+    """Where a checkpoint would be found, without writing or downloading: (path, status)."""
+    if name == TINY:
+        root = tiny_preset_dir(env)
+        sub = root / ("lm" if role == "model" else "tokenizer")
+        ok = (root / "complete").is_file()
+        return (sub, "present (tiny preset)") if ok else (None, "tiny preset, built on first use")
+    try:
+        ref = resolve(name, source, role, allow_download=False, env=env)
+    except CheckpointError as exc:
+        return None, f"missing: {exc}"
+    from mimo_tts.runtime.safetensors import check_files
+
+    try:  # what a load would refuse before reading a weight: config, headers, sizes, index
+        check_files(ref.path, role)
+    except CheckpointError as exc:
+        return ref.path, f"broken: {exc}"
+    return ref.path, "present"
+
+
+def checkpoint_dtype(name: str, source: str, role: str, env=None) -> str | None:
+    """The `torch_dtype` a checkpoint's config.json declares (the tiny preset: float32), or
+    None when the checkpoint cannot be found or does not say. Reads one JSON file."""
+    if name == TINY:
+        return "float32"
+    path, _ = locate(name, source, role, env)
+    if path is None:
+        return None
+    try:
+        value = json.loads((path / "config.json").read_text(encoding="utf-8")).get("torch_dtype")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None

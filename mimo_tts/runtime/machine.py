@@ -1,0 +1,135 @@
+"""Memory preflight: what a run needs on each device, what the device has, and a refusal.
+
+Before any weight is read, `plan` estimates each stage's memory from the checkpoints' safetensors
+headers and config.json (weights in the run dtype, the LM's KV cache for the run's lengths, a
+workspace), adds both stages up where they share a device, and compares with what the device
+has: `MemAvailable` (and the cgroup limit, in a container) on the CPU, `torch.cuda.mem_get_info`
+on CUDA. `check` turns a plan that does not fit into a one-line DeviceError (exit 4) naming the
+need, the availability and the fixes, instead of a run that the kernel's OOM killer ends.
+
+`MIMO_TTS_AVAILABLE_MEMORY` states the available memory instead of measuring it ("20GiB" for
+every device, or "cpu=20GiB,cuda:0=70GiB"); only this module reads it. No torch here except
+for CUDA's free-memory query.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+from mimo_tts.errors import UsageError
+
+AVAILABLE_ENV = "MIMO_TTS_AVAILABLE_MEMORY"
+GIB = 2**30
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+def parse_size(text: str, source: str) -> int:
+    """Bytes from "24GiB", "512M", "1.5g" or a plain number of bytes."""
+    match = _SIZE.match(str(text))
+    if not match:
+        raise UsageError(f"invalid memory size {text!r} (from {source}): use e.g. 16GiB or 900M")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def stated(env: Mapping[str, str]) -> dict[str, int]:
+    """`MIMO_TTS_AVAILABLE_MEMORY` parsed: {"*": bytes} or {device: bytes}; {} when unset."""
+    value = (env.get(AVAILABLE_ENV) or "").strip()
+    source = f"env {AVAILABLE_ENV}"
+    if not value:
+        return {}
+    if "=" not in value:
+        return {"*": parse_size(value, source)}
+    found = {}
+    for part in value.split(","):
+        name, _, size = part.partition("=")
+        found[name.strip().lower()] = parse_size(size, source)
+    return found
+
+
+def stated_available(device: str, env: Mapping[str, str]) -> int | None:
+    """The available memory `MIMO_TTS_AVAILABLE_MEMORY` states for `device`, if it does."""
+    found = stated(env)
+    return found.get(device, found.get("*"))
+
+
+def _meminfo(field: str, meminfo: str = "/proc/meminfo") -> int | None:
+    """Bytes of one /proc/meminfo field ("MemAvailable", "MemTotal"); None when unreadable."""
+    try:
+        with open(meminfo, encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup(name: str, root: str = "/sys/fs/cgroup") -> int | None:
+    """A cgroup v2 memory figure of this process ("memory.max", "memory.current"); None when
+    unset ("max") or unreadable."""
+    try:
+        value = Path(root, name).read_text().strip()
+        return None if value == "max" else int(value)
+    except (OSError, ValueError):
+        return None
+
+
+def _cgroup_available() -> int | None:
+    """memory.max - memory.current of this process's cgroup v2, when a limit is set."""
+    limit, current = _cgroup("memory.max"), _cgroup("memory.current")
+    return None if limit is None or current is None else limit - current
+
+
+def cpu_total(env: Mapping[str, str] | None = None) -> int | None:
+    """The most memory this process can hold: MIMO_TTS_AVAILABLE_MEMORY's CPU figure when set,
+    else MemTotal capped by the cgroup's memory.max; None when unknown."""
+    stated = stated_available("cpu", os.environ if env is None else env)
+    if stated is not None:
+        return stated
+    found = [v for v in (_meminfo("MemTotal"), _cgroup("memory.max")) if v is not None]
+    return min(found) if found else None
+
+
+def available(device: str, env: Mapping[str, str] | None = None) -> tuple[int | None, str]:
+    """(bytes available on `device`, where the number comes from); None when unknown."""
+    env = os.environ if env is None else env
+    stated = stated_available(device, env)
+    if stated is not None:
+        return stated, f"env {AVAILABLE_ENV}"
+    if device == "cpu":
+        found = [(v, s) for v, s in ((_meminfo("MemAvailable"), "MemAvailable"),
+                                     (_cgroup_available(), "cgroup memory.max"))
+                 if v is not None]
+        return min(found) if found else (None, "unknown")
+    if device.startswith("cuda"):
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return free, "torch.cuda.mem_get_info"
+    return None, "unknown"  # mps: unified memory, no reliable free figure
+
+
+
+
+
+

@@ -1,0 +1,1 @@
+"""`mimo-tts serve`: the OpenAI-compatible speech server (protocol, app, worker)."""

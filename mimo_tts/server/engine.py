@@ -1,0 +1,396 @@
+"""The serving engine of `mimo-tts serve`: one thread owns the model, requests share its batches.
+
+A request becomes one `Job` per text piece in the bounded `JobQueue`. The engine thread asks a
+batching strategy for Stage-0 events (`StaticBatcher`: the jobs queued now with the same
+generation options, up to `batch_size` rows, one `MiMoTTS.stream_steps` call at a time; the
+strategy is the one swappable piece) and routes each row's groups to its job. A streamed job's
+audio frames go to the Stage-1 thread as they gather (one streaming decoder per job; the oldest
+request's pieces, in order, are decoded first); the other jobs are decoded one-shot when their
+row ends, like `synth`. Each job reports through its
+`deliver` callback: ("audio", samples [S]) while streaming, then ("done", info) or ("error",
+MimoTTSError). A cancelled job is dropped; a failure fails only its own batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from mimo_tts.errors import MimoTTSError
+from mimo_tts.runtime.guards import oom_advice, thread_budget
+from mimo_tts.synthesis.pieces import Piece
+from mimo_tts.synthesis.streaming import FrameCollector, chunk_cap, chunk_schedule
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One admitted request: waiting until the engine takes its first job, then active."""
+
+    started: bool = False
+
+
+@dataclass(eq=False)
+class Job:
+    """One prompt (text piece) of a request, and its state while the engine works on it."""
+
+    prompt: object  # prompts.Prompt
+    options: object  # lm.generate.GenerationOptions; rows of a batch share them
+    seed: int
+    stream: bool  # decode while generating (else one-shot when the row ends)
+    deliver: Callable[[tuple], None]
+    ticket: Ticket
+    label: str = "request"
+    order: tuple = (0, 0)  # Stage-1 serves the smallest first: (request number, piece index)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    rows: int = 0  # rows of the Stage-0 batch it ran in
+    frames: FrameCollector | None = None
+    decoder: object | None = None
+    chunks: list = field(default_factory=list)
+
+
+class JobQueue:
+    """Admitted requests and their waiting jobs: the batching strategy's source.
+
+    At most `max_queued` requests wait for the engine, and at most `max_active` are in progress
+    (from their first job taken to their release, so a slow reader holds its place).
+    """
+
+    def __init__(self, max_queued: int, max_active: int):
+        self.max_queued, self.max_active = max_queued, max_active
+        self.cond = threading.Condition()
+        self.jobs: deque[Job] = deque()
+        self.tickets: set[Ticket] = set()
+        self.closed = False
+
+    def counts(self) -> dict:
+        with self.cond:
+            active = sum(t.started for t in self.tickets)
+            return {"active": active, "queued": len(self.tickets) - active}
+
+    def admit(self, ticket: Ticket) -> bool:
+        """Take a request in, unless the queue is full."""
+        with self.cond:
+            if self.closed or len(self.tickets) - sum(t.started for t in self.tickets) \
+                    >= self.max_queued:
+                return False
+            self.tickets.add(ticket)
+            return True
+
+    def put(self, jobs: list[Job]) -> None:
+        with self.cond:
+            self.jobs.extend(jobs)
+            self.cond.notify_all()
+
+    def release(self, ticket: Ticket) -> None:
+        """The request is over (answered, failed or gone): its place and waiting jobs go."""
+        with self.cond:
+            self.tickets.discard(ticket)
+            for job in [j for j in self.jobs if j.ticket is ticket]:
+                self.jobs.remove(job)
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def take(self, limit: int, block: bool = True) -> list[Job] | None:
+        """Up to `limit` waiting jobs with the first one's options (None once closed); with
+        `block`, wait until there is one."""
+        with self.cond:
+            while not self.closed:
+                picked = self._pick(limit)
+                if picked or not block:
+                    return picked
+                self.cond.wait()
+            return None
+
+    def _pick(self, limit: int) -> list[Job]:
+        active = sum(t.started for t in self.tickets)
+        picked: list[Job] = []
+        for job in list(self.jobs):
+            if len(picked) >= limit:
+                break
+            if picked and job.options != picked[0].options:
+                continue
+            if not job.ticket.started:
+                if active >= self.max_active:
+                    continue
+                job.ticket.started, active = True, active + 1
+            picked.append(job)
+            self.jobs.remove(job)
+        return picked
+
+
+@dataclass(frozen=True)
+class Started:
+    """A job got a Stage-0 row, in a batch of `rows`."""
+
+    job: Job
+    rows: int
+
+
+@dataclass(frozen=True)
+class Group:
+    """One generated group (`lm.generate.StepOutput`) of a job's row."""
+
+    job: Job
+    step: object
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A job's row ended: stopped, or failed with `error`."""
+
+    job: Job
+    error: MimoTTSError | None = None
+
+
+class StaticBatcher:
+    """Batching strategy: the jobs queued now (same options, up to `batch_size` rows) run as
+    one Stage-0 stream; the next batch starts when it ends. A batch nobody waits for stops.
+
+    The contract of a strategy (`run(source)`): take jobs with `source.take`, yield `Started`
+    once per job, `Group` per generated group and `Finished` once per job (with the error if
+    its row failed), skip cancelled jobs, and return when `take` returns None.
+    """
+
+    def __init__(self, tts, batch_size: int, log=None):
+        self.tts, self.batch_size = tts, batch_size
+        self.log = log or (lambda message: None)
+
+    def run(self, source: JobQueue) -> Iterator[Started | Group | Finished]:
+        while (jobs := source.take(self.batch_size)) is not None:
+            yield from self.batch(jobs)
+
+    def batch(self, jobs: list[Job]) -> Iterator[Started | Group | Finished]:
+        for job in jobs:
+            yield Started(job, len(jobs))
+        ended: set[int] = set()
+        error = steps = None
+        try:
+            with oom_advice("Stage-0 generation", self.tts.lm_device):
+                steps = self.tts.stream_steps([j.prompt.input_ids for j in jobs],
+                                              jobs[0].options)
+                for step in steps:
+                    if all(j.cancelled.is_set() for j in jobs):
+                        break
+                    job = jobs[step.index]
+                    if step.index in ended or job.cancelled.is_set():
+                        continue
+                    yield Group(job, step)
+                    if step.finished:
+                        ended.add(step.index)
+                        yield Finished(job)
+        except MimoTTSError as exc:
+            error = exc
+        except Exception as exc:  # a bug: this batch fails, the server goes on
+            self.log(traceback.format_exc())
+            error = MimoTTSError(f"unexpected {type(exc).__name__} in Stage-0: {exc}")
+        finally:
+            getattr(steps, "close", lambda: None)()
+        for i, job in enumerate(jobs):
+            if i not in ended:
+                yield Finished(job, error or MimoTTSError("request cancelled"))
+
+
+class ContinuousStrategy:
+    """Batching strategy on the native engine: `lm.batching.ContinuousBatcher` keeps up to
+    `batch_size` rows busy; a row that ends takes the next queued job at once, whatever its
+    seed or samplers (each row samples from its own generator), so a request's audio does not
+    depend on what it was batched with. Same contract as `StaticBatcher`."""
+
+    def __init__(self, tts, batch_size: int, log=None):
+        self.tts, self.batch_size = tts, batch_size
+        self.log = log or (lambda message: None)
+
+    def run(self, source: JobQueue) -> Iterator[Started | Group | Finished]:
+        from mimo_tts.lm.batching import IDLE, JobDone, JobGroup
+
+        feed = _QueueFeed(source)
+        batcher = self.tts.batcher(feed, self.batch_size)
+        steps = batcher.run()
+        live: set[Job] = set()
+        while True:
+            try:
+                with self.tts.stage0_guard():
+                    event = next(steps, None)
+            except MimoTTSError as exc:  # the step failed (out of memory): its rows fail
+                for job in live:
+                    yield Finished(job, exc)
+                return  # the engine thread starts a fresh batch for the jobs still queued
+            live.update(feed.started)
+            for job in feed.started:  # rows: the live rows it joined
+                yield Started(job, len(live))
+            feed.started.clear()
+            for job in [j for j in live if j.cancelled.is_set()]:
+                batcher.cancel(job)
+            if event is None:
+                return
+            if event is IDLE:
+                if not feed.wait():
+                    return
+            elif isinstance(event, JobGroup):
+                if not event.job.key.cancelled.is_set():
+                    yield Group(event.job.key, event.output)
+            elif isinstance(event, JobDone):
+                job = event.job.key
+                live.discard(job)
+                error = event.error if event.reason != "cancelled" else \
+                    MimoTTSError("request cancelled")
+                yield Finished(job, error)
+
+
+class _QueueFeed:
+    """The `JobQueue` as an `lm.batching.JobSource` (non-blocking `pull`); `wait` blocks
+    until a job is queued (False once the queue is closed)."""
+
+    def __init__(self, source: JobQueue):
+        self.source, self.started, self.exhausted = source, [], False
+        self._next: Job | None = None
+
+    def pull(self):
+        from mimo_tts.lm.batching import Job as RowJob
+
+        job, self._next = self._next, None
+        if job is None:
+            taken = self.source.take(1, block=False)
+            if taken is None:
+                self.exhausted = True
+                return None
+            job = taken[0] if taken else None
+        if job is None or job.cancelled.is_set():
+            return None
+        self.started.append(job)
+        return RowJob(job.prompt.input_ids, job.options, key=job)
+
+    def wait(self) -> bool:
+        taken = self.source.take(1, block=True)
+        if taken is None:
+            self.exhausted = True
+            return False
+        self._next = taken[0] if taken else None
+        return True
+
+
+class Engine:
+    """The engine thread (Stage-0 through a batching strategy) and the Stage-1 thread."""
+
+    def __init__(self, tts, jobs: JobQueue, batcher, options, log=None):
+        self.tts, self.jobs, self.batcher = tts, jobs, batcher
+        self.log = log or (lambda message: None)
+        first = options.stream_chunk_groups
+        self.schedule = (first, chunk_cap(options.stream_mode, first,
+                                          options.stream_max_chunk_groups))
+        self.stream_mode = options.stream_mode
+        self.stats = {"rows": 0, "max_batch_rows": 0, "last_batch_rows": 0}
+        self.decodes: queue.PriorityQueue = queue.PriorityQueue()  # (order, seq, task)
+        self.seq = itertools.count()
+        self.threads = [threading.Thread(target=self._stage0, name="mimo-tts-engine", daemon=True),
+                        threading.Thread(target=self._stage1, name="mimo-tts-stage1", daemon=True)]
+        for thread in self.threads:
+            thread.start()
+
+    def submit(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            job.frames = FrameCollector(self.tts, chunk_schedule(*self.schedule))
+        self.jobs.put(jobs)
+
+    def cancel(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            job.cancelled.set()
+
+    def close(self) -> None:
+        self.jobs.close()
+        self.decodes.put(((float("inf"),), next(self.seq), None))
+        for thread in self.threads:
+            thread.join(timeout=30)
+
+    def _stage0(self) -> None:
+        with thread_budget(self.tts.lm_threads):
+            while not self.jobs.closed:
+                try:
+                    for event in self.batcher.run(self.jobs):
+                        self._event(event)
+                except Exception:  # a bug in the strategy: log it and take the next jobs
+                    self.log(traceback.format_exc())
+
+    def _event(self, event) -> None:
+        try:
+            self._route(event)
+        except Exception as exc:  # a bug routing one job: that job fails
+            self.log(traceback.format_exc())
+            self._fail(event.job, MimoTTSError(f"unexpected {type(exc).__name__}: {exc}"))
+
+    def _route(self, event) -> None:
+        job = event.job
+        if isinstance(event, Started):
+            job.rows = event.rows
+            self.stats["rows"] += 1
+            self.stats["last_batch_rows"] = event.rows
+            self.stats["max_batch_rows"] = max(self.stats["max_batch_rows"], event.rows)
+        elif isinstance(event, Group):
+            codes = job.frames.add(event.step)
+            if codes is not None and job.stream:
+                self._queue_decode(job, codes, False)
+        elif event.error is not None:
+            self._fail(job, event.error)
+        else:
+            self._queue_decode(job, job.frames.close(), True)
+
+    def _queue_decode(self, job: Job, codes, last: bool) -> None:
+        self.decodes.put((job.order, next(self.seq), (job, codes, last)))
+
+    def _fail(self, job: Job, error: MimoTTSError) -> None:
+        if not job.cancelled.is_set():
+            job.cancelled.set()  # later work for it is dropped
+            job.deliver(("error", error))
+
+    def _stage1(self) -> None:
+        with thread_budget(self.tts.tokenizer_threads):
+            while (task := self.decodes.get()[2]) is not None:
+                job, codes, last = task
+                if job.cancelled.is_set():
+                    job.decoder = None
+                    continue
+                try:
+                    self._decode(job, codes, last)
+                except MimoTTSError as exc:
+                    self._fail(job, exc)
+                except Exception as exc:  # a bug decoding one job: that job fails
+                    self.log(traceback.format_exc())
+                    self._fail(job, MimoTTSError(f"unexpected {type(exc).__name__}: {exc}"))
+
+    def _decode(self, job: Job, codes, last: bool) -> None:
+        """A streamed job's push (its audio delivered at once); at the end, the job's audio
+        checked like `synth`'s, decoded one-shot unless it was streamed."""
+        from mimo_tts.codec import StreamingDecoder
+
+        if job.stream:
+            if job.decoder is None:
+                job.decoder = StreamingDecoder(self.tts.codec, mode=self.stream_mode)
+            with oom_advice("Stage-1 streaming decode", str(self.tts.codec.device)):
+                wave = job.decoder.push(codes, last=last)
+            if wave is not None and wave.numel():
+                job.chunks.append(wave.detach().float().cpu())  # [S_i]
+                job.deliver(("audio", job.chunks[-1]))
+        if not last:
+            return
+        import torch
+
+        job.decoder = None
+        found = job.frames.extract()
+        audio = torch.cat(job.chunks) if job.stream and job.chunks else None
+        if audio is not None and job.frames.streamed_differs(found):
+            self.log(f"note: {job.label}: streamed frames differ from the extracted codes")
+            audio = None  # checked as decoded one-shot; the streamed audio is already sent
+        piece = Piece(job.prompt, job.seed, list(found.text_tokens), found.text, found.codes,
+                      audio)
+        audio = self.tts.finish([piece], job.label)  # no audio tokens, NaN, silence: errors
+        job.deliver(("done", {"audio": audio, "groups": len(found.text_tokens),
+                              "frames": int(found.codes.shape[1])}))

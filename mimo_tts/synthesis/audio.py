@@ -1,0 +1,176 @@
+"""Audio in memory: output formats, checks, joins, resampling, encoding to bytes, and
+reading prompt audio."""
+
+from __future__ import annotations
+
+import io as _io
+from pathlib import Path
+
+from mimo_tts.errors import AudioCheckError, InputError, NoAudioError, UsageError
+
+SAMPLE_RATE = 24000
+
+
+PAUSE_FRAMES = 8  # silence between split text pieces: 8 frames = 0.32 s, whole frames
+
+
+SILENCE_PEAK = 1e-4  # peak |sample| below this is "all silent"
+
+
+# format name: (libsndfile container, subtype, file extension)
+FORMATS = {"wav": ("WAV", "PCM_16", ".wav"), "wav-float": ("WAV", "FLOAT", ".wav"),
+           "flac": ("FLAC", "PCM_16", ".flac"), "mp3": ("MP3", "MPEG_LAYER_III", ".mp3"),
+           "opus": ("OGG", "OPUS", ".opus"), "ogg": ("OGG", "VORBIS", ".ogg")}
+
+
+# The sample rates libsndfile's MP3 and Opus encoders take (any other rate is refused).
+FORMAT_RATES = {"mp3": (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000),
+                "opus": (8000, 12000, 16000, 24000, 48000)}
+
+
+EXTENSIONS = {".wav": "wav", ".flac": "flac", ".mp3": "mp3", ".opus": "opus", ".ogg": "ogg"}
+
+
+def output_format(path: str | None, given: str | None) -> str:
+    """The format of an output file: `given` (--format) or its extension's, which must agree.
+
+    No extension (`/dev/null`, `-`) means wav unless --format says otherwise; an extension that
+    names no format needs --format.
+    """
+    if given is not None and given not in FORMATS:
+        raise UsageError(f"--format must be one of {', '.join(FORMATS)}")
+    suffix = Path(path).suffix.lower() if path and path != "-" else ""
+    named = EXTENSIONS.get(suffix)
+    if given is None:
+        if suffix and named is None:
+            raise UsageError(f"cannot tell the audio format from {Path(path).name!r}; name it "
+                             f"{', '.join(EXTENSIONS)} or give --format")
+        return named or "wav"
+    if named is not None and FORMATS[given][2] != suffix:
+        raise UsageError(f"--format {given} disagrees with the file name {Path(path).name!r} "
+                         f"({named}); drop --format or rename the file")
+    return given
+
+
+def check_format_rate(fmt: str, sample_rate: int) -> None:
+    """MP3 and Opus take only some rates: another is a usage error, before any work."""
+    rates = FORMAT_RATES.get(fmt)
+    if rates is not None and sample_rate not in rates:
+        raise UsageError(f"--format {fmt} takes --sample-rate {', '.join(map(str, rates))}, "
+                         f"not {sample_rate}")
+
+
+# Lossy formats `mimo-tts serve` offers where this libsndfile has the encoder (`lossy_formats`).
+LOSSY_FORMATS = {name: FORMATS[name] for name in ("mp3", "opus")}
+
+
+STREAM_SIZE = 0xFFFFFFFF  # RIFF and data sizes of a WAV streamed before its length is known
+
+
+def to_numpy(audio):
+    """A float32 numpy array of samples from a tensor or array ([S])."""
+    import numpy as np
+
+    if hasattr(audio, "detach"):
+        audio = audio.detach().float().cpu().numpy()
+    return np.asarray(audio, dtype=np.float32).reshape(-1)
+
+
+def check_audio(audio, item_id: str) -> None:
+    """Refuse NaN/inf or all-silent audio (exit 6) rather than write a broken file."""
+    import torch
+
+    if audio.numel() == 0:
+        raise NoAudioError(f"item {item_id!r}: no audio samples")
+    if not bool(torch.isfinite(audio).all()):
+        raise AudioCheckError(f"item {item_id!r}: decoded audio has NaN or infinite samples")
+    if float(audio.abs().max()) < SILENCE_PEAK:
+        raise AudioCheckError(f"item {item_id!r}: decoded audio is silent "
+                              f"(peak below {SILENCE_PEAK})")
+
+
+def join_pieces(audios: list, pause_frames: int, samples_per_frame: int):
+    """Pieces' audio [S_i] joined with `pause_frames` frames of silence: [S] float32 on CPU."""
+    import torch
+
+    pause = torch.zeros(pause_frames * samples_per_frame)
+    parts = []
+    for i, audio in enumerate(audios):
+        if i:
+            parts.append(pause)
+        parts.append(audio.detach().float().cpu())
+    return torch.cat(parts)
+
+
+def pcm16(audio) -> bytes:
+    """Little-endian signed 16-bit PCM, clipped to [-1, 1]."""
+    import numpy as np
+
+    samples = np.clip(to_numpy(audio), -1.0, 1.0)
+    return np.round(samples * 32767.0).astype("<i2").tobytes()
+
+
+def resample(audio, from_rate: int, to_rate: int):
+    """Resample a [S] waveform (float32) with torchaudio; a no-op at equal rates."""
+    if from_rate == to_rate:
+        return audio
+    import torch
+    import torchaudio.functional as F
+
+    tensor = audio if isinstance(audio, torch.Tensor) else torch.as_tensor(to_numpy(audio))
+    return F.resample(tensor.float().cpu(), from_rate, to_rate)
+
+
+def lossy_formats() -> list[str]:
+    """The `LOSSY_FORMATS` this soundfile/libsndfile build can write."""
+    import soundfile as sf
+
+    return [name for name, (container, subtype, _) in LOSSY_FORMATS.items()
+            if container in sf.available_formats()
+            and subtype in sf.available_subtypes(container)]
+
+
+def wav_stream_header(sample_rate: int) -> bytes:
+    """A mono PCM16 WAV header for a stream of unknown length (sizes `STREAM_SIZE`)."""
+    import struct
+
+    fmt = struct.pack("<HHIIHH", 1, 1, sample_rate, 2 * sample_rate, 2, 16)  # PCM, mono, 16 bit
+    return (b"RIFF" + struct.pack("<I", STREAM_SIZE) + b"WAVE" + b"fmt " +
+            struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", STREAM_SIZE))
+
+
+def encode_audio(audio, sample_rate: int, fmt: str) -> bytes:
+    """Encoded file bytes for `fmt` (`wav` PCM16, `wav-float`, `flac`, or a lossy format)."""
+    import numpy as np
+    import soundfile as sf
+
+    container, subtype, _ = FORMATS[fmt]
+    samples = to_numpy(audio)
+    if subtype == "PCM_16":
+        samples = np.frombuffer(pcm16(samples), dtype="<i2")
+    elif container != "WAV":  # the lossy encoders take [-1, 1]
+        samples = np.clip(samples, -1.0, 1.0)
+    buffer = _io.BytesIO()
+    sf.write(buffer, samples, sample_rate, format=container, subtype=subtype)
+    return buffer.getvalue()
+
+
+def read_audio(path: str | Path, where: str = "prompt audio"):
+    """A [C, S] float32 tensor and its sample rate; unusable audio is an InputError."""
+    import soundfile as sf
+    import torch
+
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{where} not found: {path}")
+    try:
+        data, rate = sf.read(str(path), dtype="float32", always_2d=True)
+    except (sf.LibsndfileError, RuntimeError, TypeError, ValueError, OSError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise InputError(f"{where} {path} is unreadable or unsupported: {reason}") from None
+    audio = torch.from_numpy(data.T.copy())  # [S, C] -> [C, S]
+    if audio.shape[-1] == 0:
+        raise InputError(f"{where} {path} has no samples")
+    if not torch.isfinite(audio).all():
+        raise InputError(f"{where} {path} contains NaN or infinite samples")
+    return audio, int(rate)

@@ -1,0 +1,365 @@
+"""Run options: one pass (flag > env > profile > default) into typed, self-checking parts.
+
+`resolve` reads every option once and returns `Settings`: what to say and how to sample
+(`SynthesisOptions`, the library's options), how Stage-0/1 run (`EngineOptions`), where the
+output goes (`RunOptions`, the CLI's), the device `Placement` and the checkpoint names, with the
+source of every value. Each dataclass validates itself (UsageError, exit 2). Values are tested
+with `is not None`, so an explicit 0 or false wins. Device and checkpoint fields have
+environment variables; `devices.resolve_placement` and `checkpoints.pick_names` apply them in
+this same pass. No torch here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import get_args, get_type_hints
+
+from mimo_tts.batch.shards import Shard, resolve_shard
+from mimo_tts.errors import MimoTTSError, UsageError, short_repr
+from mimo_tts.lm.config import LM_QUANTS, MAX_GROUPS
+from mimo_tts.lm.tasks import TASKS, TTS_EN_TEMPLATES, TTS_ZH_TEMPLATES
+from mimo_tts.runtime.checkpoints import checkpoint_dtype, pick_names
+from mimo_tts.runtime.devices import Placement, resolve_placement
+from mimo_tts.synthesis.audio import FORMATS, SAMPLE_RATE, check_format_rate, output_format
+
+STREAM_MODES = ("official", "incremental")
+MAX_TEMPERATURE = 100.0  # finite: inf/NaN would turn the softmax into NaN
+MAX_THREADS = 256  # torch/OpenMP crash or abort on absurd thread counts
+MAX_SAMPLE_RATE = 192000  # the highest rate libsndfile's FLAC writer takes
+ENGINES = ("native", "vllm")
+# Options of the vLLM engine only (`--engine vllm`); an error with the native engine.
+VLLM_FIELDS = ("gpu_memory_utilization", "max_num_seqs", "tensor_parallel_size", "max_model_len",
+               "kv_cache_mib")
+# Resolved with their env variables by devices.py and checkpoints.py: name -> type of a value.
+PLACEMENT_FIELDS = {"lm_device": str, "tokenizer_device": str, "dtype": str,
+                    "tokenizer_dtype": str, "cuda_graph": bool}
+CHECKPOINT_FIELDS = {"model": str, "tokenizer": str, "allow_download": bool}
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise UsageError(message)
+
+
+@dataclass(frozen=True)
+class SynthesisOptions:
+    """What to say and how to sample it: the library's options (`MiMoTTS.synthesize`)."""
+
+    task: str = "tts_sft"
+    instruct: str | None = None
+    prompt_audio: str | None = None
+    template: int | None = None
+    seed: int = 0
+    temperature: float | None = None  # None: the task's default (spec §4.6)
+    top_k: int | None = None
+    top_p: float | None = None
+    audio_temperature: float | None = None
+    audio_top_k: int | None = None
+    audio_top_p: float | None = None
+    max_new_groups: int | None = None
+    max_chars: int = 300  # split longer text on sentence ends; 0 never splits
+    # Stage-1 pushes when streaming: the first after this many groups (0.8 s of audio), then
+    # doubling up to stream_max_chunk_groups (None: the mode's default, see overlap.chunk_cap).
+    stream_chunk_groups: int = 5
+    stream_max_chunk_groups: int | None = None
+    # Streaming decoder: "incremental" decodes every frame once with bounded state, closest to
+    # the one-shot decode (codec/incremental.py); "official" re-decodes overlapping windows
+    # (the official `streaming_decode`, spec §7.2).
+    stream_mode: str = "incremental"
+
+    def __post_init__(self):
+        _check(self.max_chars >= 0, "--max-chars must be >= 0 (0 disables splitting)")
+        _check(0 <= self.seed <= MAX_SEED, "--seed must be in [0, 2**64 - 1]")
+        _check(self.max_new_groups is None or self.max_new_groups >= 1,
+               "--max-new-groups must be >= 1")
+        _check(self.stream_chunk_groups >= 1, "stream_chunk_groups must be >= 1")
+        _check(self.stream_max_chunk_groups is None
+               or self.stream_max_chunk_groups >= self.stream_chunk_groups,
+               "stream_max_chunk_groups must be >= stream_chunk_groups")
+        _check(self.stream_mode in STREAM_MODES,
+               f"--stream-mode must be one of {', '.join(STREAM_MODES)}")
+        for name in ("temperature", "audio_temperature"):
+            value = getattr(self, name)
+            _check(value is None or 0 <= value <= MAX_TEMPERATURE,
+                   f"{name} must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy)")
+        for name in ("top_p", "audio_top_p"):
+            value = getattr(self, name)
+            _check(value is None or 0 < value <= 1, f"{name} must be in (0, 1]")
+        for name in ("top_k", "audio_top_k"):
+            _check(getattr(self, name) is None or getattr(self, name) >= 0, f"{name} must be >= 0")
+        count = min(len(TTS_EN_TEMPLATES), len(TTS_ZH_TEMPLATES))
+        _check(self.template is None or 0 <= self.template < count,
+               f"--template must be in [0, {count - 1}]")
+        spec = TASKS.get(self.task)
+        _check(spec is not None, f"unknown --task {self.task!r}; choose one of {', '.join(TASKS)}")
+        _check(not (self.prompt_audio and spec.prompt_audio == "none"),
+               f"--prompt-audio: task {spec.name} takes no voice prompt; use tts_sft_with_audio")
+        _check(not (self.instruct and spec.instruct == "none"),
+               f"--instruct: task {spec.name} takes no instruction; use tts_sft_with_instruct")
+
+    def sampler_settings(self) -> dict:
+        """The sampler values as given (None: the task's default)."""
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
+                "audio_temperature": self.audio_temperature, "audio_top_k": self.audio_top_k,
+                "audio_top_p": self.audio_top_p}
+
+    def samplers(self):
+        """(text, audio) SamplerConfig: the task's defaults with these options' overrides."""
+        from mimo_tts.lm.sampling import SamplerConfig
+
+        text, audio = TASKS[self.task].samplers()
+
+        def pick(base, temperature, top_k, top_p):
+            return SamplerConfig(base.temperature if temperature is None else temperature,
+                                 base.top_k if top_k is None else (top_k or None),
+                                 base.top_p if top_p is None else top_p)
+
+        return (pick(text, self.temperature, self.top_k, self.top_p),
+                pick(audio, self.audio_temperature, self.audio_top_k, self.audio_top_p))
+
+    def generation_options(self, seed: int):
+        """The finished GenerationOptions: samplers, seed, group cap and the task's stop set."""
+        from mimo_tts.lm.generate import GenerationOptions
+
+        text, audio = self.samplers()
+        return GenerationOptions(text_sampler=text, audio_sampler=audio, seed=seed,
+                                 max_new_groups=self.max_new_groups or MAX_GROUPS,
+                                 stop_tokens=TASKS[self.task].stop_tokens)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the stages run: the Stage-0 engine, its vLLM settings and per-stage CPU threads."""
+
+    engine: str = "native"  # "native" (mimo_tts.lm) or "vllm" (mimo_tts.lm.vllm, optional)
+    # CPU threads per stage (torch intra-op threads, set per thread): None leaves torch's
+    # default, except that streaming with both stages on the CPU splits the cores between them.
+    lm_threads: int | None = None
+    tokenizer_threads: int | None = None
+    # Skip the memory preflight (mimo_tts.memory) that refuses, with exit 4, a run whose
+    # estimate exceeds the available memory.
+    no_memory_check: bool = False
+    lm_quant: str | None = None  # opt-in int8 weight-only LM on CPU (mimo_tts/lm/quant.py)
+    # vLLM settings stay None unless given (None: VLLMOptions' defaults, see lm/vllm/launch.py).
+    gpu_memory_utilization: float | None = None
+    max_num_seqs: int | None = None
+    tensor_parallel_size: int | None = None
+    max_model_len: int | None = None  # groups, prompt included
+    kv_cache_mib: int | None = None  # profile only; default 64 MiB on CPU, else the utilisation
+
+    def __post_init__(self):
+        for name in ("lm_threads", "tokenizer_threads"):
+            value = getattr(self, name)
+            _check(value is None or 1 <= value <= MAX_THREADS,
+                   f"--{name.replace('_', '-')} must be in [1, {MAX_THREADS}]")
+        _check(self.engine in ENGINES, f"--engine must be one of {', '.join(ENGINES)}")
+        _check(self.lm_quant is None or self.lm_quant in LM_QUANTS,
+               f"--lm-quant must be one of {', '.join(LM_QUANTS)}")
+        _check(self.lm_quant is None or self.engine == "native",
+               "--lm-quant applies to the native engine only")
+        given = [name for name in VLLM_FIELDS if getattr(self, name) is not None]
+        _check(self.engine == "vllm" or not given,
+               f"--{given[0].replace('_', '-') if given else ''} applies to --engine vllm only")
+        value = self.gpu_memory_utilization
+        _check(value is None or 0 < value <= 1, "--gpu-memory-utilization must be in (0, 1]")
+        for name in ("max_num_seqs", "tensor_parallel_size", "kv_cache_mib"):
+            value = getattr(self, name)
+            _check(value is None or value >= 1, f"--{name.replace('_', '-')} must be >= 1")
+        _check(self.max_model_len is None or 2 <= self.max_model_len <= MAX_GROUPS,
+               f"--max-model-len must be in [2, {MAX_GROUPS}] groups")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Where a batch run's output goes and how items are grouped: the CLI's options."""
+
+    batch_size: int = 1
+    output_dir: str = "output_audio"
+    output: str | None = None
+    format: str = "wav"  # with `output`: the file's extension's (resolve_options)
+    sample_rate: int = SAMPLE_RATE
+    save_codes: bool = False
+    overwrite: bool = False
+    stream: bool = False
+    raw: bool = False
+
+    def __post_init__(self):
+        _check(self.format in FORMATS, f"--format must be one of {', '.join(FORMATS)}")
+        _check(8000 <= self.sample_rate <= MAX_SAMPLE_RATE,
+               f"--sample-rate must be in [8000, {MAX_SAMPLE_RATE}]")
+        _check(self.batch_size >= 1, "--batch-size must be >= 1")
+        check_format_rate(self.format, self.sample_rate)
+
+    def check_combinations(self) -> RunOptions:
+        """Flags that exclude each other (checked by `resolve` once every value is valid)."""
+        _check(not (self.raw and self.output not in (None, "-")),
+               "--raw writes PCM to stdout; it cannot be combined with -o FILE")
+        _check(not (self.stream and self.batch_size > 1),
+               "--stream generates one prompt at a time; drop --batch-size")
+        _check(not (self.raw and self.sample_rate != SAMPLE_RATE),
+               "--raw streams 24 kHz PCM; --sample-rate cannot be used with it")
+        return self
+
+    @property
+    def to_stdout(self) -> bool:
+        return self.raw or self.output == "-"
+
+
+@dataclass(frozen=True)
+class CheckpointNames:
+    """Which checkpoints, each as (name, source), and whether a missing one may be fetched."""
+
+    lm: tuple[str, str]
+    tokenizer: tuple[str, str]
+    allow_download: bool = False
+
+
+# Built in this order, so the first of several bad values is reported as before the split.
+GROUPS = {"run": RunOptions, "synthesis": SynthesisOptions, "engine": EngineOptions}
+
+
+def _value_type(hint) -> type:
+    """The type an option field holds when set (`int | None` -> int)."""
+    return next(t for t in get_args(hint) or (hint,) if t is not type(None))
+
+
+# Profile key -> the type its value must have (a field's own annotation).
+PROFILE_TYPES = {**{f.name: _value_type(get_type_hints(cls)[f.name])
+                    for cls in GROUPS.values() for f in fields(cls)},
+                 **PLACEMENT_FIELDS, **CHECKPOINT_FIELDS}
+PROFILE_KEYS = frozenset(PROFILE_TYPES)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every option of a run, resolved once; `sources[name]` says where each value came from."""
+
+    synthesis: SynthesisOptions = field(default_factory=SynthesisOptions)
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    run: RunOptions = field(default_factory=RunOptions)
+    placement: Placement | None = None
+    checkpoints: CheckpointNames | None = None
+    shard: Shard | None = None  # synth's --shard K/N (or its env default); None: every item
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+    def replace(self, **changes) -> Settings:
+        """A copy with some option fields changed (each group validates again)."""
+        groups = {name: getattr(self, name) for name in GROUPS}
+        for key, value in changes.items():
+            group = next((g for g, cls in GROUPS.items()
+                          if key in {f.name for f in fields(cls)}), None)
+            _check(group is not None, f"unknown option {key!r}")
+            groups[group] = replace(groups[group], **{key: value})
+        groups["run"].check_combinations()
+        return replace(self, **groups)
+
+
+def resolve(flags: Mapping[str, object], profile: Mapping[str, object] | None = None,
+            env: Mapping[str, str] | None = None, probe=None) -> Settings:
+    """flag > env > profile > default for every option, in one pass (usage errors raised)."""
+    return place(resolve_options(flags, profile), flags, profile, env, probe)
+
+
+def resolve_options(flags: Mapping[str, object],
+                    profile: Mapping[str, object] | None = None) -> Settings:
+    """The option groups alone (flag > profile > default); no placement or checkpoints yet."""
+    profile = profile or {}
+    sources: dict[str, str] = {}
+    groups = {}
+    try:
+        for name, cls in GROUPS.items():
+            values = {}
+            for spec in fields(cls):
+                value, source = _pick(spec.name, flags, profile)
+                if value is not None:
+                    values[spec.name] = value
+                sources[spec.name] = source
+            groups[name] = _build(cls, values, [k for k in values if sources[k] == "config"],
+                                  profile)
+    except TypeError as exc:
+        raise UsageError(f"bad option value: {exc}") from None
+    run = groups["run"]
+    if run.output is not None:  # `-o x.flac` writes FLAC; a --format that disagrees is refused
+        given = run.format if sources["format"] != "default" else None
+        groups["run"] = replace(run, format=output_format(run.output, given))
+    groups["run"].check_combinations()
+    return Settings(**groups, sources=sources)
+
+
+def place(settings: Settings, flags: Mapping[str, object],
+          profile: Mapping[str, object] | None = None, env: Mapping[str, str] | None = None,
+          probe=None) -> Settings:
+    """Add the devices (flag > env > profile > default, `devices.py`) and the checkpoint names
+    (`checkpoints.pick_names`) to option groups from `resolve_options`."""
+    profile = profile or {}
+    env = os.environ if env is None else env
+    sources = dict(settings.sources)
+    try:
+        lm, tok = pick_names(flags.get("model"), flags.get("tokenizer"), profile, env)
+        error = None
+    except MimoTTSError as exc:  # raised after the placement's own errors, as before
+        lm = tok = None
+        error = exc
+    # `--dtype auto` follows the checkpoints' own torch_dtype (config.json)
+    dtypes = (None, None) if error else (checkpoint_dtype(*lm, "model", env),
+                                         checkpoint_dtype(*tok, "tokenizer", env))
+    placement = resolve_placement(*(flags.get(name) for name in PLACEMENT_FIELDS),
+                                  profile=profile, env=env, probe=probe,
+                                  checkpoint_dtypes=dtypes)
+    if error:
+        raise error
+    sources.update({name: choice.source for name, choice in vars(placement).items()})
+    download, sources["allow_download"] = _pick("allow_download", flags, profile)
+    sources.update({"model": lm[1], "tokenizer": tok[1]})
+    return replace(settings, placement=placement,
+                   checkpoints=CheckpointNames(lm, tok, bool(download)), sources=sources)
+
+
+def _build(cls, values: dict, from_profile: list[str], profile: Mapping):
+    """`cls(**values)`; an error that one profile value alone causes names its file and key."""
+    try:
+        return cls(**values)
+    except UsageError as exc:
+        for key in from_profile:
+            try:
+                cls(**{k: v for k, v in values.items() if k != key})
+            except UsageError:
+                continue
+            raise UsageError(f"{getattr(profile, 'path', 'config profile')}: {key} = "
+                             f"{short_repr(values[key])}: {exc}") from None
+        raise
+
+
+def with_shard(settings: Settings, flags: Mapping[str, object],
+               env: Mapping[str, str] | None = None) -> Settings:
+    """Add synth's shard (`shards.resolve_shard`: flag > Slurm array / Indexed Job env)."""
+    shard = resolve_shard(flags.get("shard"), os.environ if env is None else env)
+    sources = {**settings.sources, "shard": shard.source if shard else "default"}
+    return replace(settings, shard=shard, sources=sources)
+
+
+def _pick(name: str, flags: Mapping, profile: Mapping) -> tuple[object, str]:
+    if flags.get(name) is not None:
+        return flags[name], "flag"
+    if profile.get(name) is not None:
+        return profile[name], "config"
+    return None, "default"
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+MAX_SEED = 2**64 - 1  # torch generators take seeds in [0, 2**64)

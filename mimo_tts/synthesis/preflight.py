@@ -1,0 +1,286 @@
+"""The preflight (`mimo-tts devices`, `synth --dry-run`, and before loading), loading nothing.
+
+Placement with the source of every value, CUDA facts, where each checkpoint would come from,
+the memory each stage needs at the run dtype against what its device has (`mimo_tts.memory`,
+from `config.json` and safetensors headers), the Stage-0 engine's settings and the shard. torch is
+imported only when a GPU may be present (`devices.Probe`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib.util import find_spec
+from pathlib import Path
+
+from mimo_tts.errors import CheckpointError, DeviceError, UsageError
+from mimo_tts.lm.vllm.launch import vllm_options
+from mimo_tts.runtime import checkpoints
+from mimo_tts.runtime.devices import DTYPE_BYTES, Probe
+from mimo_tts.runtime.machine import GIB, available, gib, stated
+from mimo_tts.synthesis.options import Settings
+
+
+def lengths_for(settings: Settings, texts: list[str], rows: int | None = None) -> Lengths:
+    """The run's sizes memory depends on: `rows` prompts at a time (default `batch_size`)."""
+    o = settings.synthesis
+    return Lengths.for_run(texts, settings.run.batch_size if rows is None else rows,
+                                  o.max_chars, o.max_new_groups)
+
+
+def memory_needs(settings: Settings, lm_path: Path | None, tok_path: Path | None,
+                 lengths: Lengths) -> list[StageNeed]:
+    """Per-stage memory estimates for this run's placement and lengths (vLLM sizes its own)."""
+    p, needs = settings.placement, []
+    if lm_path is not None and settings.engine.engine == "native":
+        needs.append(lm_need(lm_path, p.lm_device.value, p.lm_dtype.value, lengths))
+    if tok_path is not None:
+        needs.append(tokenizer_need(tok_path, p.tokenizer_device.value,
+                                           p.tokenizer_dtype.value, lengths))
+    return needs
+
+
+def check_memory(settings: Settings, refs, lengths: Lengths,
+                 env: Mapping[str, str] | None = None, log=None) -> list[dict]:
+    """The memory plan before loading; a run that cannot fit is refused (DeviceError, exit 4)
+    unless `no_memory_check`."""
+    lm, tok = refs
+    try:
+        needs = memory_needs(settings, lm.path, tok.path, lengths)
+    except CheckpointError as exc:  # loading reports it, with the file at fault
+        (log or (lambda message: None))(f"memory preflight skipped: {exc}")
+        return []
+    if settings.engine.no_memory_check:
+        return plan(needs, env)
+    return check(needs, lengths, env)
+
+
+def engine_record(settings: Settings, loaded: dict | None = None) -> dict:
+    """The Stage-0 engine and its settings (sidecar, preflight); no vLLM import."""
+    if settings.engine.engine != "vllm":
+        return loaded or {"name": "native"}
+    record: dict = {"name": "vllm"}
+    try:
+        record["settings"] = vllm_options(settings.engine, settings.placement)
+    except UsageError as exc:
+        record["error"] = str(exc)
+    return record
+
+
+def preflight(settings: Settings, texts: list[str] = (), env: Mapping[str, str] | None = None
+              ) -> dict:
+    """Placement with sources, CUDA facts, checkpoint presence and the memory plan.
+
+    `memory_error` is set when the run would be refused (the CLI then exits 4).
+    """
+    probe, placement = Probe.detect(), settings.placement
+    report = {"placement": placement.describe(),
+              "cuda": {"available": probe.cuda_count > 0, "device_count": probe.cuda_count,
+                       "current": probe.cuda_current if probe.cuda_count else None},
+              "mps": probe.mps, "checkpoints": {}}
+    names = settings.checkpoints
+    for role, (name, src) in (("model", names.lm), ("tokenizer", names.tokenizer)):
+        path, status = checkpoints.locate(name, src, role, env)
+        report["checkpoints"][role] = {"name": name, "source": src, "status": status,
+                                       "path": str(path) if path else None}
+    paths = [report["checkpoints"][r]["path"] for r in ("model", "tokenizer")]
+    lengths = lengths_for(settings, list(texts))
+    try:
+        needs = memory_needs(settings, *(Path(x) if x else None for x in paths), lengths)
+        report["memory"] = plan(needs, env)
+        check(needs, lengths, env)
+    except DeviceError as exc:  # the run would be refused
+        report["memory_error"] = str(exc)
+    except CheckpointError as exc:  # the checkpoint entries report the cause
+        report["memory"] = {"error": str(exc)}
+    report["engine"] = engine_record(settings)
+    report["shard"] = (settings.shard.describe() if settings.shard else
+                       {"shard": None, "source": "default: every item"})
+    if settings.engine.engine == "vllm":
+        report["engine"]["installed"] = find_spec("vllm") is not None
+    return report
+
+
+# Checkpoint tensors that are never loaded (EMA buffers of the RVQ, the LM's mel front-end).
+UNLOADED = re.compile(r".*\._codebook\.(embed_avg|cluster_size|inited)|mel_transform\..*")
+
+
+# Tokenizer buffers that stay float32 whatever the run dtype (RVQ codebooks, ISTFT window).
+FLOAT32_BUFFERS = re.compile(r".*\._codebook\.embed|.*\.istft\.window")
+
+
+# Codec linears that Stage-1 prepacks once more on CPU in bfloat16 (codec/layers.PackedLinear).
+PACKED = re.compile(r".*layers\.\d+\.(self_attn\.(q|k|v|out)_proj|fc1|fc2)\.(weight|bias)")
+
+
+RUNTIME_BYTES = 600 << 20  # the interpreter, torch, oneDNN/CUDA context and allocator slack
+
+
+MIN_SAVING = 256 << 20  # a fix that saves less is not offered
+
+
+# A prompt's groups before tokenising: the template and system turns, then at most one group
+# per UTF-8 byte of text (text tokens are >= 1 byte); speech is ~0.5 groups per byte, so one
+# group per byte also bounds the generated length when --max-new-groups is not given.
+PROMPT_GROUPS = 96
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """The run's sizes that memory depends on: rows per LM batch and groups per row."""
+
+    batch: int = 1
+    prompt_groups: int = PROMPT_GROUPS
+    new_groups: int = 256
+
+    @staticmethod
+    def for_run(texts: list[str], batch_size: int, max_chars: int, max_new_groups: int | None,
+                prompt_audio_groups: int = 0) -> Lengths:
+        longest = max((len(t.encode("utf-8")) for t in texts), default=0)
+        if max_chars:
+            longest = min(longest, 4 * max_chars)  # split at max_chars (UTF-8: <= 4 bytes each)
+        prompt = PROMPT_GROUPS + longest + prompt_audio_groups
+        new = max_new_groups if max_new_groups is not None else max(longest, 64)
+        return Lengths(batch=max(1, min(batch_size, len(texts) or 1)), prompt_groups=prompt,
+                       new_groups=new)
+
+
+@dataclass
+class StageNeed:
+    """One stage's estimate on its device: named parts in bytes."""
+
+    stage: str
+    device: str
+    dtype: str
+    parts: dict[str, int] = field(default_factory=dict)
+    path: Path | None = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+def header_numel(path: Path) -> dict[str, tuple[int, str]]:
+    """name -> (elements, safetensors dtype) for every tensor of a checkpoint (headers only)."""
+    from mimo_tts.runtime.safetensors import read_header, weight_files
+
+    out: dict[str, tuple[int, str]] = {}
+    for file in weight_files(path):
+        for name, info in read_header(file).items():
+            if name == "__metadata__" or not isinstance(info, dict):
+                continue
+            count = 1
+            for dim in info.get("shape", ()):
+                count *= int(dim)
+            out[name] = (count, str(info.get("dtype")))
+    return out
+
+
+def weights_bytes(path: Path, dtype: str) -> int:
+    """Bytes of the loaded weights in `dtype` (float32 buffers stay float32; EMA state unread)."""
+    total = 0
+    for name, (count, _) in header_numel(path).items():
+        if UNLOADED.fullmatch(name):
+            continue
+        total += count * (4 if FLOAT32_BUFFERS.fullmatch(name) else DTYPE_BYTES[dtype])
+    return total
+
+
+def lm_need(path: Path, device: str, dtype: str, lengths: Lengths) -> StageNeed:
+    """LM weights, KV cache (backbone for prompt + new groups, patch decoder) and workspace."""
+    from mimo_tts.lm.config import LMConfig
+    from mimo_tts.runtime.safetensors import parse_config
+
+    cfg = parse_config(path, LMConfig.from_json)  # the loader's own checks and messages
+    back, local = cfg.backbone, cfg.patch_decoder
+    layers, kv, head_dim, hidden = back.layers, back.kv_heads, back.head_dim, back.dim
+    vocab, ffn, local_dim, local_layers = cfg.vocab_size, back.ffn_dim, local.dim, local.layers
+    size = DTYPE_BYTES[dtype]
+    groups = lengths.prompt_groups + lengths.new_groups
+    kv_bytes = 2 * layers * kv * head_dim * groups * lengths.batch * size
+    kv_bytes += 2 * local_layers * local_dim * cfg.local_steps * lengths.batch * size
+    # Prefill activations of the widest layer (gate/up) and float32 logits rows.
+    work = lengths.batch * lengths.prompt_groups * (2 * ffn + 4 * hidden) * size
+    work += lengths.batch * vocab * 4 * 4
+    return StageNeed("LM", device, dtype, {"weights": weights_bytes(path, dtype),
+                                           "kv_cache": kv_bytes, "workspace": work}, path)
+
+
+def tokenizer_need(path: Path, device: str, dtype: str, lengths: Lengths) -> StageNeed:
+    """Audio-tokenizer weights and the decode workspace for the run's longest audio."""
+    from mimo_tts.codec.config import CodecConfig
+    from mimo_tts.runtime.safetensors import parse_config
+
+    cfg = parse_config(path, CodecConfig.from_json)
+    d_model, ffn, heads = cfg.d_model, cfg.decoder_ffn_dim, cfg.decoder_attention_heads
+    frames = 2 * 4 * (lengths.prompt_groups + lengths.new_groups)  # 25 Hz codes -> 50 Hz
+    size = max(DTYPE_BYTES[dtype], 4)  # norms and attention run in float32
+    work = lengths.batch * frames * (4 * d_model + ffn) * size
+    work += lengths.batch * heads * frames * min(frames, 1024) * 4  # attention blocks
+    parts = {"weights": weights_bytes(path, dtype), "workspace": work}
+    if device == "cpu" and dtype == "bfloat16":
+        parts["packed_weights"] = sum(2 * n for name, (n, _) in header_numel(path).items()
+                                      if PACKED.fullmatch(name))
+    return StageNeed("tokenizer", device, dtype, parts, path)
+
+
+def plan(needs: list[StageNeed], env: Mapping[str, str] | None = None) -> list[dict]:
+    """Per device: the stages on it, their parts, the total need and the availability."""
+    env = os.environ if env is None else env
+    stated(env)  # a malformed value is a usage error even when nothing needs checking
+    devices: dict[str, list[StageNeed]] = {}
+    for need in needs:
+        devices.setdefault(need.device, []).append(need)
+    report = []
+    for device, stages in devices.items():
+        total = RUNTIME_BYTES + sum(s.total for s in stages)
+        have, source = available(device, env)
+        report.append({
+            "device": device, "need_bytes": total, "need_gib": round(total / GIB, 2),
+            "available_bytes": have, "available_source": source,
+            "available_gib": None if have is None else round(have / GIB, 2),
+            "fits": have is None or total <= have,
+            "stages": {s.stage: {"dtype": s.dtype, **s.parts} for s in stages},  # bytes
+        })
+    return report
+
+
+def fixes(needs: list[StageNeed], device: str, lengths: Lengths) -> list[str]:
+    """The changes that would shrink the need on `device`, biggest saving first."""
+    found = []
+    for need in needs:
+        if need.device != device:
+            continue
+        saving = need.parts["weights"] // 2 if need.dtype == "float32" else 0
+        if need.stage == "tokenizer" and device == "cpu":  # bfloat16 adds its packed copy
+            saving -= sum(2 * n for name, (n, _) in header_numel(need.path).items()
+                          if PACKED.fullmatch(name)) if saving else 0
+        flag = "--dtype bfloat16" if need.stage == "LM" else "--tokenizer-dtype bfloat16"
+        if saving > MIN_SAVING:
+            found.append((saving, f"{flag} (saves {gib(saving)})"))
+        if need.stage == "tokenizer" and device != "cpu":
+            found.append((need.total, f"--tokenizer-device cpu (saves {gib(need.total)})"))
+        if need.stage == "LM" and need.parts["kv_cache"] > 256 << 20:
+            found.append((need.parts["kv_cache"] // 2, "a smaller --max-new-groups or "
+                                                       "--batch-size"))
+    return [text for _, text in sorted(found, key=lambda pair: -pair[0])]
+
+
+def check(needs: list[StageNeed], lengths: Lengths, env: Mapping[str, str] | None = None
+          ) -> list[dict]:
+    """The plan, or a DeviceError (exit 4) for the first device it does not fit on."""
+    report = plan(needs, env)
+    for entry in report:
+        if entry["fits"]:
+            continue
+        stages = ", ".join(f"{n.stage} {gib(n.total)} in {n.dtype}" for n in needs
+                           if n.device == entry["device"])
+        advice = fixes(needs, entry["device"], lengths) + ["--no-memory-check to try anyway"]
+        raise DeviceError(
+            f"not enough memory on {entry['device']}: the run needs about "
+            f"{gib(entry['need_bytes'])} ({stages}, plus runtime) but "
+            f"{gib(entry['available_bytes'])} is available ({entry['available_source']}); "
+            f"use {'; or '.join(advice)}")
+    return report

@@ -1,0 +1,102 @@
+"""Stage-1 as the library runs it: the audio tokenizer with its thread budget, out-of-memory
+advice and voice-prompt cache."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from mimo_tts.errors import CheckpointError, NoAudioError
+from mimo_tts.runtime.devices import torch_dtype
+from mimo_tts.runtime.guards import oom_advice, thread_budget
+from mimo_tts.synthesis.audio import PAUSE_FRAMES, check_audio, join_pieces, read_audio
+from mimo_tts.synthesis.pieces import Piece
+
+
+@contextmanager
+def _naming(path):
+    """A checkpoint error always names the directory at fault."""
+    try:
+        yield
+    except CheckpointError as exc:
+        if str(path) in str(exc):
+            raise
+        raise CheckpointError(f"{exc} (in {path})") from None
+
+
+def check_pairing(lm_cfg, codec_cfg, lm_path, tok_path) -> None:
+    """The LM's codes must index the tokenizer's codebooks (empty id = codebook size)."""
+    empty = list(lm_cfg.speech_empty_ids)
+    sizes = list(codec_cfg.codebook_size)[: len(empty)]
+    if len(sizes) < len(empty) or any(e > s for e, s in zip(empty, sizes, strict=False)):
+        raise CheckpointError(
+            f"the LM {lm_path} emits codes for codebooks of {empty}, but the audio tokenizer "
+            f"{tok_path} has codebooks of {sizes}: they are not a matching pair")
+
+
+class Stage1:
+    """The audio tokenizer with its safeguards: voice-prompt encode (once per file), decode."""
+
+    def __init__(self, codec, threads: int | None = None):
+        self.codec, self.threads = codec, threads
+        self.samples_per_frame = codec.samples_per_frame
+        self._prompt_codes: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def load(cls, tok_path: Path, placement, log, threads: int | None = None,
+             beside: int = 0) -> Stage1:
+        """`beside`: bytes of LM weights on the CPU (the GEMM's memory rule, `gemm.choose`)."""
+        from mimo_tts.codec import load_audio_tokenizer
+
+        device, dtype = placement.tokenizer_device.value, placement.tokenizer_dtype.value
+        choice = None
+        if str(device) == "cpu" and torch_dtype(str(dtype)) == torch.float32:
+            from mimo_tts.codec.gemm import choose
+            from mimo_tts.synthesis.preflight import weights_bytes
+
+            choice = choose(beside, weights_bytes(tok_path, "float32") if beside else 0)
+        with _naming(tok_path), oom_advice("audio tokenizer loading", device):
+            codec = load_audio_tokenizer(tok_path, device, dtype,
+                                         cuda_graph=bool(placement.cuda_graph.value),
+                                         use_gemm=None if choice is None else choice.active)
+        log(f"audio tokenizer loaded from {tok_path}")
+        if choice is not None:
+            log(f"tokenizer float32 GEMM: {'on' if choice.active else 'off'}, {choice.reason}")
+        return cls(codec, threads)
+
+    def prompt_codes(self, path: str) -> torch.Tensor:
+        """Voice-prompt codes [8, T'] (encoded on the tokenizer device once per file)."""
+        if path not in self._prompt_codes:
+            audio, rate = read_audio(path)
+            with thread_budget(self.threads), \
+                    oom_advice("prompt-audio encode", str(self.codec.device)):
+                self._prompt_codes[path] = self.codec.encode_prompt(audio, rate).cpu()
+        return self._prompt_codes[path]
+
+    def decode(self, codes_list: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """[8, T] codes -> [960 T] float32 audio each, decoded together."""
+        with thread_budget(self.threads), oom_advice("Stage-1 decode", str(self.codec.device)):
+            return self.codec.decode_batch(list(codes_list))
+
+    def finish(self, pieces: list[Piece], label: str) -> torch.Tensor:
+        """The pieces' audio joined and checked [S] (24 kHz); no audio tokens is an error."""
+        missing = [i for i, p in enumerate(pieces) if p.codes is None]
+        if missing:
+            where = f" (text piece {missing[0] + 1} of {len(pieces)})" if len(pieces) > 1 else ""
+            raise NoAudioError(f"item {label!r}: the LM generated no audio tokens in "
+                               f"{len(pieces[missing[0]].new_text_ids)} group(s){where}")
+        audios = [p.audio for p in pieces]
+        return self.join([p.codes for p in pieces], PAUSE_FRAMES, label,
+                         None if any(a is None for a in audios) else audios)
+
+    def join(self, codes_list: Sequence[torch.Tensor], pause_frames: int, label: str,
+             audios: Sequence | None = None) -> torch.Tensor:
+        """Pieces' audio (decoded here unless given) joined by pauses and checked: [S] float32."""
+        audios = self.decode(codes_list) if audios is None else audios
+        with oom_advice("joining and checking the audio", "cpu"):  # on the CPU, [S] float32
+            audio = join_pieces(list(audios), pause_frames, self.samples_per_frame)
+            check_audio(audio, label)
+        return audio

@@ -1,0 +1,189 @@
+"""Memory preflight (issue 11): estimates from headers, availability, refusal with exit 4.
+
+The full-size checkpoints here have the published names, shapes and shard layout with sparse
+data (tests/full_size.py), so the estimate and the refusal run on exactly what a user has.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mimo_tts.errors import EXIT_DEVICE, EXIT_OK, DeviceError, UsageError
+from mimo_tts.runtime import machine as memory
+from mimo_tts.synthesis.preflight import (
+    PROMPT_GROUPS,
+    RUNTIME_BYTES,
+    Lengths,
+    check,
+    header_numel,
+    lm_need,
+    plan,
+    tokenizer_need,
+    weights_bytes,
+)
+from tests.conftest import FULL_SIZE
+from tests.full_size import write_full_size_lm, write_full_size_tokenizer
+
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def full_size(tmp_path_factory):
+    """(lm_dir, tokenizer_dir): the real layouts (4 bf16 shards + index; fp32 with EMA)."""
+    root = tmp_path_factory.mktemp("full-size")
+    lm_cfg = json.loads((FULL_SIZE / "lm-config.json").read_text())
+    tok_cfg = json.loads((FULL_SIZE / "tokenizer-config.json").read_text())
+    return (write_full_size_lm(root / "lm", lm_cfg),
+            write_full_size_tokenizer(root / "tokenizer", tok_cfg))
+
+
+def test_full_size_weights_match_the_published_sizes(full_size):
+    lm, tok = full_size
+    index = json.loads((lm / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 4
+    params = sum(n for n, _ in header_numel(lm).values())
+    assert 7.9e9 < params < 8.1e9  # MiMo-Audio-7B-Instruct: 8.0 B parameters
+    assert weights_bytes(lm, "bfloat16") == index["metadata"]["total_size"]
+    assert weights_bytes(lm, "float32") == 2 * weights_bytes(lm, "bfloat16")
+    tok_params = sum(n for n, _ in header_numel(tok).values())
+    assert 1.1e9 < tok_params < 1.4e9  # MiMo-Audio-Tokenizer: ~1.2 B with its EMA buffers
+    # EMA buffers are never loaded; codebooks stay float32 in a bfloat16 run.
+    assert weights_bytes(tok, "float32") < 4 * tok_params
+    assert weights_bytes(tok, "bfloat16") > weights_bytes(tok, "float32") / 2
+
+
+def test_kv_cache_is_sized_for_the_run_not_the_context(full_size):
+    lm, _ = full_size
+    short = lm_need(lm, "cpu", "bfloat16", Lengths(1, 100, 100))
+    long = lm_need(lm, "cpu", "bfloat16", Lengths(1, 100, 900))
+    batch = lm_need(lm, "cpu", "bfloat16", Lengths(8, 100, 100))
+    per_group = 2 * 36 * 8 * 128 * 2  # K and V, 36 layers, 8 KV heads of 128, bfloat16
+    assert long.parts["kv_cache"] - short.parts["kv_cache"] == 800 * per_group
+    assert batch.parts["kv_cache"] > 7 * short.parts["kv_cache"]
+    assert short.parts["kv_cache"] < 64 << 20  # not 8192 positions (1.2 GiB a row)
+
+
+def test_lengths_follow_the_inputs():
+    lengths = Lengths.for_run(["Hello there", "x" * 5000], 4, 300, None)
+    assert lengths.batch == 2  # two items: never more rows than items
+    assert lengths.prompt_groups == PROMPT_GROUPS + 1200  # split at 300 characters
+    assert Lengths.for_run(["hi"], 1, 300, 50).new_groups == 50
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("24GiB", 24 * GIB), ("512M", 512 << 20), ("1.5g", int(1.5 * GIB)), ("1000", 1000),
+    ("7 GB", 7 * GIB),
+])
+def test_parse_size(text, value):
+    assert memory.parse_size(text, "test") == value
+
+
+def test_stated_availability_per_device():
+    env = {memory.AVAILABLE_ENV: "cpu=20GiB, cuda:0=70GiB"}
+    assert memory.available("cpu", env) == (20 * GIB, f"env {memory.AVAILABLE_ENV}")
+    assert memory.available("cuda:0", env)[0] == 70 * GIB
+    assert memory.available("cpu", {memory.AVAILABLE_ENV: "3G"})[0] == 3 * GIB
+    with pytest.raises(UsageError, match="invalid memory size"):
+        memory.available("cpu", {memory.AVAILABLE_ENV: "lots"})
+    have, source = memory.available("cpu", {})
+    assert have is not None and have > 0 and source in ("MemAvailable", "cgroup memory.max")
+
+
+def test_both_stages_on_one_device_add_up(full_size):
+    lm, tok = full_size
+    lengths = Lengths()
+    needs = [lm_need(lm, "cpu", "bfloat16", lengths),
+             tokenizer_need(tok, "cpu", "float32", lengths)]
+    (entry,) = plan(needs, {memory.AVAILABLE_ENV: "64GiB"})
+    assert entry["need_bytes"] == RUNTIME_BYTES + needs[0].total + needs[1].total
+    assert 19 * GIB < entry["need_bytes"] < 22 * GIB and entry["fits"]
+    split = [lm_need(lm, "cuda:0", "bfloat16", lengths), needs[1]]
+    assert [e["device"] for e in plan(split, {memory.AVAILABLE_ENV: "64GiB"})] == \
+        ["cuda:0", "cpu"]
+
+
+def test_refusal_names_need_availability_and_fixes(full_size):
+    lm, tok = full_size
+    lengths = Lengths()
+    needs = [lm_need(lm, "cpu", "float32", lengths),
+             tokenizer_need(tok, "cpu", "float32", lengths)]
+    with pytest.raises(DeviceError) as info:
+        check(needs, lengths, {memory.AVAILABLE_ENV: "23GiB"})
+    message = str(info.value)
+    assert "\n" not in message and info.value.exit_code == EXIT_DEVICE
+    assert "not enough memory on cpu" in message and "23.0 GiB is available" in message
+    assert "--dtype bfloat16 (saves 14.9 GiB)" in message and "--no-memory-check" in message
+    # On the CPU a bfloat16 tokenizer also keeps its prepacked linears: almost no saving.
+    assert "--tokenizer-dtype" not in message
+    on_gpu = [lm_need(lm, "cuda:0", "bfloat16", lengths),
+              tokenizer_need(tok, "cuda:0", "float32", lengths)]
+    with pytest.raises(DeviceError, match="--tokenizer-device cpu") as info:
+        check(on_gpu, lengths, {memory.AVAILABLE_ENV: "cuda:0=16GiB"})
+    assert "--tokenizer-dtype bfloat16 (saves 2.4 GiB)" in str(info.value)
+
+
+def _cli(args, env_extra, tmp_path):
+    import os
+
+    env = {**os.environ, "MIMO_TTS_CACHE": str(tmp_path / "cache"), **env_extra}
+    return subprocess.run([sys.executable, "-m", "mimo_tts.cli", *args], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=120)
+
+
+def test_float32_full_size_exits_4_before_loading(full_size, tmp_path):
+    """Refused before any weight is read: the child never holds more than the interpreter and
+    torch (loading would map 30 GB); one line; nothing written."""
+    import os
+
+    lm, tok = full_size
+    env = {**os.environ, "MIMO_TTS_CACHE": str(tmp_path / "cache"), memory.AVAILABLE_ENV: "23GiB"}
+    err = tmp_path / "stderr.txt"
+    with open(err, "wb") as stderr:
+        child = subprocess.Popen([sys.executable, "-m", "mimo_tts.cli", "synth", "--model",
+                                  str(lm), "--tokenizer", str(tok), "--dtype", "float32",
+                                  "--text", "Hello"], stdout=subprocess.DEVNULL, stderr=stderr,
+                                 env=env, cwd=tmp_path)
+        _, status, usage = os.wait4(child.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == EXIT_DEVICE, err.read_text()
+    lines = err.read_text().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: not enough memory on cpu")
+    assert "--dtype bfloat16" in lines[0]
+    assert not any(tmp_path.rglob("*.wav"))
+    assert usage.ru_maxrss < 3 * 2**20  # KiB: far below a single LM shard (4 GB)
+
+
+def test_dry_run_and_devices_report_the_plan(full_size, tmp_path):
+    lm, tok = full_size
+    base = ["--model", str(lm), "--tokenizer", str(tok)]
+    fits = _cli(["synth", *base, "--dtype", "bfloat16", "--text", "Hi", "--dry-run", "--json"],
+                {memory.AVAILABLE_ENV: "23GiB"}, tmp_path)
+    assert fits.returncode == EXIT_OK, fits.stderr
+    (entry,) = json.loads(fits.stdout)["memory"]
+    assert entry["fits"] and entry["stages"]["LM"]["dtype"] == "bfloat16"
+    refused = _cli(["devices", *base, "--dtype", "float32", "--json"],
+                   {memory.AVAILABLE_ENV: "23GiB"}, tmp_path)
+    assert refused.returncode == EXIT_DEVICE
+    assert "not enough memory" in refused.stderr
+    forced = _cli(["devices", *base, "--dtype", "float32", "--json", "--no-memory-check"],
+                  {memory.AVAILABLE_ENV: "23GiB"}, tmp_path)
+    assert forced.returncode == EXIT_OK
+
+
+def test_bad_stated_memory_is_a_usage_error(tmp_path):
+    for command in (["devices", "--model", "tiny"], ["synth", "--model", "tiny", "--text", "x"]):
+        run = _cli(command, {memory.AVAILABLE_ENV: "plenty"}, tmp_path)
+        assert run.returncode == 2, run.stderr
+        assert f"invalid memory size 'plenty' (from env {memory.AVAILABLE_ENV})" in run.stderr
+
+
+def test_no_memory_check_still_runs(tmp_path):
+    args = ["synth", "--model", "tiny", "--text", "Hello", "-o", str(tmp_path / "a.wav")]
+    refused = _cli(args, {memory.AVAILABLE_ENV: "64M"}, tmp_path)
+    assert refused.returncode == EXIT_DEVICE and not (tmp_path / "a.wav").exists()
+    forced = _cli([*args, "--no-memory-check"], {memory.AVAILABLE_ENV: "64M"}, tmp_path)
+    assert forced.returncode == EXIT_OK, forced.stderr
+    assert (tmp_path / "a.wav").stat().st_size > 44
