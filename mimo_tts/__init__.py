@@ -4,14 +4,30 @@ The library face (whisper-style: one import, one call), loaded lazily so that `i
 and the CLI's `--help` stay torch-free:
 
     import mimo_tts
-    tts = mimo_tts.load("tiny")                   # or a checkpoint directory / HF id
-    audio = tts.synthesize("Hello from MiMo.")    # Audio: .samples float32, .sample_rate
+    tts = mimo_tts.load()               # the published 7B LM; or "tiny", a directory, an HF id
+    audio = tts.synthesize("Hello.")    # Audio: .samples float32, .sample_rate
+
+Every failure is a `MimoTTSError` subclass carrying the CLI's exit code; a run that cannot fit
+in memory raises `NotEnoughMemoryError` before anything is loaded.
 """
 
 from mimo_tts._lazy import lazy_exports
+from mimo_tts.errors import (
+    AudioCheckError,
+    CheckpointError,
+    DeviceError,
+    InputError,
+    MimoTTSError,
+    NoAudioError,
+    NotEnoughMemoryError,
+    OutputError,
+    UsageError,
+)
 
 __version__ = "0.1.0"
-__all__ = ["Audio", "AudioChunk", "MiMoTTS", "SynthesisOptions", "load"]
+__all__ = ["Audio", "AudioChunk", "MiMoTTS", "SynthesisOptions", "load", "AudioCheckError",
+           "CheckpointError", "DeviceError", "InputError", "MimoTTSError", "NoAudioError",
+           "NotEnoughMemoryError", "OutputError", "UsageError"]
 
 _LIBRARY = "mimo_tts.synthesis.synthesizer"
 _FACE = {"load": _LIBRARY, "MiMoTTS": _LIBRARY, "Audio": _LIBRARY, "AudioChunk": _LIBRARY,

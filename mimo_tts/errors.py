@@ -41,6 +41,10 @@ class DeviceError(MimoTTSError):
     exit_code = EXIT_DEVICE
 
 
+class NotEnoughMemoryError(DeviceError):
+    """The memory preflight's refusal: the run would not fit, found before anything loads."""
+
+
 class OutputError(MimoTTSError):
     """Reading an input file or writing an output failed."""
 

@@ -12,13 +12,13 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from mimo_tts import presets
 from mimo_tts.batch import files as mio
 from mimo_tts.batch.items import Item, read_items
 from mimo_tts.batch.results import ItemResult
 from mimo_tts.batch.runner import BatchRunner
 from mimo_tts.batch.sinks import DirectorySink, FileSink, RawPcmSink, StdoutSink
 from mimo_tts.errors import AudioCheckError, MimoTTSError, UsageError
-from mimo_tts.runtime import checkpoints
 from mimo_tts.runtime.devices import resolve_placement
 from mimo_tts.synthesis.audio import (
     FORMATS,
@@ -28,7 +28,14 @@ from mimo_tts.synthesis.audio import (
     output_format,
     resample,
 )
-from mimo_tts.synthesis.options import Settings, place, resolve, resolve_options, with_shard
+from mimo_tts.synthesis.options import (
+    Settings,
+    pick_names,
+    place,
+    resolve,
+    resolve_options,
+    with_shard,
+)
 from mimo_tts.synthesis.preflight import preflight
 from mimo_tts.synthesis.profiles import load_profile
 
@@ -202,11 +209,11 @@ def _try(fn):
 
 def _decode_tokenizer(flag: str | None, meta: dict):
     """flag > MIMO_AUDIO_TOKENIZER_PATH > the directory recorded in the codes > default."""
-    (_, _), (name, source) = checkpoints.pick_names(None, flag)
+    (_, _), (name, source) = pick_names(None, flag)
     recorded = meta.get("tokenizer")
     if source == "default" and recorded and Path(recorded).is_dir():
         name, source = recorded, "codes metadata"
-    return checkpoints.resolve(name, source, "tokenizer")
+    return presets.resolve(name, source, "tokenizer")
 
 
 # --- selftest -----------------------------------------------------------------------------------
@@ -219,7 +226,7 @@ def selftest(lm_device: str | None, tokenizer_device: str | None, log) -> dict:
     import soundfile as sf
 
     with tempfile.TemporaryDirectory(prefix="mimo-tts-selftest-") as tmp:
-        settings = resolve({"model": checkpoints.TINY, "lm_device": lm_device or "cpu",
+        settings = resolve({"model": presets.TINY, "lm_device": lm_device or "cpu",
                             "tokenizer_device": tokenizer_device or "cpu", "output_dir": tmp,
                             "save_codes": True})
         runner = BatchRunner(settings, log=log)

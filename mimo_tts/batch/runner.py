@@ -27,12 +27,12 @@ from mimo_tts import __version__
 from mimo_tts.batch.items import Item
 from mimo_tts.batch.results import ItemResult, fail
 from mimo_tts.errors import MimoTTSError
-from mimo_tts.lm.vllm.launch import DEFAULT_MAX_NUM_SEQS, import_vllm_engine
-from mimo_tts.runtime import checkpoints
+from mimo_tts.lm.engine import DEFAULT_ENGINE, engine_spec
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, resample
+from mimo_tts.synthesis.loader import resolve_checkpoints
 from mimo_tts.synthesis.options import Settings
 from mimo_tts.synthesis.pieces import Piece
-from mimo_tts.synthesis.preflight import check_memory, engine_record, lengths_for
+from mimo_tts.synthesis.preflight import engine_record, lengths_for
 from mimo_tts.synthesis.streaming import chunk_cap
 
 # Per-item timings that are work (the rest describe the streaming overlap within them).
@@ -51,38 +51,23 @@ class BatchRunner:
         self.timings: dict[str, float] = {}
         self.threads: dict = {}
         self.lengths = lengths_for(settings, [])  # sized from the items by `run`
+        self.spec = engine_spec(settings.engine.engine)
 
     def resolve(self):
-        """Locate the checkpoints; with `engine="vllm"` also import vLLM (both end a run early)."""
+        """Locate the checkpoints; a missing engine package or checkpoint ends a run early."""
         if self.refs is None:
-            if self.settings.engine.engine == "vllm":
-                import_vllm_engine()
-            self.refs = checkpoints.resolve_names(self.settings.checkpoints, self.env)
+            self.refs = resolve_checkpoints(self.settings, self.env)
         return self.refs
 
     def load(self):
-        """Load the LM, its text tokenizer and the audio tokenizer (once)."""
+        """Load both stages once, through the one loader (`MiMoTTS.from_settings`)."""
         if self.tts is None:
             from mimo_tts.synthesis.synthesizer import MiMoTTS
 
-            s = self.settings
-            self.resolve()
-            plan = check_memory(s, self.resolve(), self.lengths, self.env, self.log)
-            p = s.placement
-            self.log(f"LM dtype {p.lm_dtype.value} ({p.lm_dtype.source}); tokenizer dtype "
-                     f"{p.tokenizer_dtype.value} ({p.tokenizer_dtype.source})")
-            for entry in plan:
-                self.log(f"memory on {entry['device']}: need ~{entry['need_gib']} GiB, "
-                         f"available {entry['available_gib']} GiB ({entry['available_source']})")
-            start = time.perf_counter()
-            self.threads = thread_budgets(s)
-            self.tts = MiMoTTS.load(*self.resolve(), s.placement, s.engine, self.log,
-                                    self.threads)
-            self.timings["load_s"] = time.perf_counter() - start
-            self.log(f"loaded models in {self.timings['load_s']:.2f} s "
-                     f"(LM on {s.placement.lm_device.value}, "
-                     f"tokenizer on {s.placement.tokenizer_device.value}; "
-                     f"threads {self.threads}; engine {s.engine.engine})")
+            self.tts = MiMoTTS.from_settings(self.settings, self.lengths, self.log, self.env,
+                                             self.resolve())
+            self.threads = self.tts.threads
+            self.timings.update(self.tts.timings)
         return self.tts
 
     def close(self) -> None:
@@ -105,11 +90,10 @@ class BatchRunner:
         return item_key(self.settings, self.resolve(), item, self.seed(item))
 
     def batch_window(self) -> int:
-        """Items per Stage-0 call: batch_size, or for vLLM at least its max_num_seqs."""
+        """Items per Stage-0 call: batch_size, or what the engine takes at once (vLLM: at
+        least its max_num_seqs)."""
         s = self.settings
-        if s.engine.engine != "vllm" or s.run.stream:
-            return s.run.batch_size
-        return max(s.run.batch_size, s.engine.max_num_seqs or DEFAULT_MAX_NUM_SEQS)
+        return self.spec.rows_per_call(s.engine, s.run.batch_size, s.run.stream)
 
     def run(self, items: list[Item], sink) -> Iterator[ItemResult]:
         """Yield one result per item, in input order; a failed item is recorded, the rest go on.
@@ -132,9 +116,10 @@ class BatchRunner:
         yield from self._flush(window, sink)
 
     def continuous(self) -> bool:
-        """Whether items run through one continuous batch (native engine, batch size > 1)."""
+        """Whether items run through one continuous batch (a continuous engine, batch size
+        > 1)."""
         s = self.settings
-        return s.engine.engine == "native" and not s.run.stream and s.run.batch_size > 1
+        return self.spec.continuous and not s.run.stream and s.run.batch_size > 1
 
     def _run_continuous(self, results: list[ItemResult], sink) -> Iterator[ItemResult]:
         """Every pending item's pieces as jobs of one continuous batch (lm.batching): a row
@@ -159,26 +144,18 @@ class BatchRunner:
         yield from self._ready(results, done, pieces, sink)[1]
 
     def _events(self, pending: list[ItemResult], pieces: dict, rows: int):
-        """The batch's events, each step under the Stage-0 guard. A step that fails (out of
-        memory) fails the items it was running; a fresh batch takes the jobs not yet begun."""
-        from mimo_tts.lm.batching import Jobs
+        """The batch's events (`MiMoTTS.run_batch`). A step that fails (out of memory) fails
+        the items it was running; a fresh batch takes the jobs not yet begun."""
+        from mimo_tts.lm.batching import Jobs, StepFailed
 
-        source = Jobs(self._jobs(pending, pieces))
-        while True:
-            steps = self.tts.batcher(source, rows).run()
-            while True:
-                try:
-                    with self.tts.stage0_guard():
-                        event = next(steps, None)
-                except MimoTTSError as exc:
-                    for r in pending:
-                        if r.status == "pending" and None in pieces.get(id(r), ()):
-                            fail(r, exc)
-                            del pieces[id(r)]
-                    break
-                if event is None:
-                    return
-                yield event
+        for event in self.tts.run_batch(Jobs(self._jobs(pending, pieces)), rows):
+            if isinstance(event, StepFailed):
+                for r in pending:
+                    if r.status == "pending" and None in pieces.get(id(r), ()):
+                        fail(r, event.error)
+                        del pieces[id(r)]
+                continue
+            yield event
 
     def _jobs(self, pending: list[ItemResult], pieces: dict):
         """Jobs (one per text piece) of the pending items, in order, prompts built lazily."""
@@ -371,19 +348,6 @@ def sidecar_record(settings: Settings, context: dict, result: ItemResult,
     }
 
 
-def thread_budgets(settings: Settings) -> dict:
-    """Per-stage CPU threads: the options', else half each when streaming on one CPU."""
-    e, p = settings.engine, settings.placement
-    both_cpu = p.lm_device.value == p.tokenizer_device.value == "cpu"
-    if e.lm_threads is None and e.tokenizer_threads is None and settings.run.stream and both_cpu:
-        import torch
-
-        n = torch.get_num_threads()
-        if n >= 2:
-            return {"lm": n - n // 2, "tokenizer": n // 2, "source": "auto (--stream, cpu)"}
-    return {"lm": e.lm_threads, "tokenizer": e.tokenizer_threads, "source": "options"}
-
-
 def item_key(settings: Settings, refs, item: Item, seed: int) -> str:
     """The resume key: a hash of every input that determines an item's output bytes."""
     o, run, p, (lm, tok) = settings.synthesis, settings.run, settings.placement, refs
@@ -402,7 +366,7 @@ def item_key(settings: Settings, refs, item: Item, seed: int) -> str:
         inputs["stream_chunk_groups"] = [
             o.stream_chunk_groups,
             chunk_cap(o.stream_mode, o.stream_chunk_groups, o.stream_max_chunk_groups)]
-    if settings.engine.engine != "native":  # likewise
+    if settings.engine.engine != DEFAULT_ENGINE:  # likewise
         inputs["engine"] = settings.engine.engine
     blob = json.dumps(inputs, sort_keys=True, ensure_ascii=False, default=str)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]

@@ -18,10 +18,11 @@ is live and the source has nothing yet. Sources: `Jobs` (an iterable, the batch 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -391,3 +392,40 @@ class ContinuousBatcher:
         for row in self.slots:
             if row is not None:
                 row.length += 1
+
+
+@dataclass(frozen=True)
+class StepFailed:
+    """From `BatchRun`: a step failed (out of memory, say); the rows it ran are lost, and a
+    fresh batch goes on with the jobs not yet begun."""
+
+    error: MimoTTSError
+
+
+class BatchRun:
+    """The one driver of a continuous batch: each step under `guard()`, a failing step
+    reported as `StepFailed` and followed by a fresh batch over the same source. Both the batch
+    runner and the server iterate it; `cancel(key)` reaches the batch that runs now."""
+
+    def __init__(self, make: Callable[[], ContinuousBatcher], guard=None):
+        self.make, self.guard = make, guard or contextlib.nullcontext
+        self.batcher: ContinuousBatcher | None = None
+
+    def cancel(self, key) -> None:
+        if self.batcher is not None:
+            self.batcher.cancel(key)
+
+    def __iter__(self) -> Iterator[Event | StepFailed]:
+        while True:
+            self.batcher = self.make()
+            steps = self.batcher.run()
+            while True:
+                try:
+                    with self.guard():
+                        event = next(steps, None)
+                except MimoTTSError as exc:
+                    yield StepFailed(exc)
+                    break
+                if event is None:
+                    return
+                yield event

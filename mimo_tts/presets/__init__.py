@@ -1,5 +1,5 @@
 """Random checkpoints in the official layout that speak: the tiny preset (written on first use)
-and the full-size one."""
+and the full-size one; checkpoint names resolved with the preset's name among them."""
 
 from __future__ import annotations
 
@@ -7,8 +7,11 @@ import os
 from pathlib import Path
 
 from mimo_tts.errors import CheckpointError
+from mimo_tts.runtime import checkpoints
+from mimo_tts.runtime.checkpoints import ModelRef
 from mimo_tts.runtime.paths import cache_root
 
+TINY = "tiny"  # the preset's name, where a checkpoint name or directory is asked for
 TINY_PRESET_VERSION = 1
 
 
@@ -55,3 +58,36 @@ def _remove_tree(path: Path) -> None:
     import shutil
 
     shutil.rmtree(path, ignore_errors=True)
+
+
+def resolve(name: str, source: str, role: str, allow_download: bool = False, env=None,
+            seed: int = 0) -> ModelRef:
+    """One checkpoint name (`tiny`, a directory, or an HF repo id) -> its local directory (the
+    tiny preset is written on first use)."""
+    if name == TINY:
+        lm_dir, tok_dir = ensure_tiny_preset(env, seed)
+        return ModelRef(TINY, source, "preset", lm_dir if role == "model" else tok_dir)
+    return checkpoints.resolve(name, source, role, allow_download)
+
+
+def resolve_names(names, env=None, seed: int = 0) -> tuple[ModelRef, ModelRef]:
+    """Both checkpoints of `options.CheckpointNames`, resolved to local directories."""
+    return (resolve(*names.lm, "model", names.allow_download, env, seed),
+            resolve(*names.tokenizer, "tokenizer", names.allow_download, env, seed))
+
+
+def locate(name: str, source: str, role: str, env=None) -> tuple[Path | None, str]:
+    """Where a checkpoint would be found, writing and downloading nothing: (path, status)."""
+    if name == TINY:
+        root = tiny_preset_dir(env)
+        sub = root / ("lm" if role == "model" else "tokenizer")
+        ok = (root / "complete").is_file()
+        return (sub, "present (tiny preset)") if ok else (None, "tiny preset, built on first use")
+    return checkpoints.locate(name, source, role)
+
+
+def checkpoint_dtype(name: str, source: str, role: str, env=None) -> str | None:
+    """The `torch_dtype` a checkpoint declares (the tiny preset: float32), or None."""
+    if name == TINY:
+        return "float32"
+    return checkpoints.checkpoint_dtype(locate(name, source, role, env)[0])

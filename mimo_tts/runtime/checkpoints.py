@@ -1,27 +1,24 @@
-"""Which checkpoints: a directory, an HF id in the local cache, or the built-in `tiny` preset.
+"""Which checkpoint directories: a path, or an HF id in the local cache (presets are resolved
+above this layer, in `synthesis/loader.py`).
 
 Resolution never downloads unless the caller allows it; a missing model is a CheckpointError
-that spells out the command that would fetch it. Nothing here loads weights: `locate` and
-`mimo_tts.memory` read only `config.json` and safetensors headers (JSON), for preflights, so
-`mimo-tts devices` never imports torch. The loaded models live in `mimo_tts.synth`.
+that spells out the command that would fetch it. Nothing here loads weights: `locate` and the
+memory preflight read only `config.json` and safetensors headers (JSON), so `mimo-tts devices`
+never imports torch.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from mimo_tts.errors import CheckpointError
-from mimo_tts.presets import ensure_tiny_preset, tiny_preset_dir
 
 DEFAULT_MODEL = "XiaomiMiMo/MiMo-Audio-7B-Instruct"
 DEFAULT_TOKENIZER = "XiaomiMiMo/MiMo-Audio-Tokenizer"
 TOKENIZER_PATH_ENV = "MIMO_AUDIO_TOKENIZER_PATH"
-TINY = "tiny"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -38,16 +35,6 @@ class ModelRef:
     def describe(self) -> dict:
         return {"name": self.name, "source": self.source, "kind": self.kind,
                 "path": str(self.path) if self.path else None, "revision": self.revision}
-
-
-
-
-
-
-
-
-
-
 
 
 def fetch_hint(repo_id: str) -> str:
@@ -97,12 +84,8 @@ def _hf_cache_dir() -> str:
     return str(constants.HF_HUB_CACHE)
 
 
-def resolve(name: str, source: str, role: str, allow_download: bool = False,
-            env=None, seed: int = 0) -> ModelRef:
-    """Resolve one checkpoint name (`tiny`, a directory, or an HF repo id) to a local dir."""
-    if name == TINY:
-        lm_dir, tok_dir = ensure_tiny_preset(env, seed)
-        return ModelRef(TINY, source, "preset", lm_dir if role == "model" else tok_dir)
+def resolve(name: str, source: str, role: str, allow_download: bool = False) -> ModelRef:
+    """Resolve one checkpoint name (a directory, or an HF repo id) to a local dir."""
     path = Path(name).expanduser()
     if path.is_dir():
         return ModelRef(name, source, "directory", path.resolve(), _snapshot_revision(path))
@@ -119,34 +102,6 @@ def _snapshot_revision(path: Path) -> str | None:
     return None
 
 
-def pick_names(model: str | None, tokenizer: str | None, profile: Mapping | None = None,
-               env: Mapping[str, str] | None = None) -> tuple[tuple[str, str], tuple[str, str]]:
-    """(name, source) for the LM and the tokenizer: flag > env > profile > default."""
-    env = os.environ if env is None else env
-    profile = profile or {}
-    lm = _first((model, "flag"), (profile.get("model"), "config"), (DEFAULT_MODEL, "default"))
-    tok_env = env.get(TOKENIZER_PATH_ENV) or None
-    if tok_env is not None and not Path(tok_env).expanduser().is_dir():
-        raise CheckpointError(f"{TOKENIZER_PATH_ENV}={tok_env!r} is not a directory; it must "
-                              "point to a local copy of the MiMo-Audio tokenizer")
-    default_tok = TINY if lm[0] == TINY else DEFAULT_TOKENIZER
-    tok = _first((tokenizer, "flag"), (tok_env, f"env {TOKENIZER_PATH_ENV}"),
-                 (profile.get("tokenizer"), "config"), (default_tok, "default"))
-    return lm, tok
-
-
-def _first(*candidates):
-    return next((str(v), s) for v, s in candidates if v is not None)
-
-
-def resolve_names(names, env=None, seed: int = 0) -> tuple[ModelRef, ModelRef]:
-    """Both checkpoints of `options.CheckpointNames`, resolved to local directories (the tiny
-    preset is written if needed)."""
-    lm = resolve(*names.lm, "model", names.allow_download, env, seed)
-    tok = resolve(*names.tokenizer, "tokenizer", names.allow_download, env, seed)
-    return lm, tok
-
-
 def download(repo_ids: list[str]) -> list[ModelRef]:
     """Fetch checkpoints into the Hugging Face cache (needs network access)."""
     return [_from_hf_cache(repo_id, "download", allow_download=True) for repo_id in repo_ids]
@@ -155,15 +110,10 @@ def download(repo_ids: list[str]) -> list[ModelRef]:
 # --- preflight (no weights are read) ------------------------------------------------------------
 
 
-def locate(name: str, source: str, role: str, env=None) -> tuple[Path | None, str]:
+def locate(name: str, source: str, role: str) -> tuple[Path | None, str]:
     """Where a checkpoint would be found, without writing or downloading: (path, status)."""
-    if name == TINY:
-        root = tiny_preset_dir(env)
-        sub = root / ("lm" if role == "model" else "tokenizer")
-        ok = (root / "complete").is_file()
-        return (sub, "present (tiny preset)") if ok else (None, "tiny preset, built on first use")
     try:
-        ref = resolve(name, source, role, allow_download=False, env=env)
+        ref = resolve(name, source, role, allow_download=False)
     except CheckpointError as exc:
         return None, f"missing: {exc}"
     from mimo_tts.runtime.safetensors import check_files
@@ -175,12 +125,9 @@ def locate(name: str, source: str, role: str, env=None) -> tuple[Path | None, st
     return ref.path, "present"
 
 
-def checkpoint_dtype(name: str, source: str, role: str, env=None) -> str | None:
-    """The `torch_dtype` a checkpoint's config.json declares (the tiny preset: float32), or
-    None when the checkpoint cannot be found or does not say. Reads one JSON file."""
-    if name == TINY:
-        return "float32"
-    path, _ = locate(name, source, role, env)
+def checkpoint_dtype(path: Path | None) -> str | None:
+    """The `torch_dtype` a checkpoint's config.json declares, or None when there is no
+    checkpoint or it does not say. Reads one JSON file."""
     if path is None:
         return None
     try:

@@ -138,7 +138,7 @@ class SpeechServer:
         self.formats = ["pcm", "wav", "flac", *lossy_formats()]
         self.default_format = "mp3" if "mp3" in self.formats else "wav"
         self.jobs = JobQueue(cfg.max_queue, cfg.max_concurrent)
-        strategy = ContinuousStrategy if tts.lm is not None else StaticBatcher  # vLLM: static
+        strategy = ContinuousStrategy if tts.engine.continuous else StaticBatcher
         self.engine = Engine(tts, self.jobs, strategy(tts, cfg.batch_size, self.log), base,
                              self.log)
         self.counts = {"ok": 0, "failed": 0, "cancelled": 0, "rejected": 0}
@@ -444,10 +444,10 @@ def main(flags: dict, config: str | None, reporter) -> int:
         import uvicorn
     except ImportError:
         raise UsageError(EXTRA_HINT) from None
-    from mimo_tts.batch.runner import BatchRunner
     from mimo_tts.synthesis.options import resolve
     from mimo_tts.synthesis.preflight import lengths_for
     from mimo_tts.synthesis.profiles import load_profile
+    from mimo_tts.synthesis.synthesizer import MiMoTTS
 
     serve_keys = ("host", "port", "api_key", "batch_size", "max_queue", "max_concurrent",
                   "max_input_chars", "timeout")
@@ -457,10 +457,8 @@ def main(flags: dict, config: str | None, reporter) -> int:
     model_flags = {k: v for k, v in flags.items() if k not in (*serve_keys, "voice")}
     # Stage-0 and Stage-1 run side by side, as with --stream (thread budgets split the CPU)
     settings = resolve({**model_flags, "stream": True}, load_profile(config), os.environ)
-    runner = BatchRunner(settings, log=reporter.log)
-    runner.lengths = lengths_for(settings, [], cfg.batch_size)
-    with runner:
-        tts = runner.load()
+    with MiMoTTS.from_settings(settings, lengths_for(settings, [], cfg.batch_size),
+                               reporter.log) as tts:
         for path in cfg.voices.values():
             tts.stage1.prompt_codes(path)  # encoded once, before the first request
         server = SpeechServer(tts, cfg, settings.synthesis, settings.checkpoints.lm[0],

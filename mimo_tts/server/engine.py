@@ -210,28 +210,23 @@ class ContinuousStrategy:
         self.log = log or (lambda message: None)
 
     def run(self, source: JobQueue) -> Iterator[Started | Group | Finished]:
-        from mimo_tts.lm.batching import IDLE, JobDone, JobGroup
+        from mimo_tts.lm.batching import IDLE, JobDone, JobGroup, StepFailed
 
         feed = _QueueFeed(source)
-        batcher = self.tts.batcher(feed, self.batch_size)
-        steps = batcher.run()
+        batch = self.tts.run_batch(feed, self.batch_size)
         live: set[Job] = set()
-        while True:
-            try:
-                with self.tts.stage0_guard():
-                    event = next(steps, None)
-            except MimoTTSError as exc:  # the step failed (out of memory): its rows fail
-                for job in live:
-                    yield Finished(job, exc)
-                return  # the engine thread starts a fresh batch for the jobs still queued
+        for event in batch:
             live.update(feed.started)
             for job in feed.started:  # rows: the live rows it joined
                 yield Started(job, len(live))
             feed.started.clear()
+            if isinstance(event, StepFailed):  # the step failed (out of memory): its rows fail
+                for job in live:
+                    yield Finished(job, event.error)
+                live.clear()  # a fresh batch goes on with the jobs still queued
+                continue
             for job in [j for j in live if j.cancelled.is_set()]:
-                batcher.cancel(job)
-            if event is None:
-                return
+                batch.cancel(job)
             if event is IDLE:
                 if not feed.wait():
                     return

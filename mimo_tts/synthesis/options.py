@@ -14,13 +14,17 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import get_args, get_type_hints
 
 from mimo_tts.batch.shards import Shard, resolve_shard
-from mimo_tts.errors import MimoTTSError, UsageError, short_repr
+from mimo_tts.errors import CheckpointError, MimoTTSError, UsageError, short_repr
 from mimo_tts.lm.config import LM_QUANTS, MAX_GROUPS
+from mimo_tts.lm.engine import DEFAULT_ENGINE
+from mimo_tts.lm.engine import ENGINES as ENGINE_SPECS
 from mimo_tts.lm.tasks import TASKS, TTS_EN_TEMPLATES, TTS_ZH_TEMPLATES
-from mimo_tts.runtime.checkpoints import checkpoint_dtype, pick_names
+from mimo_tts.presets import TINY, checkpoint_dtype
+from mimo_tts.runtime.checkpoints import DEFAULT_MODEL, DEFAULT_TOKENIZER, TOKENIZER_PATH_ENV
 from mimo_tts.runtime.devices import Placement, resolve_placement
 from mimo_tts.synthesis.audio import FORMATS, SAMPLE_RATE, check_format_rate, output_format
 
@@ -28,10 +32,8 @@ STREAM_MODES = ("official", "incremental")
 MAX_TEMPERATURE = 100.0  # finite: inf/NaN would turn the softmax into NaN
 MAX_THREADS = 256  # torch/OpenMP crash or abort on absurd thread counts
 MAX_SAMPLE_RATE = 192000  # the highest rate libsndfile's FLAC writer takes
-ENGINES = ("native", "vllm")
+ENGINES = tuple(ENGINE_SPECS)
 # Options of the vLLM engine only (`--engine vllm`); an error with the native engine.
-VLLM_FIELDS = ("gpu_memory_utilization", "max_num_seqs", "tensor_parallel_size", "max_model_len",
-               "kv_cache_mib")
 # Resolved with their env variables by devices.py and checkpoints.py: name -> type of a value.
 PLACEMENT_FIELDS = {"lm_device": str, "tokenizer_device": str, "dtype": str,
                     "tokenizer_dtype": str, "cuda_graph": bool}
@@ -133,7 +135,7 @@ class SynthesisOptions:
 class EngineOptions:
     """How the stages run: the Stage-0 engine, its vLLM settings and per-stage CPU threads."""
 
-    engine: str = "native"  # "native" (mimo_tts.lm) or "vllm" (mimo_tts.lm.vllm, optional)
+    engine: str = DEFAULT_ENGINE  # a name of `lm.engine.ENGINES`
     # CPU threads per stage (torch intra-op threads, set per thread): None leaves torch's
     # default, except that streaming with both stages on the CPU splits the cores between them.
     lm_threads: int | None = None
@@ -157,11 +159,11 @@ class EngineOptions:
         _check(self.engine in ENGINES, f"--engine must be one of {', '.join(ENGINES)}")
         _check(self.lm_quant is None or self.lm_quant in LM_QUANTS,
                f"--lm-quant must be one of {', '.join(LM_QUANTS)}")
-        _check(self.lm_quant is None or self.engine == "native",
-               "--lm-quant applies to the native engine only")
-        given = [name for name in VLLM_FIELDS if getattr(self, name) is not None]
-        _check(self.engine == "vllm" or not given,
-               f"--{given[0].replace('_', '-') if given else ''} applies to --engine vllm only")
+        for spec in ENGINE_SPECS.values():  # options of one engine need that engine
+            given = [name for name in spec.options if getattr(self, name) is not None]
+            _check(self.engine == spec.name or not given,
+                   f"--{given[0].replace('_', '-') if given else ''} applies to --engine "
+                   f"{spec.name} only")
         value = self.gpu_memory_utilization
         _check(value is None or 0 < value <= 1, "--gpu-memory-utilization must be in (0, 1]")
         for name in ("max_num_seqs", "tensor_parallel_size", "kv_cache_mib"):
@@ -315,6 +317,27 @@ def place(settings: Settings, flags: Mapping[str, object],
     sources.update({"model": lm[1], "tokenizer": tok[1]})
     return replace(settings, placement=placement,
                    checkpoints=CheckpointNames(lm, tok, bool(download)), sources=sources)
+
+
+def pick_names(model: str | None, tokenizer: str | None, profile: Mapping | None = None,
+               env: Mapping[str, str] | None = None) -> tuple[tuple[str, str], tuple[str, str]]:
+    """(name, source) for the LM and the tokenizer: flag > env > profile > default (the tiny
+    preset's LM comes with the tiny preset's tokenizer)."""
+    env = os.environ if env is None else env
+    profile = profile or {}
+    lm = _first((model, "flag"), (profile.get("model"), "config"), (DEFAULT_MODEL, "default"))
+    tok_env = env.get(TOKENIZER_PATH_ENV) or None
+    if tok_env is not None and not Path(tok_env).expanduser().is_dir():
+        raise CheckpointError(f"{TOKENIZER_PATH_ENV}={tok_env!r} is not a directory; it must "
+                              "point to a local copy of the MiMo-Audio tokenizer")
+    default_tok = TINY if lm[0] == TINY else DEFAULT_TOKENIZER
+    tok = _first((tokenizer, "flag"), (tok_env, f"env {TOKENIZER_PATH_ENV}"),
+                 (profile.get("tokenizer"), "config"), (default_tok, "default"))
+    return lm, tok
+
+
+def _first(*candidates):
+    return next((str(v), s) for v, s in candidates if v is not None)
 
 
 def _build(cls, values: dict, from_profile: list[str], profile: Mapping):

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
 
-from mimo_tts.errors import CheckpointError, DeviceError, UsageError
-from mimo_tts.lm.vllm.launch import vllm_options
-from mimo_tts.runtime import checkpoints
+from mimo_tts import presets
+from mimo_tts.errors import CheckpointError, DeviceError, NotEnoughMemoryError, UsageError
+from mimo_tts.lm.engine import engine_spec
 from mimo_tts.runtime.devices import DTYPE_BYTES, Probe
 from mimo_tts.runtime.machine import GIB, available, gib, stated
 from mimo_tts.synthesis.options import Settings
@@ -34,7 +34,7 @@ def memory_needs(settings: Settings, lm_path: Path | None, tok_path: Path | None
                  lengths: Lengths) -> list[StageNeed]:
     """Per-stage memory estimates for this run's placement and lengths (vLLM sizes its own)."""
     p, needs = settings.placement, []
-    if lm_path is not None and settings.engine.engine == "native":
+    if lm_path is not None and not engine_spec(settings.engine.engine).sizes_own_memory:
         needs.append(lm_need(lm_path, p.lm_device.value, p.lm_dtype.value, lengths))
     if tok_path is not None:
         needs.append(tokenizer_need(tok_path, p.tokenizer_device.value,
@@ -58,12 +58,13 @@ def check_memory(settings: Settings, refs, lengths: Lengths,
 
 
 def engine_record(settings: Settings, loaded: dict | None = None) -> dict:
-    """The Stage-0 engine and its settings (sidecar, preflight); no vLLM import."""
-    if settings.engine.engine != "vllm":
-        return loaded or {"name": "native"}
-    record: dict = {"name": "vllm"}
+    """The Stage-0 engine and its settings (sidecar, preflight); the engine is not imported."""
+    spec = engine_spec(settings.engine.engine)
+    if spec.settings_module is None:
+        return loaded or {"name": spec.name}
+    record: dict = {"name": spec.name}
     try:
-        record["settings"] = vllm_options(settings.engine, settings.placement)
+        record["settings"] = spec.settings(settings.engine, settings.placement)
     except UsageError as exc:
         record["error"] = str(exc)
     return record
@@ -82,7 +83,7 @@ def preflight(settings: Settings, texts: list[str] = (), env: Mapping[str, str] 
               "mps": probe.mps, "checkpoints": {}}
     names = settings.checkpoints
     for role, (name, src) in (("model", names.lm), ("tokenizer", names.tokenizer)):
-        path, status = checkpoints.locate(name, src, role, env)
+        path, status = presets.locate(name, src, role, env)
         report["checkpoints"][role] = {"name": name, "source": src, "status": status,
                                        "path": str(path) if path else None}
     paths = [report["checkpoints"][r]["path"] for r in ("model", "tokenizer")]
@@ -98,8 +99,9 @@ def preflight(settings: Settings, texts: list[str] = (), env: Mapping[str, str] 
     report["engine"] = engine_record(settings)
     report["shard"] = (settings.shard.describe() if settings.shard else
                        {"shard": None, "source": "default: every item"})
-    if settings.engine.engine == "vllm":
-        report["engine"]["installed"] = find_spec("vllm") is not None
+    spec = engine_spec(settings.engine.engine)
+    if spec.needs is not None:
+        report["engine"]["installed"] = find_spec(spec.needs) is not None
     return report
 
 
@@ -278,7 +280,7 @@ def check(needs: list[StageNeed], lengths: Lengths, env: Mapping[str, str] | Non
         stages = ", ".join(f"{n.stage} {gib(n.total)} in {n.dtype}" for n in needs
                            if n.device == entry["device"])
         advice = fixes(needs, entry["device"], lengths) + ["--no-memory-check to try anyway"]
-        raise DeviceError(
+        raise NotEnoughMemoryError(
             f"not enough memory on {entry['device']}: the run needs about "
             f"{gib(entry['need_bytes'])} ({stages}, plus runtime) but "
             f"{gib(entry['available_bytes'])} is available ({entry['available_source']}); "

@@ -13,22 +13,25 @@ the sinks (`outputs.py`) do that for the CLI.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 import torch
 
 from mimo_tts import __version__
-from mimo_tts.errors import InputError, UsageError
+from mimo_tts.errors import InputError
+from mimo_tts.lm.engine import DEFAULT_ENGINE, Engine, engine_spec
 from mimo_tts.lm.tasks import TASKS
-from mimo_tts.lm.vllm.launch import import_vllm_engine, vllm_options
-from mimo_tts.runtime import checkpoints
+from mimo_tts.runtime.checkpoints import DEFAULT_MODEL
 from mimo_tts.runtime.guards import oom_advice, thread_budget
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, to_numpy
-from mimo_tts.synthesis.options import EngineOptions, SynthesisOptions, resolve
+from mimo_tts.synthesis.loader import check_fits, resolve_checkpoints, thread_budgets
+from mimo_tts.synthesis.options import EngineOptions, Settings, SynthesisOptions, resolve
 from mimo_tts.synthesis.pieces import Piece
+from mimo_tts.synthesis.preflight import Lengths, weights_bytes
 from mimo_tts.synthesis.stage1 import Stage1, _naming, check_pairing
 from mimo_tts.synthesis.streaming import stream_chunks, stream_piece
 from mimo_tts.synthesis.text import split_text
@@ -56,95 +59,97 @@ class AudioChunk:
     index: int  # 0, 1, ... within one `stream` call
 
 
-def load(model: str = checkpoints.TINY, tokenizer: str | None = None, *,
+def load(model: str = DEFAULT_MODEL, tokenizer: str | None = None, *,
          lm_device: str | None = None, tokenizer_device: str | None = None,
          dtype: str | None = None, tokenizer_dtype: str | None = None,
-         cuda_graph: bool | None = None, allow_download: bool = False, engine: str = "native",
-         log=None, **engine_options) -> MiMoTTS:
-    """Load both stages: `model` is `tiny`, a checkpoint directory or a Hugging Face id.
+         cuda_graph: bool | None = None, allow_download: bool = False,
+         engine: str = DEFAULT_ENGINE, log=None, **engine_options) -> MiMoTTS:
+    """Load both stages: `model` is a checkpoint directory, a Hugging Face id (default: the
+    published 7B LM, as on the CLI) or `tiny` (the random preset).
 
     Devices and dtypes default as on the CLI (environment variables included); extra keywords
-    are `EngineOptions` fields (`lm_threads`, vLLM settings).
+    are `EngineOptions` fields (`lm_threads`, `no_memory_check`, vLLM settings). A run that
+    cannot fit raises `mimo_tts.NotEnoughMemoryError` before anything is loaded.
     """
+    unknown = sorted(set(engine_options) - {f.name for f in fields(EngineOptions)})
+    if unknown:
+        raise TypeError(f"load() got unexpected keyword argument(s): {', '.join(unknown)}")
     settings = resolve({"model": model, "tokenizer": tokenizer, "lm_device": lm_device,
                         "tokenizer_device": tokenizer_device, "dtype": dtype,
                         "tokenizer_dtype": tokenizer_dtype, "cuda_graph": cuda_graph,
                         "allow_download": allow_download, "engine": engine, **engine_options})
-    lm_ref, tok_ref = checkpoints.resolve_names(settings.checkpoints)
-    return MiMoTTS.load(lm_ref, tok_ref, settings.placement, settings.engine, log)
-
-
-
-
-
-
-
-
-def _kernel_words(lm) -> str:
-    """Whether the LM's decode steps run in the fused CPU kernel, and why (not)."""
-    from mimo_tts.lm.cpu_kernel import choose
-
-    choice = choose(lm)
-    return ("on, " if choice.active else "off, ") + choice.reason
+    return MiMoTTS.from_settings(settings, log=log)
 
 
 class MiMoTTS:
     """Both stages, loaded once: text -> `Audio` (numpy, 24 kHz), in memory only."""
 
-    def __init__(self, lm, text, stage1: Stage1, stage0=None, lm_device: str | None = None,
+    def __init__(self, engine: Engine, text, stage1: Stage1, lm_device: str | None = None,
                  refs=(None, None), placement=None, lm_threads: int | None = None):
-        self.lm, self.text, self.stage1, self.stage0 = lm, text, stage1, stage0
+        self.engine, self.text, self.stage1 = engine, text, stage1
         self.codec = stage1.codec
-        cfg = lm.cfg if stage0 is None else stage0.cfg
-        self.empty_ids = list(cfg.speech_empty_ids)
-        self.group_size = cfg.group_size
-        self.lm_device = lm_device or str(lm.lm_head.weight.device)
+        self.empty_ids = list(engine.cfg.speech_empty_ids)
+        self.group_size = engine.cfg.group_size
+        self.lm_device = lm_device
         self.lm_ref, self.tok_ref = refs
         self.placement = placement
         self.lm_threads, self.tokenizer_threads = lm_threads, stage1.threads
         self.options = SynthesisOptions()  # defaults of `synthesize` and `stream`
+        self.timings: dict[str, float] = {}
+        self.threads: dict = {}
+
+    @classmethod
+    def from_settings(cls, settings: Settings, lengths: Lengths | None = None, log=None,
+                      env: Mapping[str, str] | None = None, refs=None) -> MiMoTTS:
+        """The one loader of every face: checkpoint names -> directories (the tiny preset
+        written on first use), the memory preflight (`NotEnoughMemoryError`, exit 4, unless
+        `no_memory_check`), thread budgets, both stages, the pairing check and the load log."""
+        log = log or (lambda message: None)
+        refs = refs or resolve_checkpoints(settings, env)
+        check_fits(settings, refs, lengths, env, log)
+        threads, start = thread_budgets(settings), time.perf_counter()
+        tts = cls.load(*refs, settings.placement, settings.engine, log, threads)
+        tts.threads, tts.timings["load_s"] = threads, time.perf_counter() - start
+        p = settings.placement
+        log(f"loaded models in {tts.timings['load_s']:.2f} s (LM on {p.lm_device.value}, "
+            f"tokenizer on {p.tokenizer_device.value}; threads {threads}; "
+            f"engine {tts.engine.name})")
+        return tts
 
     @classmethod
     def load(cls, lm_ref, tok_ref, placement, engine: EngineOptions | None = None, log=None,
              threads: dict | None = None) -> MiMoTTS:
-        """Load both stages; `engine.engine == "vllm"` runs Stage-0 on vLLM."""
-        from mimo_tts.lm.load import load_lm
+        """Load both stages on `placement`, Stage-0 on the engine `engine.engine` names (no
+        preflight: `from_settings` is the loader of every face)."""
         from mimo_tts.lm.text import TextTokenizer
 
         engine, log, threads = engine or EngineOptions(), log or (lambda m: None), threads or {}
-        vllm = vllm_options(engine, placement) if engine.engine == "vllm" else None
-        module = import_vllm_engine() if vllm is not None else None  # fail before loading
+        spec = engine_spec(engine.engine)
+        spec.check_installed()  # fail before loading
         text = TextTokenizer.from_dir(lm_ref.path)
-        lm = stage0 = None
         with _naming(lm_ref.path), oom_advice("LM loading", placement.lm_device.value):
-            if module is None:
-                lm = load_lm(lm_ref.path, placement.lm_device.value, placement.lm_dtype.value,
-                             quant=engine.lm_quant)
-            else:
-                stage0 = module.VLLMEngine(lm_ref.path, module.VLLMOptions(**vllm))
-        log(f"LM loaded from {lm_ref.path}" + ("" if stage0 is None else f" into vLLM {vllm}")
-            + ("" if lm is None or lm.quant is None else f" ({lm.quant} weights)")
-            + ("" if lm is None else f" (CPU kernel: {_kernel_words(lm)})"))
+            stage0 = spec.load(lm_ref.path, placement, engine, text)
+        settings = spec.settings(engine, placement)
+        described = stage0.describe()
+        log(f"LM loaded from {lm_ref.path}" + (f" into {spec.name} {settings}" if settings else "")
+            + (f" ({described['lm_quant']} weights)" if described.get("lm_quant") else "")
+            + (f" (CPU kernel: {stage0.kernel_words()})" if hasattr(stage0, "kernel_words")
+               else ""))
         try:
             beside = 0
-            if lm is not None and lm.lm_head.weight.device.type == "cpu":
-                from mimo_tts.synthesis.preflight import weights_bytes
-
+            if not spec.sizes_own_memory and placement.lm_device.value == "cpu":
                 beside = weights_bytes(lm_ref.path, placement.lm_dtype.value)
             stage1 = Stage1.load(tok_ref.path, placement, log, threads.get("tokenizer"), beside)
-            check_pairing((lm or stage0).cfg, stage1.codec.config, lm_ref.path, tok_ref.path)
+            check_pairing(stage0.cfg, stage1.codec.config, lm_ref.path, tok_ref.path)
         except BaseException:
-            if stage0 is not None:
-                stage0.close()
+            stage0.close()
             raise
-        return cls(lm, text, stage1, stage0, placement.lm_device.value, (lm_ref, tok_ref),
+        return cls(stage0, text, stage1, placement.lm_device.value, (lm_ref, tok_ref),
                    placement, threads.get("lm"))
 
     def close(self) -> None:
-        """Shut the vLLM engine down (frees its memory); the native LM needs nothing."""
-        stage0, self.stage0 = self.stage0, None
-        if stage0 is not None:
-            stage0.close()
+        """Shut the Stage-0 engine down (vLLM frees its memory)."""
+        self.engine.close()
 
     def __enter__(self) -> MiMoTTS:
         return self
@@ -154,13 +159,7 @@ class MiMoTTS:
 
     def engine_record(self) -> dict:
         """The Stage-0 engine that ran (bfloat16 sums round differently in the CPU kernel)."""
-        if self.lm is None:
-            return {"name": "vllm"}
-        from mimo_tts.lm.cpu_kernel import choose
-
-        choice = choose(self.lm)
-        return {"name": "native", "cpu_kernel": choice.active, "cpu_kernel_reason": choice.reason,
-                **({} if self.lm.quant is None else {"lm_quant": self.lm.quant})}
+        return self.engine.describe()
 
     # -- building blocks (the batch runner uses these too) --
     def prompts(self, text: str, o: SynthesisOptions, seed: int, instruct=None,
@@ -177,17 +176,14 @@ class MiMoTTS:
                 for piece in split_text(text, o.max_chars)]
 
     def generate(self, prompts: list, options, seed: int, batch_size: int = 1) -> list[Piece]:
-        """Stage-0 for prompts, `batch_size` at a time (vLLM: all at once), then extraction."""
-        from mimo_tts.lm.generate import generate
-
+        """Stage-0 for prompts, `batch_size` at a time (a static engine: all at once), then
+        extraction."""
         pieces = []
-        step = batch_size if self.stage0 is None else max(len(prompts), 1)
+        step = batch_size if self.engine.continuous else max(len(prompts), 1)
         for start in range(0, len(prompts), step):
             batch = prompts[start:start + step]
-            ids = [p.input_ids for p in batch]
             with self.stage0_guard():
-                outs = (self.stage0.generate(ids, options) if self.stage0 is not None
-                        else generate(self.lm, ids, options, self.text.special))
+                outs = self.engine.generate([p.input_ids for p in batch], options)
             pieces += [self.piece(p, out, seed) for p, out in zip(batch, outs, strict=True)]
         return pieces
 
@@ -206,22 +202,14 @@ class MiMoTTS:
         with thread_budget(self.lm_threads), oom_advice("Stage-0 generation", self.lm_device):
             yield
 
-    def batcher(self, source, rows: int):
-        """A continuous batch of `rows` over the native LM, pulling jobs (lm.batching.Job:
-        prompt ids, GenerationOptions, key) from `source`; step it under `stage0_guard`."""
-        from mimo_tts.lm.batching import ContinuousBatcher
-
-        if self.lm is None:
-            raise UsageError("continuous batching runs on the native engine, not vLLM")
-        return ContinuousBatcher(self.lm, self.text.special, rows, source)
+    def run_batch(self, source, rows: int):
+        """A continuous batch of `rows` pulling `lm.batching.Job`s from `source`, each step
+        under `stage0_guard` (`lm.batching.BatchRun`; continuous engines only)."""
+        return self.engine.run_batch(source, rows, self.stage0_guard)
 
     def stream_steps(self, ids: list, options) -> Iterator:
         """Stage-0 StepOutputs as produced (vLLM: an audio group arrives one step late)."""
-        if self.stage0 is not None:
-            return self.stage0.stream(ids, options)
-        from mimo_tts.lm.generate import stream
-
-        return stream(self.lm, ids, options, self.text.special)
+        return self.engine.stream(ids, options)
 
     def stream_piece(self, prompt, o: SynthesisOptions, seed: int, on_chunk, log) -> Piece:
         """One prompt with Stage-1 decoding its frames as they come (`on_chunk(samples)`)."""

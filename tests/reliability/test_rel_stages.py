@@ -142,7 +142,7 @@ def test_stream_in_memory_reports_stage_timings(tiny_synth_options):
 
 
 def test_stream_on_one_cpu_splits_the_threads_by_default(tiny_synth_options):
-    from mimo_tts.batch.runner import thread_budgets
+    from mimo_tts.synthesis.loader import thread_budgets
 
     before = torch.get_num_threads()
     torch.set_num_threads(4)

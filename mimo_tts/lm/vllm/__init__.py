@@ -4,7 +4,8 @@
 - `state.py`: per-request audio state, the batch-row tracker (a vLLM logits processor) and the
   worker extension the engine reads codes through.
 - `engine.py`: `VLLMEngine(model_dir, ...)` with `generate` / `stream` like `mimo_tts.lm.generate`.
-- `launch.py`: the import guard and the `VLLMOptions` a run asks for (no vLLM import).
+- `launch.py`: the `VLLMOptions` a run asks for (no vLLM import); the import guard is
+  `lm.engine.EngineSpec.check_installed`.
 
 `register()` is the `vllm.general_plugins` entry point: vLLM calls it in every process it starts
 (engine core, workers), so the architecture is known there too. Design: docs/vllm-engine.md.
@@ -14,6 +15,11 @@ vLLM is optional: nothing here is imported by the rest of the package.
 from __future__ import annotations
 
 ARCHITECTURE = "MiMoTTSAudioForVLLM"  # registered name; the engine selects it via hf_overrides
+DEFAULT_MAX_NUM_SEQS = 32  # VLLMOptions.max_num_seqs (readable without the engine module)
+# EngineOptions fields that only vLLM reads (kv_cache_mib: profiles only).
+VLLM_SETTINGS = ("gpu_memory_utilization", "max_num_seqs", "tensor_parallel_size", "max_model_len",
+                 "kv_cache_mib")
+VLLM_INSTALL = "pip install 'mimo-tts[vllm]' (CPU: scripts/setup_vllm_venv.sh)"
 
 
 def register() -> None:

@@ -33,7 +33,8 @@ from mimo_tts.lm.generate import (
 )
 from mimo_tts.lm.load import load_config
 from mimo_tts.lm.text import TextTokenizer
-from mimo_tts.lm.vllm.launch import DEFAULT_MAX_NUM_SEQS
+from mimo_tts.lm.vllm import DEFAULT_MAX_NUM_SEQS
+from mimo_tts.lm.vllm.launch import vllm_options
 
 # Set before vLLM is imported, unless the caller chose otherwise. The V1 model runner is the one
 # whose logits-processor hook the row tracker relies on (state.py); vLLM picks V2 on GPUs.
@@ -89,7 +90,11 @@ class _Request:
 
 class VLLMEngine:
     """The MiMo-Audio LM served by vLLM (paged attention, continuous batching, tensor
-    parallelism), generating like `mimo_tts.lm.generate`."""
+    parallelism), generating like `mimo_tts.lm.generate` (an `lm.engine.Engine`; its batches
+    are static to the caller: vLLM schedules the rows itself)."""
+
+    name = "vllm"
+    continuous = False
 
     def __init__(self, model_dir: str | Path, options: VLLMOptions | None = None):
         self.options = options = options or VLLMOptions()
@@ -147,6 +152,12 @@ class VLLMEngine:
 
         gc.collect()
         cleanup_dist_env_and_memory()
+
+    def run_batch(self, source, rows: int, guard=None):
+        raise UsageError("continuous batching runs on the native engine, not vLLM")
+
+    def describe(self) -> dict:
+        return {"name": self.name}
 
     def __enter__(self) -> VLLMEngine:
         return self
@@ -297,3 +308,8 @@ def _start_llm(model_dir: Path, options: VLLMOptions, empty_token: int):
         use_tqdm_on_load=os.environ.get("VLLM_LOGGING_LEVEL", "").upper() != "ERROR",
         tensor_parallel_size=options.tensor_parallel_size, seed=options.seed, **extra,
     )
+
+
+def load(lm_dir: Path, placement, options, text) -> VLLMEngine:
+    """`lm.engine.EngineSpec.load` for vLLM: the run's settings as `VLLMOptions`."""
+    return VLLMEngine(lm_dir, VLLMOptions(**vllm_options(options, placement)))

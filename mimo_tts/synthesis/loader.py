@@ -1,0 +1,60 @@
+"""What every face does before it loads a model, in one place: checkpoint names -> directories
+(the tiny preset written on first use), the memory preflight (a run that cannot fit is refused
+with `NotEnoughMemoryError`, exit 4, unless `no_memory_check`), per-stage thread budgets and the
+load log. `MiMoTTS.from_settings` and `Stage1.from_settings` are the loaders built on it; the
+CLI, the library, the server and both Ray actor kinds all load through them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from mimo_tts import presets
+from mimo_tts.lm.engine import engine_spec
+from mimo_tts.runtime.checkpoints import ModelRef
+from mimo_tts.synthesis.options import Settings
+from mimo_tts.synthesis.preflight import Lengths, check_memory, lengths_for
+
+
+def resolve_checkpoints(settings: Settings, env: Mapping[str, str] | None = None
+                        ) -> tuple[ModelRef, ModelRef]:
+    """Both checkpoints as local directories; an engine that is not installed fails first
+    (exit 2), a missing checkpoint next (exit 3), before anything is loaded."""
+    engine_spec(settings.engine.engine).check_installed()
+    return presets.resolve_names(settings.checkpoints, os.environ if env is None else env)
+
+
+def resolve_tokenizer(settings: Settings, env: Mapping[str, str] | None = None) -> ModelRef:
+    """The audio tokenizer's directory alone (Stage-1 without an LM)."""
+    name, source = settings.checkpoints.tokenizer
+    return presets.resolve(name, source, "tokenizer", settings.checkpoints.allow_download,
+                           os.environ if env is None else env)
+
+
+def check_fits(settings: Settings, refs, lengths: Lengths | None = None,
+               env: Mapping[str, str] | None = None, log=None) -> list[dict]:
+    """The memory preflight with its log lines: the plan, or `NotEnoughMemoryError` (exit 4)."""
+    log = log or (lambda message: None)
+    lengths = lengths or lengths_for(settings, [])
+    plan = check_memory(settings, refs, lengths, os.environ if env is None else env, log)
+    p = settings.placement
+    log(f"LM dtype {p.lm_dtype.value} ({p.lm_dtype.source}); tokenizer dtype "
+        f"{p.tokenizer_dtype.value} ({p.tokenizer_dtype.source})")
+    for entry in plan:
+        log(f"memory on {entry['device']}: need ~{entry['need_gib']} GiB, "
+            f"available {entry['available_gib']} GiB ({entry['available_source']})")
+    return plan
+
+
+def thread_budgets(settings: Settings) -> dict:
+    """Per-stage CPU threads: the options', else half each when streaming on one CPU."""
+    e, p = settings.engine, settings.placement
+    both_cpu = p.lm_device.value == p.tokenizer_device.value == "cpu"
+    if e.lm_threads is None and e.tokenizer_threads is None and settings.run.stream and both_cpu:
+        import torch
+
+        n = torch.get_num_threads()
+        if n >= 2:
+            return {"lm": n - n // 2, "tokenizer": n // 2, "source": "auto (--stream, cpu)"}
+    return {"lm": e.lm_threads, "tokenizer": e.tokenizer_threads, "source": "options"}
