@@ -26,7 +26,6 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from mimo_tts import presets
 from mimo_tts.batch import plan as commands
 from mimo_tts.batch.results import ItemResult
 from mimo_tts.batch.runner import BatchRunner, _guard, finish_item
@@ -66,9 +65,7 @@ class Stage1:
         from mimo_tts.synthesis.stage1 import Stage1 as Tokenizer
 
         self.settings = settings
-        _, tok = presets.resolve_names(settings.checkpoints)
-        self.stage1 = Tokenizer.load(tok.path, settings.placement, lambda m: None,
-                                     settings.engine.tokenizer_threads)
+        self.stage1 = Tokenizer.from_settings(settings)
 
     def __call__(self, batch: Mapping) -> dict:
         out = []

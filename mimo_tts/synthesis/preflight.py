@@ -46,9 +46,9 @@ def check_memory(settings: Settings, refs, lengths: Lengths,
                  env: Mapping[str, str] | None = None, log=None) -> list[dict]:
     """The memory plan before loading; a run that cannot fit is refused (DeviceError, exit 4)
     unless `no_memory_check`."""
-    lm, tok = refs
+    lm, tok = refs  # lm None: Stage-1 alone
     try:
-        needs = memory_needs(settings, lm.path, tok.path, lengths)
+        needs = memory_needs(settings, lm.path if lm else None, tok.path, lengths)
     except CheckpointError as exc:  # loading reports it, with the file at fault
         (log or (lambda message: None))(f"memory preflight skipped: {exc}")
         return []

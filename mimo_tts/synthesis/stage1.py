@@ -13,6 +13,7 @@ from mimo_tts.errors import CheckpointError, NoAudioError
 from mimo_tts.runtime.devices import torch_dtype
 from mimo_tts.runtime.guards import oom_advice, thread_budget
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, check_audio, join_pieces, read_audio
+from mimo_tts.synthesis.loader import check_fits, resolve_tokenizer
 from mimo_tts.synthesis.pieces import Piece
 
 
@@ -44,6 +45,16 @@ class Stage1:
         self.codec, self.threads = codec, threads
         self.samples_per_frame = codec.samples_per_frame
         self._prompt_codes: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def from_settings(cls, settings, ref=None, log=None, env=None, lengths=None) -> Stage1:
+        """The audio tokenizer alone (`mimo-tts decode`, the Ray decode actors), through the
+        loader's checks: its directory (the tiny preset written on first use), the memory
+        preflight of Stage-1 (`NotEnoughMemoryError`, exit 4) and its thread budget."""
+        log = log or (lambda message: None)
+        ref = ref or resolve_tokenizer(settings, env)
+        check_fits(settings, (None, ref), lengths, env, log)
+        return cls.load(ref.path, settings.placement, log, settings.engine.tokenizer_threads)
 
     @classmethod
     def load(cls, tok_path: Path, placement, log, threads: int | None = None,
