@@ -27,8 +27,8 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 
 from mimo_tts.batch import plan as commands
-from mimo_tts.batch.results import ItemResult
-from mimo_tts.batch.runner import BatchRunner, _guard, finish_item
+from mimo_tts.batch.results import ItemResult, guarded
+from mimo_tts.batch.runner import BatchRunner, finish_item
 from mimo_tts.errors import UsageError
 
 PAYLOAD = "payload"
@@ -72,7 +72,7 @@ class Stage1:
         for result, pieces, context in _payloads(batch):
             made = None
             if result.status == "pending" and pieces is not None:
-                made = _guard(result, finish_item, self.stage1, self.settings, context, result,
+                made = guarded(result, finish_item, self.stage1, self.settings, context, result,
                               pieces)
             out.append((result, made))
         return _rows(out)
@@ -95,7 +95,7 @@ class Writer:
     def results(self, batch: Mapping) -> Iterator[ItemResult]:
         for result, made in _payloads(batch):
             if made is not None:
-                _guard(result, self.sink.write, result, *made)
+                guarded(result, self.sink.write, result, *made)
             self.sink.finished(result, self.task)
             yield result
 

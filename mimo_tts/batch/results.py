@@ -66,3 +66,12 @@ def exit_code_for(results: Iterable[ItemResult]) -> int:
 
 def fail(result: ItemResult, exc: MimoTTSError) -> None:
     result.status, result.error, result.exit_code = "error", str(exc), exc.exit_code
+
+
+def guarded(result: ItemResult, fn, *args):
+    """Run one item step; a MimoTTSError fails that item only."""
+    try:
+        return fn(*args)
+    except MimoTTSError as exc:
+        fail(result, exc)
+        return None

@@ -24,8 +24,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from mimo_tts import __version__
+from mimo_tts.batch.continuous import ContinuousRun
 from mimo_tts.batch.items import Item
-from mimo_tts.batch.results import ItemResult, fail
+from mimo_tts.batch.results import ItemResult, fail, guarded
 from mimo_tts.errors import MimoTTSError
 from mimo_tts.lm.engine import DEFAULT_ENGINE, engine_spec
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, resample
@@ -105,7 +106,7 @@ class BatchRunner:
         self.lengths = lengths_for(self.settings, texts,
                                    1 if self.settings.run.stream else self.batch_window())
         if self.continuous():
-            yield from self._run_continuous([self.prepare(item, sink) for item in items], sink)
+            yield from ContinuousRun(self, [self.prepare(item, sink) for item in items], sink)
             return
         window: list[ItemResult] = []
         for item in items:
@@ -120,84 +121,6 @@ class BatchRunner:
         > 1)."""
         s = self.settings
         return self.spec.continuous and not s.run.stream and s.run.batch_size > 1
-
-    def _run_continuous(self, results: list[ItemResult], sink) -> Iterator[ItemResult]:
-        """Every pending item's pieces as jobs of one continuous batch (lm.batching): a row
-        that stops takes the next piece. Items finish (decode, write, manifest) and are
-        yielded in input order, each as soon as it and those before it are done."""
-        from mimo_tts.lm.batching import JobDone
-        from mimo_tts.synthesis.text import split_text
-
-        pending = [r for r in results if r.status == "pending"]
-        if pending:
-            self.load()
-        max_chars = self.settings.synthesis.max_chars
-        rows = min(self.settings.run.batch_size,
-                   sum(len(split_text(r.item.text, max_chars)) for r in pending) or 1)
-        pieces: dict[int, list] = {}  # id(result) -> its pieces, None until generated
-        done = 0
-        for event in self._events(pending, pieces, rows):
-            if isinstance(event, JobDone):
-                self._job_done(event, pieces)
-                done, ready = self._ready(results, done, pieces, sink)
-                yield from ready
-        yield from self._ready(results, done, pieces, sink)[1]
-
-    def _events(self, pending: list[ItemResult], pieces: dict, rows: int):
-        """The batch's events (`MiMoTTS.run_batch`). A step that fails (out of memory) fails
-        the items it was running; a fresh batch takes the jobs not yet begun."""
-        from mimo_tts.lm.batching import Jobs, StepFailed
-
-        for event in self.tts.run_batch(Jobs(self._jobs(pending, pieces)), rows):
-            if isinstance(event, StepFailed):
-                for r in pending:
-                    if r.status == "pending" and None in pieces.get(id(r), ()):
-                        fail(r, event.error)
-                        del pieces[id(r)]
-                continue
-            yield event
-
-    def _jobs(self, pending: list[ItemResult], pieces: dict):
-        """Jobs (one per text piece) of the pending items, in order, prompts built lazily."""
-        from mimo_tts.lm.batching import Job
-
-        for r in pending:
-            prompts = self._prompts(r)
-            if r.status != "pending":
-                continue
-            pieces[id(r)] = [None] * len(prompts)
-            r.timings["generate_s"] = 0.0
-            options = self.settings.synthesis.generation_options(r.seed)
-            for index, prompt in enumerate(prompts):
-                if r.status == "pending":  # not failed meanwhile
-                    yield Job(prompt.input_ids, options, key=(r, index, prompt))
-
-    def _job_done(self, event, pieces: dict) -> None:
-        r, index, prompt = event.job.key
-        if r.status != "pending" or id(r) not in pieces:
-            return
-        if event.error is not None:
-            fail(r, event.error)
-            del pieces[id(r)]
-            return
-        r.timings["generate_s"] += event.busy_s
-        pieces[id(r)][index] = self.tts.piece(prompt, event.generation, r.seed)
-
-    def _ready(self, results: list[ItemResult], done: int, pieces: dict,
-               sink) -> tuple[int, list[ItemResult]]:
-        """From result `done` on, finish and hand out those settled, in order, up to the
-        first still generating -> (new `done`, the results handed out)."""
-        out = []
-        for r in results[done:]:
-            mine = pieces.get(id(r))
-            if r.status == "pending":
-                if mine is None or None in mine:
-                    break
-                _guard(r, self._finish, r, mine, sink)
-            if r.status in ("ok", "error"):
-                sink.finished(r, self.settings.synthesis.task)
-            out.append(r)
-        return done + len(out), out
 
     def prepare(self, item: Item, sink) -> ItemResult:
         """A pending result with its seed and resume key, or skipped (done) or failed."""
@@ -228,25 +151,25 @@ class BatchRunner:
         pieces = self.codes(results, sink.on_chunk)
         for r in results:
             if r.status == "pending" and pieces.get(id(r)) is not None:
-                _guard(r, self._finish, r, pieces[id(r)], sink)
+                guarded(r, self.finish, r, pieces[id(r)], sink)
 
     def codes(self, results: list[ItemResult], on_chunk=None) -> dict[int, list[Piece] | None]:
         """Stage-0: prompts for every item, one generate call per seed (batched), or each
         streamed; {id(result): pieces}. A failing item is marked failed, the rest go on."""
         pieces: dict[int, list[Piece] | None] = {}
-        prompts = {id(r): self._prompts(r) for r in results}
+        prompts = {id(r): self.prompts(r) for r in results}
         ready = [r for r in results if r.status == "pending"]
         if self.settings.run.stream:
             for r in ready:
-                pieces[id(r)] = _guard(r, self._stream_item, r, prompts[id(r)], on_chunk)
+                pieces[id(r)] = guarded(r, self._stream_item, r, prompts[id(r)], on_chunk)
         else:
             for seed in dict.fromkeys(r.seed for r in ready):
                 self._generate_group([r for r in ready if r.seed == seed], prompts, pieces)
         return pieces
 
-    def _prompts(self, result: ItemResult) -> list:
+    def prompts(self, result: ItemResult) -> list:
         item, start = result.item, time.perf_counter()
-        found = _guard(result, self.tts.prompts, item.text, self.settings.synthesis, result.seed,
+        found = guarded(result, self.tts.prompts, item.text, self.settings.synthesis, result.seed,
                        item.instruct, item.prompt_audio)
         result.timings["prompt_s"] = time.perf_counter() - start
         if found:
@@ -286,7 +209,7 @@ class BatchRunner:
         result.timings["first_audio_s"] = pieces[0].timings.get("first_audio_s", 0.0)
         return pieces
 
-    def _finish(self, result: ItemResult, pieces: list[Piece], sink) -> None:
+    def finish(self, result: ItemResult, pieces: list[Piece], sink) -> None:
         """Stage-1 (`finish_item`); then the sink writes it."""
         sink.write(result, *finish_item(self.tts.stage1, self.settings, self.context(), result,
                                         pieces))
@@ -370,15 +293,6 @@ def item_key(settings: Settings, refs, item: Item, seed: int) -> str:
         inputs["engine"] = settings.engine.engine
     blob = json.dumps(inputs, sort_keys=True, ensure_ascii=False, default=str)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
-
-
-def _guard(result: ItemResult, fn, *args):
-    """Run one item step; a MimoTTSError fails that item only."""
-    try:
-        return fn(*args)
-    except MimoTTSError as exc:
-        fail(result, exc)
-        return None
 
 
 def _file_stamp(path: str | None) -> dict | None:
