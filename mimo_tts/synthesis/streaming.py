@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 from mimo_tts.runtime.guards import oom_advice, thread_budget
 from mimo_tts.synthesis.audio import PAUSE_FRAMES
@@ -161,6 +162,19 @@ class FrameCollector:
         return extract(torch.cat(self.blocks, dim=1), self.tts.text, self.tts.empty_ids,
                        self.tts.group_size)
 
+    def piece(self, prompt, seed: int, streamed, log, label: str = "") -> Piece:
+        """The row's finished piece, as `--stream` and the server both finish one: text and
+        codes by the official extraction; the streamed audio [S] kept only when the pushed
+        frames are the extracted codes, else None (decode the codes one-shot) with a note."""
+        found = self.extract()
+        note = None
+        if streamed is not None and self.streamed_differs(found):
+            note = "streamed frames differ from the extracted codes; the file is decoded one-shot"
+            log(f"note: {label + ': ' if label else ''}{note}")
+            streamed = None
+        return Piece(prompt, seed, list(found.text_tokens), found.text, found.codes,
+                     streamed if found.codes is not None else None, note)
+
     def streamed_differs(self, found) -> bool:
         """Whether the pushed frames differ from the extracted codes (then decode one-shot)."""
         import torch
@@ -215,19 +229,15 @@ def stream_piece(tts, prompt, options, seed: int, sink, chunk_groups: int, log,
     except BaseException:
         worker.abort()
         raise
-    found = frames.extract()
-    note = None
-    if frames.streamed_differs(found):
-        note = "streamed frames differ from the extracted codes; the file is decoded one-shot"
-        log(f"note: {note}")
-        audio = tts.stage1.decode([found.codes])[0]
+    piece = frames.piece(prompt, seed, audio, log)
+    if piece.audio is None and piece.codes is not None:  # streamed frames were not the codes
+        piece = replace(piece, audio=tts.stage1.decode([piece.codes])[0])
     end = time.perf_counter()
     first = worker.first_chunk_at
     timings = {"stage0_s": generated - start, "stage1_s": worker.busy_s,
                "stage1_wait_s": end - generated,
                "first_audio_s": (first - start) if first else end - start, "wall_s": end - start}
-    return Piece(prompt, seed, list(found.text_tokens), found.text, found.codes,
-                 audio if found.codes is not None else None, note, timings)
+    return replace(piece, timings=timings)
 
 
 def _generate_streaming(tts, prompt, options, worker: DecodeWorker,
