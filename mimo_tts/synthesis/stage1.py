@@ -44,6 +44,7 @@ class Stage1:
     def __init__(self, codec, threads: int | None = None):
         self.codec, self.threads = codec, threads
         self.samples_per_frame = codec.samples_per_frame
+        self.sample_rate = codec.config.sampling_rate  # the checkpoint's (24000 for MiMo-Audio)
         self._prompt_codes: dict[str, torch.Tensor] = {}
 
     @classmethod

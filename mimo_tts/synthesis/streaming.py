@@ -45,8 +45,7 @@ class DecodeWorker:
     def _loop(self) -> None:
         from mimo_tts.codec import StreamingDecoder
 
-        decoder = StreamingDecoder(self.codec, **({} if self.mode == "official"
-                                                  else {"mode": self.mode}))
+        decoder = StreamingDecoder(self.codec, mode=self.mode)
         while True:
             codes, last = self.queue.get()
             if codes is None:

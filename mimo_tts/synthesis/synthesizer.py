@@ -27,7 +27,7 @@ from mimo_tts.lm.engine import DEFAULT_ENGINE, Engine, engine_spec
 from mimo_tts.lm.tasks import TASKS
 from mimo_tts.runtime.checkpoints import DEFAULT_MODEL
 from mimo_tts.runtime.guards import oom_advice, thread_budget
-from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, to_numpy
+from mimo_tts.synthesis.audio import PAUSE_FRAMES, to_numpy
 from mimo_tts.synthesis.loader import check_fits, resolve_checkpoints, thread_budgets
 from mimo_tts.synthesis.options import EngineOptions, Settings, SynthesisOptions, resolve
 from mimo_tts.synthesis.pieces import Piece
@@ -260,14 +260,14 @@ class MiMoTTS:
         o = self._options(given)
         chunks = stream_chunks(self, self.prompts(text, o, o.seed), o)
         for index, chunk in enumerate(chunks):
-            yield AudioChunk(to_numpy(chunk), SAMPLE_RATE, index)
+            yield AudioChunk(to_numpy(chunk), self.stage1.sample_rate, index)
 
     def decode(self, codes: torch.Tensor | Sequence[torch.Tensor],
                pause_frames: int = PAUSE_FRAMES) -> Audio:
         """Stage-1 alone: codes [8, T] (or one per text piece) -> `Audio`."""
         pieces = [codes] if isinstance(codes, torch.Tensor) else list(codes)
         audio = self.stage1.join([c.long() for c in pieces], pause_frames, "codes")
-        return Audio(to_numpy(audio), SAMPLE_RATE,
+        return Audio(to_numpy(audio), self.stage1.sample_rate,
                      {"runner": {"name": "mimo-tts", "version": __version__},
                       "tokenizer": self.tok_ref.describe() if self.tok_ref else None})
 
@@ -279,5 +279,5 @@ class MiMoTTS:
         record = {"runner": {"name": "mimo-tts", "version": __version__}, **self.describe(o),
                   "task": o.task, "instruct": o.instruct, "prompt_audio": o.prompt_audio,
                   "seed": o.seed, "pieces": [p.record() for p in pieces]}
-        return Audio(to_numpy(audio), SAMPLE_RATE, record)
+        return Audio(to_numpy(audio), self.stage1.sample_rate, record)
 
