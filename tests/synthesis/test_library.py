@@ -87,3 +87,38 @@ def test_batch_form_equals_single_calls(tts):
     single = [tts.synthesize(t, seed=2, options=greedy) for t in texts]
     assert [a.provenance["pieces"][0]["generated_text_ids"] for a in batched] == [
         a.provenance["pieces"][0]["generated_text_ids"] for a in single]
+
+
+def test_load_refuses_what_cannot_fit_with_the_clis_message(tiny_env, mimo, monkeypatch):
+    """The library loads through the one loader: the memory preflight refuses before loading,
+    with the exported typed error and the same message the CLI prints (exit 4)."""
+    import mimo_tts
+    from mimo_tts.runtime.machine import AVAILABLE_ENV
+
+    monkeypatch.setenv(AVAILABLE_ENV, "200MiB")
+    with pytest.raises(mimo_tts.NotEnoughMemoryError) as refused:
+        mimo_tts.load("tiny", lm_device="cpu", tokenizer_device="cpu")
+    assert isinstance(refused.value, mimo_tts.DeviceError) and refused.value.exit_code == 4
+    cli = mimo("synth", "--model", "tiny", "--lm-device", "cpu", "--tokenizer-device", "cpu",
+               "--text", "Hi.", env={AVAILABLE_ENV: "200MiB"})
+    assert cli.returncode == 4
+    assert cli.stderr.decode().strip() == f"Error: {refused.value}"
+
+
+def test_load_without_a_model_names_the_clis_default(tiny_env, tmp_path, monkeypatch):
+    """No silent random preset: a bare load() asks for the published 7B LM (here: not in the
+    empty Hugging Face cache, so the checkpoint error names it and the fetch command)."""
+    import mimo_tts
+    from mimo_tts.runtime.checkpoints import DEFAULT_MODEL
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(mimo_tts.CheckpointError, match=re.escape(DEFAULT_MODEL)):
+        mimo_tts.load(lm_device="cpu", tokenizer_device="cpu")
+
+
+def test_load_refuses_a_misspelled_keyword():
+    import mimo_tts
+
+    with pytest.raises(TypeError, match="lm_thread"):
+        mimo_tts.load("tiny", lm_thread=2)
