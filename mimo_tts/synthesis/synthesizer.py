@@ -24,7 +24,10 @@ import torch
 from mimo_tts import __version__
 from mimo_tts.errors import InputError
 from mimo_tts.lm.engine import DEFAULT_ENGINE, Engine, engine_spec
+from mimo_tts.lm.extract import extract
+from mimo_tts.lm.prompts import build_prompt
 from mimo_tts.lm.tasks import TASKS
+from mimo_tts.lm.text import TextTokenizer
 from mimo_tts.runtime.checkpoints import DEFAULT_MODEL
 from mimo_tts.runtime.guards import oom_advice, thread_budget
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, to_numpy
@@ -121,8 +124,6 @@ class MiMoTTS:
              threads: dict | None = None) -> MiMoTTS:
         """Load both stages on `placement`, Stage-0 on the engine `engine.engine` names (no
         preflight: `from_settings` is the loader of every face)."""
-        from mimo_tts.lm.text import TextTokenizer
-
         engine, log, threads = engine or EngineOptions(), log or (lambda m: None), threads or {}
         spec = engine_spec(engine.engine)
         spec.check_installed()  # fail before loading
@@ -165,8 +166,6 @@ class MiMoTTS:
     def prompts(self, text: str, o: SynthesisOptions, seed: int, instruct=None,
                 prompt_audio=None) -> list:
         """The task prompts of one text, split into pieces of at most `o.max_chars`."""
-        from mimo_tts.lm.prompts import build_prompt
-
         instruct, prompt_audio = instruct or o.instruct, prompt_audio or o.prompt_audio
         if prompt_audio and TASKS[o.task].prompt_audio == "none":  # refuse before reading it
             raise InputError(f"task {o.task} takes no prompt audio; use tts_sft_with_audio")
@@ -189,8 +188,6 @@ class MiMoTTS:
 
     def piece(self, prompt, generation, seed: int) -> Piece:
         """One prompt's generated groups (a lm.generate.Generation), text and codes extracted."""
-        from mimo_tts.lm.extract import extract
-
         found = extract(generation.new_ids, self.text, self.empty_ids, self.group_size)
         timings = {} if generation.prefill_s is None else {"prefill_s": generation.prefill_s}
         return Piece(prompt, seed, list(found.text_tokens), found.text, found.codes,
