@@ -1,4 +1,4 @@
-"""`mimo-tts serve`: an OpenAI-compatible speech endpoint on the engine of `engine_worker.py`.
+"""`mimo-tts serve`: an OpenAI-compatible speech endpoint on the worker of `server/engine.py`.
 
 `POST /v1/audio/speech` (`model`, `input`, `voice`, `instructions`, `response_format`,
 `stream_format`, `seed`), `GET /v1/models`, `GET /health`, on FastAPI and uvicorn (the optional
@@ -19,7 +19,14 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from mimo_tts.errors import DeviceError, InputError, MimoTTSError, UsageError
-from mimo_tts.server.engine import ContinuousStrategy, Engine, Job, JobQueue, StaticBatcher, Ticket
+from mimo_tts.server.engine import (
+    ContinuousStrategy,
+    RequestQueue,
+    SpeechJob,
+    SpeechWorker,
+    StaticBatcher,
+    Ticket,
+)
 from mimo_tts.synthesis.audio import (
     PAUSE_FRAMES,
     SAMPLE_RATE,
@@ -130,17 +137,17 @@ class SpeechParams:
 
 
 class SpeechServer:
-    """The HTTP face over one loaded `MiMoTTS` and its engine."""
+    """The HTTP face over one loaded `MiMoTTS` and its `SpeechWorker`."""
 
     def __init__(self, tts, cfg: ServeConfig, base: "SynthesisOptions", model: str, log=None):
         self.tts, self.cfg, self.base, self.model = tts, cfg, base, model
         self.log = log or (lambda message: None)
         self.formats = ["pcm", "wav", "flac", *lossy_formats()]
         self.default_format = "mp3" if "mp3" in self.formats else "wav"
-        self.jobs = JobQueue(cfg.max_queue, cfg.max_concurrent)
+        self.requests = RequestQueue(cfg.max_queue, cfg.max_concurrent)
         strategy = ContinuousStrategy if tts.engine.continuous else StaticBatcher
-        self.engine = Engine(tts, self.jobs, strategy(tts, cfg.batch_size, self.log), base,
-                             self.log)
+        self.worker = SpeechWorker(tts, self.requests, strategy(tts, cfg.batch_size, self.log),
+                                   base, self.log)
         self.counts = {"ok": 0, "failed": 0, "cancelled": 0, "rejected": 0}
         self.serial = 0
 
@@ -210,7 +217,7 @@ class SpeechServer:
         except MimoTTSError as exc:
             raise ApiError.of(exc) from None
         ticket = Ticket()
-        if not self.jobs.admit(ticket):
+        if not self.requests.admit(ticket):
             self.counts["rejected"] += 1
             raise ApiError(503, "the server is busy (queue full); retry later", code="busy",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -238,8 +245,8 @@ class SpeechServer:
                                  headers=headers, background=done)
 
     def health(self) -> dict:
-        return {"status": "ok", "model": self.model, **self.jobs.counts(),
-                "batch_size": self.cfg.batch_size, **self.engine.stats,
+        return {"status": "ok", "model": self.model, **self.requests.counts(),
+                "batch_size": self.cfg.batch_size, **self.worker.stats,
                 "requests": dict(self.counts)}
 
     def models(self) -> dict:
@@ -289,18 +296,18 @@ class Speech:
         self.deadline = loop.time() + server.cfg.timeout
         self.queues = [asyncio.Queue() for _ in prompts]
         options = params.options.generation_options(params.options.seed)
-        self.jobs = [Job(prompt, options, params.options.seed, params.fmt in STREAMED,
+        self.jobs = [SpeechJob(prompt, options, params.options.seed, params.fmt in STREAMED,
                          _deliver(loop, q), ticket, label, (serial, i))
                      for i, (prompt, q) in enumerate(zip(prompts, self.queues, strict=True))]
         self.usage = {"input_tokens": sum(p.n_groups for p in prompts), "output_tokens": 0}
         self.released = False
-        server.engine.submit(self.jobs)
+        server.worker.submit(self.jobs)
 
     def release(self, outcome: str) -> None:
         if not self.released:
             self.released = True
-            self.server.engine.cancel(self.jobs)
-            self.server.jobs.release(self.ticket)
+            self.server.worker.cancel(self.jobs)
+            self.server.requests.release(self.ticket)
             self.server.counts[outcome] += 1
 
     async def settle(self) -> None:
@@ -417,7 +424,7 @@ def _require(ok: bool, message: str, param: str | None = None) -> None:
 
 
 def _deliver(loop, events: asyncio.Queue):
-    """A job's `deliver`: from the engine threads into the request's queue on the loop."""
+    """A job's `deliver`: from the worker threads into the request's queue on the loop."""
     def deliver(event: tuple) -> None:
         try:
             loop.call_soon_threadsafe(events.put_nowait, event)
@@ -473,5 +480,5 @@ def main(flags: dict, config: str | None, reporter) -> int:
         except KeyboardInterrupt:  # uvicorn re-raises the SIGINT/SIGTERM it shut down on
             reporter.info("server stopped")
         finally:
-            server.engine.close()
+            server.worker.close()
     return 0
