@@ -1,201 +1,78 @@
-"""`mimo-tts serve`: an OpenAI-compatible speech endpoint on the engine of `engine_worker.py`.
+"""`mimo-tts serve`: an OpenAI-compatible speech endpoint on the worker of `server/engine.py`.
 
-`POST /v1/audio/speech` (`model`, `input`, `voice`, `instructions`, `response_format`,
-`stream_format`, `seed`), `GET /v1/models`, `GET /health`, on FastAPI and uvicorn (the optional
-`serve` extra). The status of a request is decided when its first audio bytes are ready, so
-every failure before them is an OpenAI-style JSON error with the CLI's message; `pcm` and `wav`
-stream as Stage-1 decodes them (a WAV header of unknown length), the other formats come whole,
-decoded one-shot as `synth` does. Loopback by default, an optional bearer token, bounded input,
-queue and concurrency (503 with Retry-After), a per-request timeout; a client that goes away
-cancels its jobs.
+`POST /v1/audio/speech` (the fields of `protocol.py`), `GET /v1/models`, `GET /health`, on FastAPI
+and uvicorn (the optional `serve` extra). The status of a request is decided when its first audio
+bytes are ready, so every failure before them is an OpenAI-style JSON error with the CLI's
+message; `pcm` and `wav` stream as Stage-1 decodes them (a WAV header of unknown length), the
+other formats come whole, decoded one-shot as `synth` does. Loopback by default, an optional
+bearer token, bounded input, queue and concurrency (503 with Retry-After), a per-request timeout;
+a client that goes away cancels its jobs.
 """
 
 import asyncio
 import base64
 import hmac
-import json
 import os
-from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from mimo_tts.errors import DeviceError, InputError, MimoTTSError, UsageError
-from mimo_tts.server.engine import ContinuousStrategy, Engine, Job, JobQueue, StaticBatcher, Ticket
+from mimo_tts.errors import MimoTTSError, UsageError
+from mimo_tts.server.engine import (
+    ContinuousStrategy,
+    RequestQueue,
+    SpeechJob,
+    SpeechWorker,
+    StaticBatcher,
+    Ticket,
+)
+from mimo_tts.server.protocol import (
+    STREAMED,
+    ApiError,
+    RequestParser,
+    ServeConfig,
+    SpeechParams,
+    media_type,
+    parse_voices,
+    read_body,
+    served_formats,
+    sse,
+)
 from mimo_tts.synthesis.audio import (
     PAUSE_FRAMES,
     SAMPLE_RATE,
     encode_audio,
     join_pieces,
-    lossy_formats,
     pcm16,
     wav_stream_header,
 )
-from mimo_tts.synthesis.options import MAX_SEED
-from mimo_tts.synthesis.text import clean_text
 
 if TYPE_CHECKING:
     from mimo_tts.synthesis.options import SynthesisOptions
 
 API_KEY_ENV = "MIMO_TTS_API_KEY"
 EXTRA_HINT = "mimo-tts serve needs the serve extra: pip install 'mimo-tts[serve]'"
-STREAMED = ("pcm", "wav")  # formats whose bytes go out as Stage-1 decodes them
-MEDIA_TYPES = {"pcm": "audio/pcm", "wav": "audio/wav", "flac": "audio/flac", "mp3": "audio/mpeg",
-               "opus": "audio/opus"}
-FIELDS = ("model", "input", "voice", "instructions", "response_format", "stream_format", "seed",
-          "speed")
-# OpenAI's model and voice names, accepted so that existing clients work unchanged.
-OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
-OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage",
-                 "shimmer", "verse")
-MAX_BODY_BYTES = 1 << 20
 RETRY_AFTER_S = 1
 CLIENT_GONE = 499  # the status nginx logs for a client that closed its request
 POLL_S = 0.25  # how often a request waiting for its first audio checks for a disconnect
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    """The server's own options (the model's come from `options.resolve`)."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    voices: dict = field(default_factory=dict)  # name -> prompt-audio path
-    batch_size: int = 8
-    max_queue: int = 32
-    max_concurrent: int = 16
-    max_input_chars: int = 4096
-    timeout: float = 300.0
-
-    def __post_init__(self):
-        for name in ("batch_size", "max_queue", "max_concurrent", "max_input_chars"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
-        if not 0 <= self.port <= 65535:
-            raise UsageError("--port must be in [0, 65535]")
-        if not self.timeout > 0:
-            raise UsageError("--timeout must be > 0 seconds")
-        if self.api_key == "":
-            raise UsageError("--api-key is empty")
-
-
-def parse_voices(values: list[str]) -> dict:
-    """`--voice NAME=PATH` options -> {name: path}; each file must exist."""
-    voices = {}
-    for value in values:
-        name, sep, path = value.partition("=")
-        if not sep or not name.strip() or not path:
-            raise UsageError(f"--voice takes NAME=PATH.wav, got {value!r}")
-        if name in voices or name in ("default", "natural"):
-            raise UsageError(f"--voice {name}: the name is already taken")
-        if not os.path.isfile(path):
-            raise InputError(f"--voice {name}: prompt audio not found: {path}")
-        voices[name.strip()] = path
-    return voices
-
-
-class ApiError(Exception):
-    """An OpenAI-style JSON error: status, message, and optionally `param`, `code`, headers."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = headers or {}
-
-    @classmethod
-    def of(cls, exc: MimoTTSError) -> "ApiError":
-        status = 400 if isinstance(exc, UsageError | InputError) else \
-            503 if isinstance(exc, DeviceError) else 500
-        return cls(status, str(exc))
-
-    def response(self):
-        from fastapi.responses import JSONResponse
-
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return JSONResponse({"error": {"message": self.message, "type": kind,
-                                       "param": self.param, "code": self.code}},
-                            self.status, self.headers)
 
 
 class StreamAborted(Exception):
     """A failure after the response started: the connection is closed without its end."""
 
 
-@dataclass
-class SpeechParams:
-    text: str
-    options: "SynthesisOptions"
-    fmt: str
-    sse: bool
-
-
 class SpeechServer:
-    """The HTTP face over one loaded `MiMoTTS` and its engine."""
+    """The HTTP face over one loaded `MiMoTTS` and its `SpeechWorker`."""
 
     def __init__(self, tts, cfg: ServeConfig, base: "SynthesisOptions", model: str, log=None):
-        self.tts, self.cfg, self.base, self.model = tts, cfg, base, model
+        self.tts, self.cfg, self.model = tts, cfg, model
         self.log = log or (lambda message: None)
-        self.formats = ["pcm", "wav", "flac", *lossy_formats()]
-        self.default_format = "mp3" if "mp3" in self.formats else "wav"
-        self.jobs = JobQueue(cfg.max_queue, cfg.max_concurrent)
+        self.formats = served_formats()
+        self.parser = RequestParser(cfg, base, model, tuple(self.formats))
+        self.requests = RequestQueue(cfg.max_queue, cfg.max_concurrent)
         strategy = ContinuousStrategy if tts.engine.continuous else StaticBatcher
-        self.engine = Engine(tts, self.jobs, strategy(tts, cfg.batch_size, self.log), base,
-                             self.log)
+        self.worker = SpeechWorker(tts, self.requests, strategy(tts, cfg.batch_size, self.log),
+                                   base, self.log)
         self.counts = {"ok": 0, "failed": 0, "cancelled": 0, "rejected": 0}
         self.serial = 0
-
-    # -- request parsing --
-    def parse(self, body: bytes) -> SpeechParams:
-        """The request body -> what to say and how; bad values are 400s with the CLI's words."""
-        try:
-            data = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise ApiError(400, "request body must be a JSON object")
-        unknown = sorted(set(data) - set(FIELDS))
-        if unknown:
-            raise ApiError(400, f"unknown field(s): {', '.join(unknown)}", unknown[0])
-        model = _field(data, "model", str, required=True)
-        if model not in (self.model, "mimo-tts", *OPENAI_MODELS):
-            raise ApiError(404, f"model {model!r} is not served; use {self.model!r}", "model",
-                           "model_not_found")
-        text = _field(data, "input", str, required=True)
-        if len(text) > self.cfg.max_input_chars:
-            raise ApiError(400, f"input is {len(text)} characters; the limit is "
-                           f"{self.cfg.max_input_chars} (--max-input-chars)", "input",
-                           "string_above_max_length")
-        instruct = _field(data, "instructions", str)
-        fmt = _field(data, "response_format", str) or self.default_format
-        stream_format = _field(data, "stream_format", str) or "audio"
-        seed = _field(data, "seed", int)
-        speed = _field(data, "speed", int | float)
-        _require(fmt in self.formats, f"response_format must be one of {', '.join(self.formats)}",
-                 "response_format")
-        _require(stream_format in ("audio", "sse"), "stream_format must be audio or sse",
-                 "stream_format")
-        _require(speed is None or speed == 1, "speed is not supported (only 1.0)", "speed")
-        _require(seed is None or 0 <= seed <= MAX_SEED, "--seed must be in [0, 2**64 - 1]",
-                 "seed")
-        task, prompt_audio = self.voice(_field(data, "voice", str) or "default", instruct)
-        try:
-            text = clean_text(text, "input")
-            options = replace(self.base, task=task, instruct=instruct, prompt_audio=prompt_audio,
-                              seed=self.base.seed if seed is None else seed)
-        except MimoTTSError as exc:
-            raise ApiError.of(exc) from None
-        return SpeechParams(text, options, fmt, stream_format == "sse")
-
-    def voice(self, name: str, instruct: str | None) -> tuple[str, str | None]:
-        """A voice -> (task, prompt audio): a registered voice clones its prompt audio."""
-        if name in self.cfg.voices:
-            return "tts_sft_with_audio", self.cfg.voices[name]
-        if name == "natural":
-            return "tts_sft_with_natural_instruction", None
-        if name == "default" or name in OPENAI_VOICES:
-            return ("tts_sft" if instruct is None else "tts_sft_with_instruct"), None
-        choices = ", ".join(["default", "natural", *self.cfg.voices])
-        raise ApiError(400, f"unknown voice {name!r}; choose one of {choices}", "voice")
 
     # -- the request's life --
     async def speech(self, request):
@@ -203,14 +80,14 @@ class SpeechServer:
         from starlette.background import BackgroundTask
         from starlette.concurrency import run_in_threadpool
 
-        params = self.parse(await _read_body(request))
+        params = self.parser.parse(await read_body(request))
         try:
             prompts = await run_in_threadpool(self.tts.prompts, params.text, params.options,
                                               params.options.seed)
         except MimoTTSError as exc:
             raise ApiError.of(exc) from None
         ticket = Ticket()
-        if not self.jobs.admit(ticket):
+        if not self.requests.admit(ticket):
             self.counts["rejected"] += 1
             raise ApiError(503, "the server is busy (queue full); retry later", code="busy",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -233,13 +110,13 @@ class SpeechServer:
         if params.fmt not in STREAMED:
             await body.aclose()
             speech.release("ok")
-            return Response(first, media_type=MEDIA_TYPES[params.fmt], headers=headers)
-        return StreamingResponse(speech.rest(first, body), media_type=MEDIA_TYPES[params.fmt],
+            return Response(first, media_type=media_type(params.fmt), headers=headers)
+        return StreamingResponse(speech.rest(first, body), media_type=media_type(params.fmt),
                                  headers=headers, background=done)
 
     def health(self) -> dict:
-        return {"status": "ok", "model": self.model, **self.jobs.counts(),
-                "batch_size": self.cfg.batch_size, **self.engine.stats,
+        return {"status": "ok", "model": self.model, **self.requests.counts(),
+                "batch_size": self.cfg.batch_size, **self.worker.stats,
                 "requests": dict(self.counts)}
 
     def models(self) -> dict:
@@ -289,18 +166,18 @@ class Speech:
         self.deadline = loop.time() + server.cfg.timeout
         self.queues = [asyncio.Queue() for _ in prompts]
         options = params.options.generation_options(params.options.seed)
-        self.jobs = [Job(prompt, options, params.options.seed, params.fmt in STREAMED,
+        self.jobs = [SpeechJob(prompt, options, params.options.seed, params.fmt in STREAMED,
                          _deliver(loop, q), ticket, label, (serial, i))
                      for i, (prompt, q) in enumerate(zip(prompts, self.queues, strict=True))]
         self.usage = {"input_tokens": sum(p.n_groups for p in prompts), "output_tokens": 0}
         self.released = False
-        server.engine.submit(self.jobs)
+        server.worker.submit(self.jobs)
 
     def release(self, outcome: str) -> None:
         if not self.released:
             self.released = True
-            self.server.engine.cancel(self.jobs)
-            self.server.jobs.release(self.ticket)
+            self.server.worker.cancel(self.jobs)
+            self.server.requests.release(self.ticket)
             self.server.counts[outcome] += 1
 
     async def settle(self) -> None:
@@ -359,17 +236,17 @@ class Speech:
     async def events(self, first: bytes, body):
         """The body as server-sent events: audio deltas, then done (or an error event)."""
         try:
-            yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(first).decode()})
+            yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(first).decode()})
             async for data in body:
-                yield _sse({"type": "speech.audio.delta",
+                yield sse({"type": "speech.audio.delta",
                             "audio": base64.b64encode(data).decode()})
             total = self.usage["input_tokens"] + self.usage["output_tokens"]
-            yield _sse({"type": "speech.audio.done", "usage": {**self.usage,
+            yield sse({"type": "speech.audio.done", "usage": {**self.usage,
                                                                "total_tokens": total}})
             self.release("ok")
         except ApiError as exc:
             self.release("failed")
-            yield _sse({"type": "error", "error": {"message": exc.message, "code": exc.code}})
+            yield sse({"type": "error", "error": {"message": exc.message, "code": exc.code}})
         finally:
             self.release("cancelled")
 
@@ -387,37 +264,8 @@ class _Aborts:
             pass
 
 
-async def _read_body(request) -> bytes:
-    """The request body, refused (413) once it passes `MAX_BODY_BYTES`."""
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
-    return bytes(body)
-
-
-def _field(data: dict, name: str, kind, required: bool = False):
-    value = data.get(name)
-    if value is None:
-        _require(not required, f"{name} is required", name)
-        return None
-    _require(isinstance(value, kind) and not isinstance(value, bool),
-             f"{name} must be {_kind_words(kind)}", name)
-    return value
-
-
-def _kind_words(kind) -> str:
-    return {str: "a string", int: "an integer"}.get(kind, "a number")
-
-
-def _require(ok: bool, message: str, param: str | None = None) -> None:
-    if not ok:
-        raise ApiError(400, message, param)
-
-
 def _deliver(loop, events: asyncio.Queue):
-    """A job's `deliver`: from the engine threads into the request's queue on the loop."""
+    """A job's `deliver`: from the worker threads into the request's queue on the loop."""
     def deliver(event: tuple) -> None:
         try:
             loop.call_soon_threadsafe(events.put_nowait, event)
@@ -431,10 +279,6 @@ def _zeros(n: int):
     import numpy as np
 
     return np.zeros(n, dtype=np.float32)
-
-
-def _sse(event: dict) -> str:
-    return f"data: {json.dumps(event)}\n\n"
 
 
 def main(flags: dict, config: str | None, reporter) -> int:
@@ -473,5 +317,5 @@ def main(flags: dict, config: str | None, reporter) -> int:
         except KeyboardInterrupt:  # uvicorn re-raises the SIGINT/SIGTERM it shut down on
             reporter.info("server stopped")
         finally:
-            server.engine.close()
+            server.worker.close()
     return 0

@@ -1,14 +1,16 @@
-"""The serving engine of `mimo-tts serve`: one thread owns the model, requests share its batches.
+"""The worker of `mimo-tts serve`: one Stage-0 thread owns the model, requests share its batches.
 
-A request becomes one `Job` per text piece in the bounded `JobQueue`. The engine thread asks a
-batching strategy for Stage-0 events (`StaticBatcher`: the jobs queued now with the same
-generation options, up to `batch_size` rows, one `MiMoTTS.stream_steps` call at a time; the
-strategy is the one swappable piece) and routes each row's groups to its job. A streamed job's
-audio frames go to the Stage-1 thread as they gather (one streaming decoder per job; the oldest
-request's pieces, in order, are decoded first); the other jobs are decoded one-shot when their
-row ends, like `synth`. Each job reports through its
-`deliver` callback: ("audio", samples [S]) while streaming, then ("done", info) or ("error",
-MimoTTSError). A cancelled job is dropped; a failure fails only its own batch.
+A request becomes one `SpeechJob` per text piece in the bounded `RequestQueue`. The worker's
+Stage-0 thread asks a batching strategy for Stage-0 events and routes each row's groups to its
+job. The strategy is the one swappable piece, chosen on `tts.engine.continuous`:
+`ContinuousStrategy` keeps one continuous batch full (`MiMoTTS.run_batch`, the driver the batch
+runner uses too); `StaticBatcher` runs the jobs queued now with the same generation options, up
+to `batch_size` rows, one `MiMoTTS.stream_steps` call at a time. A streamed job's audio frames go
+to the Stage-1 thread as they gather (one streaming decoder per job; the oldest request's pieces,
+in order, are decoded first); the other jobs are decoded one-shot when their row ends, like
+`synth`. Each job reports through its `deliver` callback: ("audio", samples [S]) while streaming,
+then ("done", info) or ("error", MimoTTSError). A cancelled job is dropped; a failure fails only
+its own batch.
 """
 
 from __future__ import annotations
@@ -29,14 +31,14 @@ from mimo_tts.synthesis.streaming import FrameCollector, chunk_cap, chunk_schedu
 
 @dataclass(eq=False)
 class Ticket:
-    """One admitted request: waiting until the engine takes its first job, then active."""
+    """One admitted request: waiting until the worker takes its first job, then active."""
 
     started: bool = False
 
 
 @dataclass(eq=False)
-class Job:
-    """One prompt (text piece) of a request, and its state while the engine works on it."""
+class SpeechJob:
+    """One prompt (text piece) of a request, and its state while the worker works on it."""
 
     prompt: object  # prompts.Prompt
     options: object  # lm.generate.GenerationOptions; rows of a batch share them
@@ -53,17 +55,17 @@ class Job:
     chunks: list = field(default_factory=list)
 
 
-class JobQueue:
+class RequestQueue:
     """Admitted requests and their waiting jobs: the batching strategy's source.
 
-    At most `max_queued` requests wait for the engine, and at most `max_active` are in progress
+    At most `max_queued` requests wait for the worker, and at most `max_active` are in progress
     (from their first job taken to their release, so a slow reader holds its place).
     """
 
     def __init__(self, max_queued: int, max_active: int):
         self.max_queued, self.max_active = max_queued, max_active
         self.cond = threading.Condition()
-        self.jobs: deque[Job] = deque()
+        self.jobs: deque[SpeechJob] = deque()
         self.tickets: set[Ticket] = set()
         self.closed = False
 
@@ -81,7 +83,7 @@ class JobQueue:
             self.tickets.add(ticket)
             return True
 
-    def put(self, jobs: list[Job]) -> None:
+    def put(self, jobs: list[SpeechJob]) -> None:
         with self.cond:
             self.jobs.extend(jobs)
             self.cond.notify_all()
@@ -99,7 +101,7 @@ class JobQueue:
             self.closed = True
             self.cond.notify_all()
 
-    def take(self, limit: int, block: bool = True) -> list[Job] | None:
+    def take(self, limit: int, block: bool = True) -> list[SpeechJob] | None:
         """Up to `limit` waiting jobs with the first one's options (None once closed); with
         `block`, wait until there is one."""
         with self.cond:
@@ -110,9 +112,9 @@ class JobQueue:
                 self.cond.wait()
             return None
 
-    def _pick(self, limit: int) -> list[Job]:
+    def _pick(self, limit: int) -> list[SpeechJob]:
         active = sum(t.started for t in self.tickets)
-        picked: list[Job] = []
+        picked: list[SpeechJob] = []
         for job in list(self.jobs):
             if len(picked) >= limit:
                 break
@@ -131,7 +133,7 @@ class JobQueue:
 class Started:
     """A job got a Stage-0 row, in a batch of `rows`."""
 
-    job: Job
+    job: SpeechJob
     rows: int
 
 
@@ -139,7 +141,7 @@ class Started:
 class Group:
     """One generated group (`lm.generate.StepOutput`) of a job's row."""
 
-    job: Job
+    job: SpeechJob
     step: object
 
 
@@ -147,7 +149,7 @@ class Group:
 class Finished:
     """A job's row ended: stopped, or failed with `error`."""
 
-    job: Job
+    job: SpeechJob
     error: MimoTTSError | None = None
 
 
@@ -164,11 +166,11 @@ class StaticBatcher:
         self.tts, self.batch_size = tts, batch_size
         self.log = log or (lambda message: None)
 
-    def run(self, source: JobQueue) -> Iterator[Started | Group | Finished]:
+    def run(self, source: RequestQueue) -> Iterator[Started | Group | Finished]:
         while (jobs := source.take(self.batch_size)) is not None:
             yield from self.batch(jobs)
 
-    def batch(self, jobs: list[Job]) -> Iterator[Started | Group | Finished]:
+    def batch(self, jobs: list[SpeechJob]) -> Iterator[Started | Group | Finished]:
         for job in jobs:
             yield Started(job, len(jobs))
         ended: set[int] = set()
@@ -209,12 +211,12 @@ class ContinuousStrategy:
         self.tts, self.batch_size = tts, batch_size
         self.log = log or (lambda message: None)
 
-    def run(self, source: JobQueue) -> Iterator[Started | Group | Finished]:
+    def run(self, source: RequestQueue) -> Iterator[Started | Group | Finished]:
         from mimo_tts.lm.batching import IDLE, JobDone, JobGroup, StepFailed
 
         feed = _QueueFeed(source)
         batch = self.tts.run_batch(feed, self.batch_size)
-        live: set[Job] = set()
+        live: set[SpeechJob] = set()
         for event in batch:
             live.update(feed.started)
             for job in feed.started:  # rows: the live rows it joined
@@ -242,15 +244,15 @@ class ContinuousStrategy:
 
 
 class _QueueFeed:
-    """The `JobQueue` as an `lm.batching.JobSource` (non-blocking `pull`); `wait` blocks
+    """The `RequestQueue` as an `lm.batching.JobSource` (non-blocking `pull`); `wait` blocks
     until a job is queued (False once the queue is closed)."""
 
-    def __init__(self, source: JobQueue):
+    def __init__(self, source: RequestQueue):
         self.source, self.started, self.exhausted = source, [], False
-        self._next: Job | None = None
+        self._next: SpeechJob | None = None
 
     def pull(self):
-        from mimo_tts.lm.batching import Job as RowJob
+        from mimo_tts.lm.batching import Job
 
         job, self._next = self._next, None
         if job is None:
@@ -262,7 +264,7 @@ class _QueueFeed:
         if job is None or job.cancelled.is_set():
             return None
         self.started.append(job)
-        return RowJob(job.prompt.input_ids, job.options, key=job)
+        return Job(job.prompt.input_ids, job.options, key=job)
 
     def wait(self) -> bool:
         taken = self.source.take(1, block=True)
@@ -273,11 +275,11 @@ class _QueueFeed:
         return True
 
 
-class Engine:
-    """The engine thread (Stage-0 through a batching strategy) and the Stage-1 thread."""
+class SpeechWorker:
+    """The Stage-0 thread (through a batching strategy) and the Stage-1 thread of the server."""
 
-    def __init__(self, tts, jobs: JobQueue, batcher, options, log=None):
-        self.tts, self.jobs, self.batcher = tts, jobs, batcher
+    def __init__(self, tts, requests: RequestQueue, batcher, options, log=None):
+        self.tts, self.requests, self.batcher = tts, requests, batcher
         self.log = log or (lambda message: None)
         first = options.stream_chunk_groups
         self.schedule = (first, chunk_cap(options.stream_mode, first,
@@ -286,31 +288,31 @@ class Engine:
         self.stats = {"rows": 0, "max_batch_rows": 0, "last_batch_rows": 0}
         self.decodes: queue.PriorityQueue = queue.PriorityQueue()  # (order, seq, task)
         self.seq = itertools.count()
-        self.threads = [threading.Thread(target=self._stage0, name="mimo-tts-engine", daemon=True),
+        self.threads = [threading.Thread(target=self._stage0, name="mimo-tts-stage0", daemon=True),
                         threading.Thread(target=self._stage1, name="mimo-tts-stage1", daemon=True)]
         for thread in self.threads:
             thread.start()
 
-    def submit(self, jobs: list[Job]) -> None:
+    def submit(self, jobs: list[SpeechJob]) -> None:
         for job in jobs:
             job.frames = FrameCollector(self.tts, chunk_schedule(*self.schedule))
-        self.jobs.put(jobs)
+        self.requests.put(jobs)
 
-    def cancel(self, jobs: list[Job]) -> None:
+    def cancel(self, jobs: list[SpeechJob]) -> None:
         for job in jobs:
             job.cancelled.set()
 
     def close(self) -> None:
-        self.jobs.close()
+        self.requests.close()
         self.decodes.put(((float("inf"),), next(self.seq), None))
         for thread in self.threads:
             thread.join(timeout=30)
 
     def _stage0(self) -> None:
         with thread_budget(self.tts.lm_threads):
-            while not self.jobs.closed:
+            while not self.requests.closed:
                 try:
-                    for event in self.batcher.run(self.jobs):
+                    for event in self.batcher.run(self.requests):
                         self._event(event)
                 except Exception:  # a bug in the strategy: log it and take the next jobs
                     self.log(traceback.format_exc())
@@ -338,10 +340,10 @@ class Engine:
         else:
             self._queue_decode(job, job.frames.close(), True)
 
-    def _queue_decode(self, job: Job, codes, last: bool) -> None:
+    def _queue_decode(self, job: SpeechJob, codes, last: bool) -> None:
         self.decodes.put((job.order, next(self.seq), (job, codes, last)))
 
-    def _fail(self, job: Job, error: MimoTTSError) -> None:
+    def _fail(self, job: SpeechJob, error: MimoTTSError) -> None:
         if not job.cancelled.is_set():
             job.cancelled.set()  # later work for it is dropped
             job.deliver(("error", error))
@@ -361,7 +363,7 @@ class Engine:
                     self.log(traceback.format_exc())
                     self._fail(job, MimoTTSError(f"unexpected {type(exc).__name__}: {exc}"))
 
-    def _decode(self, job: Job, codes, last: bool) -> None:
+    def _decode(self, job: SpeechJob, codes, last: bool) -> None:
         """A streamed job's push (its audio delivered at once); at the end, the job's audio
         checked like `synth`'s, decoded one-shot unless it was streamed."""
         from mimo_tts.codec import StreamingDecoder

@@ -17,10 +17,13 @@ PAUSE_FRAMES = 8  # silence between split text pieces: 8 frames = 0.32 s, whole 
 SILENCE_PEAK = 1e-4  # peak |sample| below this is "all silent"
 
 
-# format name: (libsndfile container, subtype, file extension)
-FORMATS = {"wav": ("WAV", "PCM_16", ".wav"), "wav-float": ("WAV", "FLOAT", ".wav"),
-           "flac": ("FLAC", "PCM_16", ".flac"), "mp3": ("MP3", "MPEG_LAYER_III", ".mp3"),
-           "opus": ("OGG", "OPUS", ".opus"), "ogg": ("OGG", "VORBIS", ".ogg")}
+# format name: (libsndfile container, subtype, file extension, media type)
+FORMATS = {"wav": ("WAV", "PCM_16", ".wav", "audio/wav"),
+           "wav-float": ("WAV", "FLOAT", ".wav", "audio/wav"),
+           "flac": ("FLAC", "PCM_16", ".flac", "audio/flac"),
+           "mp3": ("MP3", "MPEG_LAYER_III", ".mp3", "audio/mpeg"),
+           "opus": ("OGG", "OPUS", ".opus", "audio/opus"),
+           "ogg": ("OGG", "VORBIS", ".ogg", "audio/ogg")}
 
 
 # The sample rates libsndfile's MP3 and Opus encoders take (any other rate is refused).
@@ -125,7 +128,7 @@ def lossy_formats() -> list[str]:
     """The `LOSSY_FORMATS` this soundfile/libsndfile build can write."""
     import soundfile as sf
 
-    return [name for name, (container, subtype, _) in LOSSY_FORMATS.items()
+    return [name for name, (container, subtype, *_) in LOSSY_FORMATS.items()
             if container in sf.available_formats()
             and subtype in sf.available_subtypes(container)]
 
@@ -144,7 +147,7 @@ def encode_audio(audio, sample_rate: int, fmt: str) -> bytes:
     import numpy as np
     import soundfile as sf
 
-    container, subtype, _ = FORMATS[fmt]
+    container, subtype, *_ = FORMATS[fmt]
     samples = to_numpy(audio)
     if subtype == "PCM_16":
         samples = np.frombuffer(pcm16(samples), dtype="<i2")

@@ -1,4 +1,4 @@
-"""The server's job queue (`engine_worker.JobQueue`): admission, batching by options, limits.
+"""The server's `engine.RequestQueue`: admission, batching by options, limits.
 
 The batching strategy's source, checked without HTTP or a model: jobs carry plain option
 values, since the queue only compares them.
@@ -6,16 +6,16 @@ values, since the queue only compares them.
 
 from __future__ import annotations
 
-from mimo_tts.server.engine import Job, JobQueue, Ticket
+from mimo_tts.server.engine import RequestQueue, SpeechJob, Ticket
 
 
-def jobs_of(ticket: Ticket, *options) -> list[Job]:
-    return [Job(prompt=None, options=o, seed=0, stream=True, deliver=lambda event: None,
-                ticket=ticket) for o in options]
+def jobs_of(ticket: Ticket, *options) -> list[SpeechJob]:
+    return [SpeechJob(prompt=None, options=o, seed=0, stream=True,
+                      deliver=lambda event: None, ticket=ticket) for o in options]
 
 
 def test_admission_stops_at_the_queue_bound():
-    queue = JobQueue(max_queued=2, max_active=8)
+    queue = RequestQueue(max_queued=2, max_active=8)
     first, second, third = Ticket(), Ticket(), Ticket()
     assert queue.admit(first) and queue.admit(second) and not queue.admit(third)
     queue.put(jobs_of(first, "a"))
@@ -24,7 +24,7 @@ def test_admission_stops_at_the_queue_bound():
 
 
 def test_a_batch_shares_the_first_jobs_options_in_queue_order():
-    queue = JobQueue(max_queued=8, max_active=8)
+    queue = RequestQueue(max_queued=8, max_active=8)
     tickets = [Ticket() for _ in range(4)]
     for ticket, option in zip(tickets, ("a", "b", "a", "a"), strict=True):
         assert queue.admit(ticket)
@@ -37,7 +37,7 @@ def test_a_batch_shares_the_first_jobs_options_in_queue_order():
 
 
 def test_no_new_request_starts_past_max_active_but_its_own_pieces_do():
-    queue = JobQueue(max_queued=8, max_active=1)
+    queue = RequestQueue(max_queued=8, max_active=1)
     busy, waiting = Ticket(), Ticket()
     for ticket in (busy, waiting):
         queue.admit(ticket)
@@ -51,7 +51,7 @@ def test_no_new_request_starts_past_max_active_but_its_own_pieces_do():
 
 
 def test_release_drops_a_requests_waiting_jobs_and_close_ends_take():
-    queue = JobQueue(max_queued=8, max_active=8)
+    queue = RequestQueue(max_queued=8, max_active=8)
     gone = Ticket()
     queue.admit(gone)
     queue.put(jobs_of(gone, "a", "a"))

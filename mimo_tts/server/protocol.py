@@ -1,0 +1,224 @@
+"""What `mimo-tts serve` speaks: its options, the speech request's fields, OpenAI's names, errors.
+
+A `POST /v1/audio/speech` body is read up to `MAX_BODY_BYTES`, then `RequestParser.parse` turns
+its fields into `SpeechParams` (what to say, the synthesis options, the format, SSE or not).
+Every bad value is an `ApiError`: a status and the CLI's message, sent as an OpenAI-style JSON
+error. No torch and no FastAPI at import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from mimo_tts.errors import DeviceError, InputError, MimoTTSError, UsageError
+from mimo_tts.synthesis.audio import FORMATS, LOSSY_FORMATS, lossy_formats
+from mimo_tts.synthesis.options import MAX_SEED
+from mimo_tts.synthesis.text import clean_text
+
+if TYPE_CHECKING:
+    from mimo_tts.synthesis.options import SynthesisOptions
+
+FIELDS = ("model", "input", "voice", "instructions", "response_format", "stream_format", "seed",
+          "speed")
+# OpenAI's model, voice and response_format names, accepted so that existing clients work
+# unchanged (aac has no libsndfile encoder, so it is never offered).
+OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage",
+                 "shimmer", "verse")
+OPENAI_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
+PCM = "pcm"  # raw PCM16 samples: the server's stream, not a file format of `FORMATS`
+PCM_MEDIA_TYPE = "audio/pcm"
+STREAMED = (PCM, "wav")  # formats whose bytes go out as Stage-1 decodes them
+MAX_BODY_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The server's own options (the model's come from `options.resolve`)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    voices: dict = field(default_factory=dict)  # name -> prompt-audio path
+    batch_size: int = 8
+    max_queue: int = 32
+    max_concurrent: int = 16
+    max_input_chars: int = 4096
+    timeout: float = 300.0
+
+    def __post_init__(self):
+        for name in ("batch_size", "max_queue", "max_concurrent", "max_input_chars"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+        if not 0 <= self.port <= 65535:
+            raise UsageError("--port must be in [0, 65535]")
+        if not self.timeout > 0:
+            raise UsageError("--timeout must be > 0 seconds")
+        if self.api_key == "":
+            raise UsageError("--api-key is empty")
+
+
+def parse_voices(values: list[str]) -> dict:
+    """`--voice NAME=PATH` options -> {name: path}; each file must exist."""
+    voices = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name.strip() or not path:
+            raise UsageError(f"--voice takes NAME=PATH.wav, got {value!r}")
+        if name in voices or name in ("default", "natural"):
+            raise UsageError(f"--voice {name}: the name is already taken")
+        if not os.path.isfile(path):
+            raise InputError(f"--voice {name}: prompt audio not found: {path}")
+        voices[name.strip()] = path
+    return voices
+
+
+def served_formats() -> list[str]:
+    """The response formats this build answers in: pcm, then OpenAI's names among `FORMATS`
+    in their order, the lossy ones only where this libsndfile has the encoder."""
+    lossy = lossy_formats()
+    return [PCM, *(name for name in FORMATS if name in OPENAI_FORMATS
+                   and (name not in LOSSY_FORMATS or name in lossy))]
+
+
+def media_type(fmt: str) -> str:
+    """The Content-Type of a response format."""
+    return PCM_MEDIA_TYPE if fmt == PCM else FORMATS[fmt][3]
+
+
+class ApiError(Exception):
+    """An OpenAI-style JSON error: status, message, and optionally `param`, `code`, headers."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    @classmethod
+    def of(cls, exc: MimoTTSError) -> ApiError:
+        status = 400 if isinstance(exc, UsageError | InputError) else \
+            503 if isinstance(exc, DeviceError) else 500
+        return cls(status, str(exc))
+
+    def response(self):
+        from fastapi.responses import JSONResponse
+
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return JSONResponse({"error": {"message": self.message, "type": kind,
+                                       "param": self.param, "code": self.code}},
+                            self.status, self.headers)
+
+
+@dataclass
+class SpeechParams:
+    """A parsed speech request: the text, its synthesis options, the format, SSE or not."""
+
+    text: str
+    options: SynthesisOptions
+    fmt: str
+    sse: bool
+
+
+@dataclass(frozen=True)
+class RequestParser:
+    """Speech requests as this server takes them: its model name, voices, formats and limits,
+    on top of the options it was started with (`base`)."""
+
+    cfg: ServeConfig
+    base: SynthesisOptions
+    model: str
+    formats: tuple[str, ...]
+
+    @property
+    def default_format(self) -> str:
+        return "mp3" if "mp3" in self.formats else "wav"
+
+    def parse(self, body: bytes) -> SpeechParams:
+        """The request body -> what to say and how; bad values are 400s with the CLI's words."""
+        try:
+            data = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        unknown = sorted(set(data) - set(FIELDS))
+        if unknown:
+            raise ApiError(400, f"unknown field(s): {', '.join(unknown)}", unknown[0])
+        model = _field(data, "model", str, required=True)
+        if model not in (self.model, "mimo-tts", *OPENAI_MODELS):
+            raise ApiError(404, f"model {model!r} is not served; use {self.model!r}", "model",
+                           "model_not_found")
+        text = _field(data, "input", str, required=True)
+        if len(text) > self.cfg.max_input_chars:
+            raise ApiError(400, f"input is {len(text)} characters; the limit is "
+                           f"{self.cfg.max_input_chars} (--max-input-chars)", "input",
+                           "string_above_max_length")
+        instruct = _field(data, "instructions", str)
+        fmt = _field(data, "response_format", str) or self.default_format
+        stream_format = _field(data, "stream_format", str) or "audio"
+        seed = _field(data, "seed", int)
+        speed = _field(data, "speed", int | float)
+        _require(fmt in self.formats, f"response_format must be one of {', '.join(self.formats)}",
+                 "response_format")
+        _require(stream_format in ("audio", "sse"), "stream_format must be audio or sse",
+                 "stream_format")
+        _require(speed is None or speed == 1, "speed is not supported (only 1.0)", "speed")
+        _require(seed is None or 0 <= seed <= MAX_SEED, "--seed must be in [0, 2**64 - 1]",
+                 "seed")
+        task, prompt_audio = self.voice(_field(data, "voice", str) or "default", instruct)
+        try:
+            text = clean_text(text, "input")
+            options = replace(self.base, task=task, instruct=instruct, prompt_audio=prompt_audio,
+                              seed=self.base.seed if seed is None else seed)
+        except MimoTTSError as exc:
+            raise ApiError.of(exc) from None
+        return SpeechParams(text, options, fmt, stream_format == "sse")
+
+    def voice(self, name: str, instruct: str | None) -> tuple[str, str | None]:
+        """A voice -> (task, prompt audio): a registered voice clones its prompt audio."""
+        if name in self.cfg.voices:
+            return "tts_sft_with_audio", self.cfg.voices[name]
+        if name == "natural":
+            return "tts_sft_with_natural_instruction", None
+        if name == "default" or name in OPENAI_VOICES:
+            return ("tts_sft" if instruct is None else "tts_sft_with_instruct"), None
+        choices = ", ".join(["default", "natural", *self.cfg.voices])
+        raise ApiError(400, f"unknown voice {name!r}; choose one of {choices}", "voice")
+
+
+async def read_body(request) -> bytes:
+    """The request body, refused (413) once it passes `MAX_BODY_BYTES`."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
+    return bytes(body)
+
+
+def sse(event: dict) -> str:
+    """One server-sent event carrying `event` as JSON."""
+    return f"data: {json.dumps(event)}\n\n"
+
+
+def _field(data: dict, name: str, kind, required: bool = False):
+    value = data.get(name)
+    if value is None:
+        _require(not required, f"{name} is required", name)
+        return None
+    _require(isinstance(value, kind) and not isinstance(value, bool),
+             f"{name} must be {_kind_words(kind)}", name)
+    return value
+
+
+def _kind_words(kind) -> str:
+    return {str: "a string", int: "an integer"}.get(kind, "a number")
+
+
+def _require(ok: bool, message: str, param: str | None = None) -> None:
+    if not ok:
+        raise ApiError(400, message, param)

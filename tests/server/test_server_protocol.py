@@ -1,0 +1,129 @@
+"""The server's `protocol.py` in process: request fields -> `SpeechParams`, formats, errors.
+
+No HTTP and no model: `RequestParser` runs on plain `SynthesisOptions`. The same rules seen over
+HTTP (statuses, the JSON error body) are in `test_server_app.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from mimo_tts.errors import DeviceError, InputError, MimoTTSError, UsageError
+from mimo_tts.server import protocol
+from mimo_tts.server.protocol import (
+    MAX_BODY_BYTES,
+    ApiError,
+    RequestParser,
+    ServeConfig,
+    media_type,
+    read_body,
+    served_formats,
+    sse,
+)
+from mimo_tts.synthesis.audio import FORMATS
+from mimo_tts.synthesis.options import SynthesisOptions
+
+FORMATS_ALL = ("pcm", "wav", "flac", "mp3", "opus")
+
+
+def parser(formats=FORMATS_ALL, **cfg) -> RequestParser:
+    return RequestParser(ServeConfig(**cfg), SynthesisOptions(seed=5), "tiny", tuple(formats))
+
+
+def parse(p: RequestParser, **fields):
+    return p.parse(json.dumps({"model": "tiny", "input": "Hello  there.", **fields}).encode())
+
+
+def refused(p: RequestParser, **fields) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        parse(p, **fields)
+    return info.value
+
+
+def test_a_plain_request_takes_the_servers_options():
+    params = parse(parser())
+    assert params.text == "Hello there." and params.fmt == "mp3" and not params.sse
+    assert params.options == SynthesisOptions(seed=5)
+    assert parse(parser(("pcm", "wav", "flac"))).fmt == "wav"  # no mp3 encoder here
+    params = parse(parser(), model="tts-1", seed=9, response_format="pcm", stream_format="sse",
+                   speed=1)
+    assert params.options.seed == 9 and params.fmt == "pcm" and params.sse
+
+
+def test_voices_choose_the_task(tmp_path):
+    clip = tmp_path / "clip.wav"
+    clip.write_bytes(b"")
+    p = parser(voices={"clone": str(clip)})
+    cases = {(None, None): ("tts_sft", None), ("alloy", None): ("tts_sft", None),
+             ("default", "calm"): ("tts_sft_with_instruct", None),
+             ("natural", None): ("tts_sft_with_natural_instruction", None),
+             ("clone", None): ("tts_sft_with_audio", str(clip))}
+    for (voice, instructions), (task, prompt_audio) in cases.items():
+        fields = {k: v for k, v in (("voice", voice), ("instructions", instructions)) if v}
+        options = parse(p, **fields).options
+        assert (options.task, options.prompt_audio) == (task, prompt_audio)
+    assert refused(p, voice="nobody").param == "voice"
+
+
+def test_refusals_name_the_field_and_code():
+    p = parser(max_input_chars=20)
+    error = refused(p, model="other")
+    assert (error.status, error.param, error.code) == (404, "model", "model_not_found")
+    error = refused(p, input="x" * 21)
+    assert (error.status, error.param, error.code) == (400, "input", "string_above_max_length")
+    error = refused(p, temperature=0.5, top_k=3)
+    assert (error.status, error.param) == (400, "temperature")
+    assert error.message == "unknown field(s): temperature, top_k"
+    error = refused(p, seed=True)  # a JSON boolean is no integer
+    assert (error.message, error.param) == ("seed must be an integer", "seed")
+    assert refused(p, speed="1").message == "speed must be a number"
+    assert refused(p, response_format="ogg").param == "response_format"
+    for body in (b"{nope", b"[1]", b"\xff"):
+        with pytest.raises(ApiError) as info:
+            p.parse(body)
+        assert info.value.status == 400
+
+
+def test_served_formats_are_openais_among_formats(monkeypatch):
+    monkeypatch.setattr(protocol, "lossy_formats", lambda: ["opus"])
+    assert served_formats() == ["pcm", "wav", "flac", "opus"]
+    monkeypatch.setattr(protocol, "lossy_formats", lambda: ["mp3", "opus"])
+    assert served_formats() == ["pcm", "wav", "flac", "mp3", "opus"]
+
+
+def test_media_types_come_from_formats():
+    assert media_type("pcm") == "audio/pcm"
+    assert media_type("mp3") == "audio/mpeg" and media_type("wav") == "audio/wav"
+    for fmt in ("wav", "flac", "mp3", "opus"):
+        assert media_type(fmt) == FORMATS[fmt][3]
+
+
+def test_library_errors_map_to_statuses():
+    assert ApiError.of(UsageError("u")).status == ApiError.of(InputError("i")).status == 400
+    assert ApiError.of(DeviceError("d")).status == 503
+    error = ApiError.of(MimoTTSError("boom"))
+    assert (error.status, error.message, error.headers) == (500, "boom", {})
+
+
+class Body:
+    def __init__(self, *chunks: bytes):
+        self.chunks = chunks
+
+    async def stream(self):
+        for chunk in self.chunks:
+            yield chunk
+
+
+def test_the_body_reader_stops_past_the_limit():
+    assert asyncio.run(read_body(Body(b"ab", b"c"))) == b"abc"
+    assert len(asyncio.run(read_body(Body(b"x" * MAX_BODY_BYTES)))) == MAX_BODY_BYTES
+    with pytest.raises(ApiError) as info:
+        asyncio.run(read_body(Body(b"x" * MAX_BODY_BYTES, b"y", b"never read")))
+    assert info.value.status == 413
+
+
+def test_sse_frames_one_json_event():
+    assert sse({"type": "speech.audio.done"}) == 'data: {"type": "speech.audio.done"}\n\n'
