@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 from mimo_tts.errors import MimoTTSError
 from mimo_tts.runtime.guards import oom_advice, thread_budget
-from mimo_tts.synthesis.pieces import Piece
 from mimo_tts.synthesis.streaming import FrameCollector, chunk_cap, chunk_schedule
 
 
@@ -381,13 +380,9 @@ class SpeechWorker:
         import torch
 
         job.decoder = None
-        found = job.frames.extract()
-        audio = torch.cat(job.chunks) if job.stream and job.chunks else None
-        if audio is not None and job.frames.streamed_differs(found):
-            self.log(f"note: {job.label}: streamed frames differ from the extracted codes")
-            audio = None  # checked as decoded one-shot; the streamed audio is already sent
-        piece = Piece(job.prompt, job.seed, list(found.text_tokens), found.text, found.codes,
-                      audio)
+        # the streamed audio is already sent: a mismatch is checked as decoded one-shot
+        streamed = torch.cat(job.chunks) if job.stream and job.chunks else None
+        piece = job.frames.piece(job.prompt, job.seed, streamed, self.log, job.label)
         audio = self.tts.finish([piece], job.label)  # no audio tokens, NaN, silence: errors
-        job.deliver(("done", {"audio": audio, "groups": len(found.text_tokens),
-                              "frames": int(found.codes.shape[1])}))
+        job.deliver(("done", {"audio": audio, "groups": len(piece.new_text_ids),
+                              "frames": int(piece.codes.shape[1])}))
