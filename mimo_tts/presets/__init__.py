@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from mimo_tts.codec.config import CodecConfig
 from mimo_tts.errors import CheckpointError
+from mimo_tts.lm.config import LMConfig
 from mimo_tts.runtime import checkpoints
 from mimo_tts.runtime.checkpoints import ModelRef
 from mimo_tts.runtime.paths import cache_root
@@ -83,7 +85,12 @@ def locate(name: str, source: str, role: str, env=None) -> tuple[Path | None, st
         sub = root / ("lm" if role == "model" else "tokenizer")
         ok = (root / "complete").is_file()
         return (sub, "present (tiny preset)") if ok else (None, "tiny preset, built on first use")
-    return checkpoints.locate(name, source, role)
+    return checkpoints.locate(name, source, role, config_parser(role))
+
+
+def config_parser(role: str):
+    """The config.json parser of a role's model: the LM's ("model") or the codec's."""
+    return LMConfig.from_json if role == "model" else CodecConfig.from_json
 
 
 def checkpoint_dtype(name: str, source: str, role: str, env=None) -> str | None:

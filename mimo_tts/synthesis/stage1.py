@@ -79,7 +79,8 @@ class Stage1:
         return cls(codec, threads)
 
     def prompt_codes(self, path: str) -> torch.Tensor:
-        """Voice-prompt codes [8, T'] (encoded on the tokenizer device once per file)."""
+        """Voice-prompt codes [K, T] (encoded on the tokenizer device once per file); the
+        prompt builder cuts them to the LM's channels and pads them (`lm.prompts`)."""
         if path not in self._prompt_codes:
             audio, rate = read_audio(path)
             with thread_budget(self.threads), \

@@ -172,7 +172,8 @@ class MiMoTTS:
             raise InputError(f"task {o.task} takes no prompt audio; use tts_sft_with_audio")
         codes = self.stage1.prompt_codes(prompt_audio) if prompt_audio else None
         return [build_prompt(o.task, piece, self.text, self.empty_ids, instruct=instruct,
-                             prompt_codes=codes, template=o.template, seed=seed)
+                             prompt_codes=codes, template=o.template, seed=seed,
+                             group_size=self.group_size)
                 for piece in split_text(text, o.max_chars)]
 
     def generate(self, prompts: list, options, seed: int, batch_size: int = 1) -> list[Piece]:

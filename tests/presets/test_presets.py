@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from mimo_tts.lm.prompts import pad_prompt_codes
 from mimo_tts.lm.text import TextTokenizer
 from mimo_tts.presets.write import SPECIAL_TOKENS, write_tiny_preset
 
@@ -150,7 +151,7 @@ def test_voice_prompt_audio_is_not_counted(loaded, seconds):
     n = int(24000 * seconds)
     t = torch.arange(n) / 24000
     voice = 0.3 * torch.sin(2 * torch.pi * (200 + 150 * t) * t)  # a chirp
-    prompt_codes = codec.encode_prompt(voice, 24000)
+    prompt_codes = pad_prompt_codes(codec.encode_prompt(voice, 24000), 8)
     assert prompt_codes.shape[1] >= 4 * 8  # more groups than some answers
     tokens, codes = _speak(loaded, "tts_sft_with_audio", 0, prompt_codes=prompt_codes)
     assert tokens[-1] == loaded[1].special.eostm
