@@ -42,7 +42,8 @@ def full4_checkpoint(root: Path) -> tuple[Path, Path]:
     """The full-width LM with 4 backbone layers (bfloat16) and the mid-size tokenizer."""
     import torch
 
-    from mimo_tts.presets.write import FULL_LM, write_random_checkpoint
+    from mimo_tts.presets.lm import FULL_LM
+    from mimo_tts.presets.write import write_random_checkpoint
 
     return write_random_checkpoint(root, {**FULL_LM, "num_hidden_layers": 4}, CODEC_DIMS,
                                    lm_dtype=torch.bfloat16)

@@ -4,7 +4,8 @@
 device for the names and shapes, once for the values), lays out every file's header first and
 writes each tensor at its offset, so memory holds one tensor however large the checkpoint; a
 sharded checkpoint gets the Hugging Face `model.safetensors.index.json`. Files appear by rename,
-and a file whose bytes would not change is left alone.
+and a file whose bytes would not change is left alone. `randn` and `norm_weight` are the seeded
+draws the tensor generators of `presets.lm` and `presets.codec` share.
 """
 
 from __future__ import annotations
@@ -20,6 +21,16 @@ from pathlib import Path
 import torch
 
 Tensors = Iterator[tuple[str, torch.Tensor]]
+
+
+def randn(gen: torch.Generator | None, *shape: int, std: float) -> torch.Tensor:
+    """A seeded normal draw: every random tensor of `presets.lm` and `presets.codec`."""
+    return torch.randn(*shape, generator=gen).mul_(std)
+
+
+def norm_weight(gen, dim: int) -> torch.Tensor:
+    """A norm's weight: 1 plus a little noise."""
+    return 1.0 + randn(gen, dim, std=0.05)
 
 
 def json_bytes(data: dict) -> bytes:

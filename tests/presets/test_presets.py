@@ -10,7 +10,8 @@ from safetensors import safe_open
 
 from mimo_tts.lm.prompts import pad_prompt_codes
 from mimo_tts.lm.text import TextTokenizer
-from mimo_tts.presets.write import SPECIAL_TOKENS, write_tiny_preset
+from mimo_tts.presets.lm import SPECIAL_TOKENS
+from mimo_tts.presets.write import write_tiny_preset
 
 LM_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
             "tokenizer_config.json", "special_tokens_map.json"}
