@@ -4,14 +4,15 @@ and the full-size one; checkpoint names resolved with the preset's name among th
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 from mimo_tts.codec.config import CodecConfig
-from mimo_tts.errors import CheckpointError
+from mimo_tts.errors import CheckpointError, OutputError
 from mimo_tts.lm.config import LMConfig
 from mimo_tts.runtime import checkpoints
 from mimo_tts.runtime.checkpoints import ModelRef
-from mimo_tts.runtime.paths import cache_root
+from mimo_tts.runtime.paths import cache_root, pid_alive, publish
 
 TINY = "tiny"  # the preset's name, where a checkpoint name or directory is asked for
 TINY_PRESET_VERSION = 1
@@ -36,8 +37,8 @@ def ensure_tiny_preset(env=None, seed: int = 0) -> tuple[Path, Path]:
         (staging / "complete").write_text("ok\n")
         if final.exists():  # an incomplete earlier attempt
             _remove_tree(final)
-        os.replace(staging, final)
-    except OSError as exc:
+        publish(staging, final)
+    except (OSError, OutputError) as exc:
         if not (final / "complete").is_file():  # another process may have won the race
             raise CheckpointError(f"cannot write the tiny preset to {final}: {exc}") from None
     finally:
@@ -48,8 +49,6 @@ def ensure_tiny_preset(env=None, seed: int = 0) -> tuple[Path, Path]:
 def _remove_stale_staging(final: Path) -> None:
     """Remove the half-built `<preset>.tmp-<pid>` folders of builds killed before their rename
     (a live pid's folder is another build in progress and is left alone)."""
-    from mimo_tts.runtime.paths import pid_alive
-
     for staging in final.parent.glob(f"{final.name}.tmp-*"):
         pid = staging.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not pid_alive(int(pid)):
@@ -57,8 +56,6 @@ def _remove_stale_staging(final: Path) -> None:
 
 
 def _remove_tree(path: Path) -> None:
-    import shutil
-
     shutil.rmtree(path, ignore_errors=True)
 
 

@@ -33,7 +33,7 @@ from mimo_tts.presets.lm import (
     lm_tensors,
     tokenizer_files,
 )
-from mimo_tts.presets.safetensors import json_bytes, write_atomic, write_tensors
+from mimo_tts.presets.safetensors import json_bytes, write_file, write_tensors
 
 FULL_SHARDS = 4
 # Bumped whenever the weights written for some dims change (cache keys of written checkpoints).
@@ -86,7 +86,7 @@ def write_random_checkpoint(directory, lm_dims: Mapping = TINY_LM,
     for folder, files in ((lm_dir, lm_files), (codec_dir, {"config.json": json_bytes(cfg)})):
         folder.mkdir(parents=True, exist_ok=True)
         for name, data in files.items():
-            write_atomic(folder / name, data)
+            write_file(folder / name, data)
     write_tensors(lm_dir, lambda gen: lm_tensors(gen, lm_dims, vocab, special, sink_k), seed,
                   lm_dtype, shards)
     write_tensors(codec_dir, lambda gen: codec_tensors(gen, cfg), seed + 1_000_003,

@@ -12,6 +12,7 @@ from mimo_tts.lm.prompts import pad_prompt_codes
 from mimo_tts.lm.text import TextTokenizer
 from mimo_tts.presets.lm import SPECIAL_TOKENS
 from mimo_tts.presets.write import write_tiny_preset
+from mimo_tts.runtime.paths import TEMP_MARK
 
 LM_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
             "tokenizer_config.json", "special_tokens_map.json"}
@@ -41,7 +42,8 @@ def test_rewrite_is_byte_identical(tmp_path):
     assert _files(a) == first == _files(tmp_path / "b")
     assert set(first) == {f"lm/{n}" for n in LM_FILES} | {"tokenizer/config.json",
                                                             "tokenizer/model.safetensors"}
-    assert not list(a.rglob("*.tmp"))  # no leftovers of the atomic writes
+    assert not list(a.rglob(f"{TEMP_MARK}*"))  # no leftovers of the atomic writes
+    assert not list(a.rglob("*.tmp")) and not list(a.rglob("*.part"))
     write_tiny_preset(tmp_path / "c", seed=4)
     other = _files(tmp_path / "c")
     assert other["lm/model.safetensors"] != first["lm/model.safetensors"]
