@@ -68,11 +68,13 @@ class Stage1:
             from mimo_tts.codec.gemm import choose
             from mimo_tts.synthesis.preflight import weights_bytes
 
-            choice = choose(beside, weights_bytes(tok_path, "float32") if beside else 0)
+            choice = choose(beside, weights_bytes(tok_path, "float32") if beside else 0,
+                            placement.codec_kernel.value)
         with _naming(tok_path), oom_advice("audio tokenizer loading", device):
             codec = load_audio_tokenizer(tok_path, device, dtype,
                                          cuda_graph=bool(placement.cuda_graph.value),
-                                         use_gemm=None if choice is None else choice.active)
+                                         use_gemm=None if choice is None else choice.active,
+                                         codec_kernel=placement.codec_kernel.value)
         log(f"audio tokenizer loaded from {tok_path}")
         if choice is not None:
             log(f"tokenizer float32 GEMM: {'on' if choice.active else 'off'}, {choice.reason}")
