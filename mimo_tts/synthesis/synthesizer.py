@@ -21,10 +21,10 @@ from dataclasses import asdict, dataclass, fields, replace
 import numpy as np
 import torch
 
-from mimo_tts import __version__
 from mimo_tts.errors import InputError
 from mimo_tts.lm.engine import DEFAULT_ENGINE, Engine, engine_spec
 from mimo_tts.lm.tasks import TASKS
+from mimo_tts.runtime import runner_record
 from mimo_tts.runtime.checkpoints import DEFAULT_MODEL
 from mimo_tts.runtime.guards import oom_advice, thread_budget
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, to_numpy
@@ -269,7 +269,7 @@ class MiMoTTS:
         pieces = [codes] if isinstance(codes, torch.Tensor) else list(codes)
         audio = self.stage1.join([c.long() for c in pieces], pause_frames, "codes")
         return Audio(to_numpy(audio), SAMPLE_RATE,
-                     {"runner": {"name": "mimo-tts", "version": __version__},
+                     {"runner": runner_record(),
                       "tokenizer": self.tok_ref.describe() if self.tok_ref else None})
 
     def _options(self, given: dict) -> SynthesisOptions:
@@ -277,7 +277,7 @@ class MiMoTTS:
         return replace(o, **{k: v for k, v in given.items() if v is not None})
 
     def _audio(self, audio: torch.Tensor, o: SynthesisOptions, pieces: list[Piece]) -> Audio:
-        record = {"runner": {"name": "mimo-tts", "version": __version__}, **self.describe(o),
+        record = {"runner": runner_record(), **self.describe(o),
                   "task": o.task, "instruct": o.instruct, "prompt_audio": o.prompt_audio,
                   "seed": o.seed, "pieces": [p.record() for p in pieces]}
         return Audio(to_numpy(audio), SAMPLE_RATE, record)
