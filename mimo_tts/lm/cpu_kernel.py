@@ -145,7 +145,7 @@ def _ptr(t: Tensor | None) -> int | None:
 def _gemv(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Tensor | None,
           threads: int) -> Tensor:
     """x [rows, in] (contiguous) . weight[out, in]^T + bias -> [rows, out] in x's dtype;
-    an int8 weight brings its row scales (mimo_tts/lm/quant.py)."""
+    an int8 weight brings its row scales (mimo_tts/lm/int8.py)."""
     rows, out = x.shape[0], weight.shape[0]
     y = torch.empty(rows, out, dtype=x.dtype)
     call = _Gemv(_ptr(weight), _ptr(bias), _ptr(x), _ptr(getattr(weight, "scale", None)),

@@ -70,7 +70,7 @@ def resolve(name: str, source: str, role: str, allow_download: bool = False, env
 
 
 def resolve_names(names, env=None, seed: int = 0) -> tuple[ModelRef, ModelRef]:
-    """Both checkpoints of `options.CheckpointNames`, resolved to local directories."""
+    """Both checkpoints of `synthesis.options.CheckpointNames`, resolved to local directories."""
     return (resolve(*names.lm, "model", names.allow_download, env, seed),
             resolve(*names.tokenizer, "tokenizer", names.allow_download, env, seed))
 

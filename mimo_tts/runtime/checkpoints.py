@@ -1,5 +1,5 @@
-"""Which checkpoint directories: a path, or an HF id in the local cache (presets are resolved
-above this layer, in `synthesis/loader.py`).
+"""Which checkpoint directories: a path, or an HF id in the local cache (the `tiny` preset is
+resolved above this layer, in `mimo_tts.presets`).
 
 Resolution never downloads unless the caller allows it; a missing model is a CheckpointError
 that spells out the command that would fetch it. Nothing here loads weights: `locate` and the
