@@ -14,7 +14,7 @@ Three runs, each a fresh `mimo-tts synth --model DIR/lm --tokenizer DIR/tokenize
 - `batch8`: eight items (--input file, --batch-size 8): RTF over the batch.
 
 Per run: the child's peak RSS (os.wait4 ru_maxrss) and its ratio to the weights in the run
-dtypes (safetensors headers, mimo_tts.memory.weights_bytes), with the issue-11 target
+dtypes (safetensors headers, mimo_tts.synthesis.preflight.weights_bytes), with the issue-11 target
 peak <= 1.05 x weights + 0.8 GiB. Timings come from the sidecar JSON the CLI writes next to each
 wav: `rtf` = synthesis seconds (prompt + generate + decode) / audio seconds, `e2e_rtf` = the
 child's whole wall time (start-up and load included) / audio seconds; `s_per_group` =

@@ -370,7 +370,7 @@ def main() -> None:
                         help="the fused CPU kernel step beside the eager one: where load_lm "
                              "would use it (auto), always (on), or never (off)")
     parser.add_argument("--quant", choices=("int8",), default=None,
-                        help="also time the kernel step with int8 weights (mimo_tts/lm/quant.py)")
+                        help="also time the kernel step with int8 weights (mimo_tts/lm/int8.py)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="alternating rounds of eager and kernel measurements")
     parser.add_argument("--bandwidth-mib", type=int, default=512,

@@ -37,6 +37,8 @@ import time
 import zipfile
 from pathlib import Path
 
+from _common import FULL_SIZE
+
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".bench" / "peer"
 PEER_VERSION = "0.30.0"
@@ -44,8 +46,7 @@ PEER_MODULE = "vllm_omni/model_executor/models/mimo_audio/"
 # What the module imports beyond torch, at versions inside vllm-omni 0.30.0's own pins
 # (transformers>=5.13.0,<5.15; einops>=0.8.1).
 PEER_REQUIREMENTS = ("transformers==5.14.1", "einops==0.8.2")
-FIXTURES = Path(os.environ.get("MIMO_TTS_FIXTURES", REPO.parent / "shared" / "fixtures"))
-CONFIG = FIXTURES / "full-size" / "tokenizer-config.json"
+CONFIG = FULL_SIZE / "tokenizer-config.json"
 OPS = {"decode": "decoder", "encode": "encoder"}  # op -> the model half it needs
 # Tensor-name prefixes each half needs (decode dequantizes with the encoder's RVQ codebooks).
 NEEDED = {"decoder": ("decoder.", "encoder.quantizer."), "encoder": ("encoder.",)}
@@ -134,11 +135,20 @@ def ours_runner(part: str, dtype_name: str):
     if lost := [k for k in missing if k.startswith(NEEDED[part])]:
         raise SystemExit(f"ours: weights missing from {part}: {lost[:3]}")
     model.eval().requires_grad_(False)
-    prepack(model)  # what `place_model` does on CPU (it cannot move a half-meta model)
+    # what `place_model` does on CPU (it cannot move a half-meta model), MIMO_TTS_CODEC_KERNEL
+    # read as a run's placement reads it
+    prepack(model, codec_kernel=_codec_kernel())
     tok = AudioTokenizer(model, "cpu", dtype)
     if part == "decoder":
         return lambda inputs: tok.decode(inputs["codes"])
     return lambda inputs: tok.encode(inputs["audio"], config.sampling_rate)
+
+
+def _codec_kernel() -> str:
+    """The codec GEMM's mode: MIMO_TTS_CODEC_KERNEL (auto when unset)."""
+    from mimo_tts.runtime.devices import CODEC_KERNEL_ENV, resolve_kernel
+
+    return resolve_kernel(CODEC_KERNEL_ENV).value
 
 
 def _stub_vllm_logger() -> None:
@@ -229,8 +239,9 @@ def worker(side: str, part: str, dtype_name: str, threads: int, inputs_path: str
     if side == "ours" and dtype_name == "float32":
         from mimo_tts.codec.gemm import choose
 
-        ready["engine"] = ("bf16x3 GEMM " if choose().active else "float32 oneDNN ") + \
-            f"({choose().reason})"
+        choice = choose(mode=_codec_kernel())
+        ready["engine"] = ("bf16x3 GEMM " if choice.active else "float32 oneDNN ") + \
+            f"({choice.reason})"
     replies.write(json.dumps(ready) + "\n")
     replies.flush()
     for line in sys.stdin:
@@ -327,9 +338,11 @@ def compare(op: str, dtype: str, args, inputs: Path) -> dict:
 
 def machine() -> dict:
     """CPU model and the ISA features that decide the matmul paths."""
+    from mimo_tts.runtime.devices import cpu_flags
+
     out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    flags = fields.get("Flags", "").split()
+    flags = cpu_flags()
     return {"cpu": fields.get("Model name", platform.processor()).strip(),
             "cpus": os.cpu_count(), "isa": [f for f in ISA_FLAGS if f in flags]}
 

@@ -28,7 +28,8 @@ from pathlib import Path
 from _common import busy_cores
 from bench_e2e import machine
 
-from mimo_tts.presets.write import FULL_LM, write_random_checkpoint
+from mimo_tts.presets.lm import FULL_LM
+from mimo_tts.presets.write import write_random_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

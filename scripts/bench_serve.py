@@ -2,7 +2,7 @@
 
 For each model (`tiny`: the built-in preset; `full4`: the published LM width, hidden 4096 with
 4 backbone layers and the full patch encoder/decoder, bfloat16, written once to a temp dir with
-`presets.write_random_checkpoint`, beside `bench_overlap.py`'s mid-size audio tokenizer, and
+`presets.write.write_random_checkpoint`, beside `bench_overlap.py`'s mid-size audio tokenizer, and
 deleted at the end) the script starts one real server subprocess on 127.0.0.1 and, for each
 client count in turn, runs that many threads, each sending `--requests` streamed `pcm` requests one
 after another over httpx. Per run: p50/p95 of the request latency and of the time to the first
@@ -42,7 +42,8 @@ def full4_checkpoint(root: Path) -> tuple[Path, Path]:
     """The full-width LM with 4 backbone layers (bfloat16) and the mid-size tokenizer."""
     import torch
 
-    from mimo_tts.presets.write import FULL_LM, write_random_checkpoint
+    from mimo_tts.presets.lm import FULL_LM
+    from mimo_tts.presets.write import write_random_checkpoint
 
     return write_random_checkpoint(root, {**FULL_LM, "num_hidden_layers": 4}, CODEC_DIMS,
                                    lm_dtype=torch.bfloat16)

@@ -7,7 +7,7 @@ Runs in the vLLM venv (scripts/setup_vllm_venv.sh), which has both engines:
 
 Configs: `tiny` is the tiny preset (backbone head_dim 32); `mid` is a mid-size random
 checkpoint (hidden 1024, 8 layers, 16/4 heads of 64, ffn 2816; patch decoder 256 x 4 layers)
-written by the preset writer (mimo_tts/presets.py) with the tiny preset's text tokenizer.
+written by the preset writer (mimo_tts/presets/write.py) with the tiny preset's text tokenizer.
 Both engines generate exactly --groups `<|empty|>` groups per prompt (text forced to
 `<|empty|>`: a native logits hook, vLLM's allowed_token_ids), so each group is one backbone
 step plus one 11-step patch decode.

@@ -37,7 +37,8 @@ from mimo_tts.lm.load import load_config, load_lm
 from mimo_tts.lm.prompts import build_prompt
 from mimo_tts.lm.sampling import GREEDY, TASK_SAMPLERS
 from mimo_tts.lm.text import TextTokenizer
-from mimo_tts.presets.write import FULL_LM, write_tiny_preset
+from mimo_tts.presets.lm import FULL_LM
+from mimo_tts.presets.write import write_tiny_preset
 
 GREEDY_OPTIONS = GenerationOptions(text_sampler=GREEDY, audio_sampler=GREEDY, max_new_groups=64)
 KV_BYTES = 512 << 20

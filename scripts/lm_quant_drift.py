@@ -2,7 +2,7 @@
 
 Two models: tiny-a (the reference fixture checkpoint, float32 and bfloat16) and the real
 width with random weights (scripts/bench_lm.py's model, --layers backbone layers, bfloat16).
-For each, on the same prompts, the unquantized model and its int8 copy (mimo_tts/lm/quant.py)
+For each, on the same prompts, the unquantized model and its int8 copy (mimo_tts/lm/int8.py)
 are compared on:
 - the text logits after the prompt: max |error|, as is and relative to max |logit|, and
   whether the greedy token agrees;

@@ -23,12 +23,12 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from mimo_tts import __version__
 from mimo_tts.batch.continuous import ContinuousRun
 from mimo_tts.batch.items import Item
 from mimo_tts.batch.results import ItemResult, fail, guarded
 from mimo_tts.errors import MimoTTSError
 from mimo_tts.lm.engine import DEFAULT_ENGINE, engine_spec
+from mimo_tts.runtime import runner_record
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, resample
 from mimo_tts.synthesis.loader import resolve_checkpoints
 from mimo_tts.synthesis.options import Settings
@@ -252,7 +252,7 @@ def sidecar_record(settings: Settings, context: dict, result: ItemResult,
     s, item = settings, result.item
     o, described = s.synthesis, context["described"]
     return {
-        "runner": {"name": "mimo-tts", "version": __version__, "argv": context["argv"]},
+        "runner": {**runner_record(), "argv": context["argv"]},
         "id": item.id, "source": item.source, "text": item.text, "task": o.task,
         "instruct": item.instruct or o.instruct,
         "prompt_audio": item.prompt_audio or o.prompt_audio,

@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mimo_tts.runtime.kernels import Choice, build, mode_from_env
+from mimo_tts.errors import UsageError
+from mimo_tts.runtime.devices import CODEC_KERNEL_ENV, KERNEL_MODES, Choice
+from mimo_tts.runtime.kernels import build
 
 SOURCE = files("mimo_tts.codec") / "gemm.c"
 
@@ -186,31 +188,31 @@ def faster() -> tuple[bool, float, float]:
             round(flops / best["torch"] / 1e9))
 
 
-ENV = "MIMO_TTS_CODEC_KERNEL"  # "auto" (default), "1" (wherever it can run) or "0" (never)
-
-
 HEADROOM = 4 << 30  # bytes left beside both stages' weights for the process and the cache
 
 
-def choose(beside: int = 0, weights: int = 0) -> Choice:
-    """Whether the codec's float32 CPU linears run through the GEMM, and why (not), under
-    MIMO_TTS_CODEC_KERNEL: "on" wherever AMX runs it, "auto" where it measured faster than
-    torch's float32 product (`faster`) and memory allows, "off" never.
+def choose(beside: int = 0, weights: int = 0, mode: str = "auto") -> Choice:
+    """Whether the codec's float32 CPU linears run through the GEMM, and why (not), in `mode`
+    (the run's `Placement.codec_kernel`, which MIMO_TTS_CODEC_KERNEL sets): "on" wherever AMX
+    runs it, "auto" where it measured faster than torch's float32 product (`faster`) and memory
+    allows, "off" never.
 
     Packed, the tokenizer's `weights` bytes become anonymous memory, which the kernel can no
     longer drop and re-read like the checkpoint's file pages; with `beside` bytes of LM weights
     on the CPU (file pages the LM reads every step) auto packs only when both and HEADROOM fit
-    in the machine's memory (`memory.cpu_total`): on a 24 GiB machine with the full-size LM the
+    in the machine's memory (`machine.cpu_total`): on a 24 GiB machine with the full-size LM the
     squeezed page cache made Stage-0 re-read its weights from disk (1.48 s a group, not 1.19).
     """
-    mode = mode_from_env(ENV)
+    if mode not in KERNEL_MODES:
+        raise UsageError(f"codec kernel mode must be one of {', '.join(KERNEL_MODES)}, "
+                         f"got {mode!r}")
     if mode == "off":
-        return Choice(False, f"off ({ENV}=0)")
+        return Choice(False, f"off ({CODEC_KERNEL_ENV}=0)")
     lib, why = _build()
     if lib is None:
         return Choice(False, why)
     if mode == "on":
-        return Choice(True, f"on ({ENV}=1): bf16x3 AMX products")
+        return Choice(True, f"on ({CODEC_KERNEL_ENV}=1): bf16x3 AMX products")
     if beside:
         from mimo_tts.runtime.machine import cpu_total, gib
 

@@ -483,11 +483,11 @@ def _run_local(layers: nn.ModuleList, rotary: Rotary, x: Tensor, spec: AttnSpec,
     return x[:, start:start + size], kept
 
 
-def prepack(model: nn.Module, use_gemm: bool | None = None) -> None:
+def prepack(model: nn.Module, use_gemm: bool | None = None, codec_kernel: str = "auto") -> None:
     """Prepack the linears of every CPU `TransformerLayer` of `model`: bfloat16 ones in
     oneDNN's layout (`PackedLinear`), float32 ones for the bf16x3 AMX GEMM where `use_gemm`
-    (default: `gemm.choose()`) picks it (`gemm.PackedGemm`, which replaces the float32
-    weights)."""
+    (default: `gemm.choose` in mode `codec_kernel`) picks it (`gemm.PackedGemm`, which replaces
+    the float32 weights)."""
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer) and
               isinstance(m.fc1, nn.Linear) and m.fc1.weight.device.type == "cpu"]
     dtypes = {m.fc1.weight.dtype for m in layers}
@@ -496,7 +496,7 @@ def prepack(model: nn.Module, use_gemm: bool | None = None) -> None:
             if m.fc1.weight.dtype == torch.bfloat16:
                 m.prepack(PackedLinear.of)
     if use_gemm is None:
-        use_gemm = torch.float32 in dtypes and gemm.choose().active
+        use_gemm = torch.float32 in dtypes and gemm.choose(mode=codec_kernel).active
     if torch.float32 in dtypes and use_gemm:
         lib = gemm.library()
         for m in layers:

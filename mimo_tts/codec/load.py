@@ -63,17 +63,18 @@ def build_model(config: CodecConfig, dtype: torch.dtype = torch.float32) -> Code
 
 
 def place_model(model: CodecModel, device: torch.device, dtype: torch.dtype,
-                use_gemm: bool | None = None) -> CodecModel:
+                use_gemm: bool | None = None, codec_kernel: str = "auto") -> CodecModel:
     """Move to `device`; parameters (not the float32 codebook/window buffers) to `dtype`.
 
-    On CPU in bfloat16 the transformer layers' linears are then prepacked (`layers.prepack`).
+    On CPU the transformer layers' linears are then prepacked (`layers.prepack`; float32 ones
+    for the GEMM where `use_gemm`, or else `gemm.choose` in mode `codec_kernel`, picks it).
     """
     model.to(device)
     for param in model.parameters():
         if param.dtype != dtype:
             param.data = param.data.to(dtype)
     model.eval().requires_grad_(False)
-    prepack(model, use_gemm)
+    prepack(model, use_gemm, codec_kernel)
     return model
 
 
@@ -83,13 +84,16 @@ def load_audio_tokenizer(
     dtype: torch.dtype | str = torch.float32,
     cuda_graph: bool = False,
     use_gemm: bool | None = None,
+    codec_kernel: str = "auto",
 ) -> AudioTokenizer:
     """Load a MiMo-Audio tokenizer directory (config.json + safetensors) onto `device`;
-    `use_gemm` overrides `gemm.choose()` for float32 on the CPU (the pipeline's memory rule)."""
+    `use_gemm` overrides `gemm.choose()` for float32 on the CPU (the pipeline's memory rule),
+    which otherwise decides in mode `codec_kernel` ("auto", "on", "off": the run's
+    `Placement.codec_kernel`)."""
     device = torch.device(normalize_device(str(device)))
     dtype = resolve_dtype(dtype)
     config = parse_config(path, CodecConfig.from_json)
     model = build_model(config, dtype)
     load_module_weights(model, path, f"audio tokenizer {path}", ignore=IGNORED_TENSORS)
-    return AudioTokenizer(place_model(model, device, dtype, use_gemm), device, dtype,
-                          cuda_graph=cuda_graph)
+    return AudioTokenizer(place_model(model, device, dtype, use_gemm, codec_kernel), device,
+                          dtype, cuda_graph=cuda_graph)

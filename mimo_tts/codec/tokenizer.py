@@ -19,20 +19,11 @@ from mimo_tts.codec.config import CodecConfig
 from mimo_tts.codec.decoder import pad_hidden
 from mimo_tts.codec.mel import LogMel, prepare_audio
 from mimo_tts.errors import AudioCheckError, InputError
-from mimo_tts.lm.config import AUDIO_CHANNELS, GROUP_SIZE
 
 # Spec §7.1: official synthesis decodes independent 60 s chunks with no overlap.
 DECODE_CHUNK_FRAMES = 1500
-# The LM consumes 8 RVQ channels in groups of 4 frames (spec §1, §6.1; defaults per spec §8.7).
-PROMPT_CHANNELS = AUDIO_CHANNELS
-
-
-def pad_to_groups(codes: Tensor) -> Tensor:
-    """[K, T] codes, T padded to whole LM groups by repeating the last frame (spec §10.5): the
-    one home of this rule (prompt building pads codes it is given the same way)."""
-    pad = -codes.shape[1] % GROUP_SIZE
-    return torch.cat([codes, codes[:, -1:].expand(-1, pad)], dim=1) if pad else codes
-
+# Spec §8 item 5: the warm-up decodes zero codes of this shape [K, T].
+WARMUP_CODES = (8, 4)
 
 # decode_batch pads sequences together up to this many frames per forward pass.
 BATCH_FRAMES = 4096
@@ -210,7 +201,8 @@ class AudioTokenizer:
 
     @_on_device
     def encode_prompt(self, audio: Tensor, sample_rate: int) -> Tensor:
-        """LM prompt codes [8, T']: 8 rows, T' padded to a multiple of 4 with the last frame.
+        """A voice prompt's codes [num_quantizers, T] (`encode`), as the codec gives them: the
+        LM's prompt builder takes its channels and pads them to whole groups (`lm.prompts`).
 
         A prompt shorter than one code frame (40 ms) has no code to give: InputError (exit 9).
         """
@@ -220,11 +212,11 @@ class AudioTokenizer:
             raise InputError(f"prompt audio is {1000 * samples / sample_rate:.1f} ms long "
                              f"({samples} samples at {sample_rate} Hz); a voice prompt needs "
                              f"at least {need:.0f} ms")
-        return pad_to_groups(self.encode(audio, sample_rate)[:PROMPT_CHANNELS])
+        return self.encode(audio, sample_rate)
 
     @_on_device
     def warmup(self) -> None:
         """Spec §8 item 5: encode 1 s of zeros and decode [8, 4] zeros (fills caches/graphs)."""
         rate = self.config.sampling_rate
         self.encode(torch.zeros(rate, device=self.device), rate)
-        self.decode(torch.zeros(PROMPT_CHANNELS, 4, dtype=torch.long, device=self.device))
+        self.decode(torch.zeros(WARMUP_CODES, dtype=torch.long, device=self.device))

@@ -19,7 +19,7 @@ AUDIO_CHANNELS = 8
 # Positions the LM may ever hold, prompt included (spec §4.7: GenerationConfig.max_length).
 MAX_GROUPS = 8192
 # Special tokens that end a generation, by the official task family (spec §4.7); the one home
-# of the stop sets: lm.generate and the TTS task specs (mimo_tts.tasks) read them here.
+# of the stop sets: lm.generate and the TTS task specs (mimo_tts.lm.tasks) read them here.
 TASK_STOP_TOKENS: dict[str, tuple[str, ...]] = {
     "tts": ("eos", "eostm", "im_end"),
     "spoken_dialogue": ("eos", "eostm", "im_end"),
@@ -28,7 +28,7 @@ TASK_STOP_TOKENS: dict[str, tuple[str, ...]] = {
     "text_chat": ("eos", "im_end"),
     "in_context_learning_s2s": ("eos", "eostm"),
 }
-LM_QUANTS = ("int8",)  # opt-in weight-only quantizations of the LM (mimo_tts/lm/quant.py)
+LM_QUANTS = ("int8",)  # opt-in weight-only quantizations of the LM (mimo_tts/lm/int8.py)
 
 
 def _field(cfg: dict, name: str, kind=int):

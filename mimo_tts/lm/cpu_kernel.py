@@ -19,8 +19,9 @@ The C source is compiled once per machine with the system C compiler (`-march=na
 toolchain (torch.utils.cpp_extension) at run time, and one small file to read. Loading asks
 Linux for AMX tile state for the whole process. By default (`auto`) the kernel runs only
 where it beats eager PyTorch (bfloat16 on AVX512-BF16 CPUs); `load_lm(..., cpu_kernel=
-"on"/"off")` or MIMO_TTS_CPU_KERNEL=1/0 overrides that, and `choose(model)` says whether it
-runs and why (not). Shapes in the C source: n rows, D dim, F ffn dim, S cache length.
+"on"/"off")` overrides that (the CLI and the library pass `Placement.cpu_kernel`, which
+MIMO_TTS_CPU_KERNEL=1/0 sets), and `choose(model)` says whether it runs and why (not).
+Shapes in the C source: n rows, D dim, F ffn dim, S cache length.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from torch import Tensor
 from mimo_tts.errors import UsageError
 from mimo_tts.lm.model import KVCache, MiMoAudioLM, linear
 from mimo_tts.lm.step import EagerStep
-from mimo_tts.runtime import kernels as native
-from mimo_tts.runtime.kernels import MODES, Choice, build
+from mimo_tts.runtime.devices import KERNEL_MODES, Choice
+from mimo_tts.runtime.kernels import build
 
 SOURCE = files("mimo_tts.lm") / "cpu_kernel.c"
 
@@ -72,7 +73,7 @@ class _Gemv(ctypes.Structure):
 
 @functools.cache
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    """(the compiled kernel, "") or (None, why not); built on first use (`native.build`)."""
+    """(the compiled kernel, "") or (None, why not); built on first use (`kernels.build`)."""
     lib, why = build(SOURCE, "lm_step")
     if lib is None:
         return None, why
@@ -144,7 +145,7 @@ def _ptr(t: Tensor | None) -> int | None:
 def _gemv(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Tensor | None,
           threads: int) -> Tensor:
     """x [rows, in] (contiguous) . weight[out, in]^T + bias -> [rows, out] in x's dtype;
-    an int8 weight brings its row scales (mimo_tts/lm/quant.py)."""
+    an int8 weight brings its row scales (mimo_tts/lm/int8.py)."""
     rows, out = x.shape[0], weight.shape[0]
     y = torch.empty(rows, out, dtype=x.dtype)
     call = _Gemv(_ptr(weight), _ptr(bias), _ptr(x), _ptr(getattr(weight, "scale", None)),
@@ -246,17 +247,10 @@ class CpuKernelStep(EagerStep):
         return self.model.local_transformer_lm_heads.logits(channels, hidden, self.matmul)
 
 
-ENV = "MIMO_TTS_CPU_KERNEL"  # "auto" (default), "1" (wherever it can run) or "0" (never)
-
-
-def mode_from_env() -> str:
-    """The kernel mode MIMO_TTS_CPU_KERNEL asks for: auto, on or off."""
-    return native.mode_from_env(ENV)
-
-
 def check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise UsageError(f"cpu kernel mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode not in KERNEL_MODES:
+        raise UsageError(f"cpu kernel mode must be one of {', '.join(KERNEL_MODES)}, "
+                         f"got {mode!r}")
     return mode
 
 

@@ -8,7 +8,7 @@ import torch
 
 from mimo_tts.errors import CheckpointError, DeviceError, UsageError
 from mimo_tts.lm.config import LMConfig
-from mimo_tts.lm.cpu_kernel import check_mode, mode_from_env
+from mimo_tts.lm.cpu_kernel import check_mode
 from mimo_tts.lm.int8 import QUANTS, quantize_lm
 from mimo_tts.lm.model import MiMoAudioLM
 from mimo_tts.runtime.devices import torch_dtype
@@ -25,14 +25,14 @@ def load_config(path: str | Path) -> LMConfig:
 
 def load_lm(path: str | Path, device: str | torch.device = "cpu",
             dtype: torch.dtype | str = torch.float32, *,
-            cpu_kernel: str | None = None, quant: str | None = None) -> MiMoAudioLM:
+            cpu_kernel: str = "auto", quant: str | None = None) -> MiMoAudioLM:
     """Build the LM on the meta device, load it strictly, move it to `device` in `dtype`,
     with q/k/v, gate/up and the channel heads fused as they load (no extra memory). On CPU the
     decode steps run through the fused C kernel (mimo_tts/lm/cpu_kernel.py) as `cpu_kernel`
-    says: "auto", "on" or "off" (None: MIMO_TTS_CPU_KERNEL, else "auto");
+    says: "auto", "on" or "off" (the run's `Placement.cpu_kernel`);
     `cpu_kernel.choose(model)` tells whether it does, and why (not). `quant="int8"`: int8
-    weight-only matrices (mimo_tts/lm/quant.py), CPU only, opt-in."""
-    mode = check_mode(cpu_kernel or mode_from_env())
+    weight-only matrices (mimo_tts/lm/int8.py), CPU only, opt-in."""
+    mode = check_mode(cpu_kernel)
     if quant is not None and quant not in QUANTS:
         raise UsageError(f"LM quantization must be one of {', '.join(QUANTS)}, got {quant!r}")
     if quant is not None and torch.device(device).type != "cpu":

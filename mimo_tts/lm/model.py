@@ -62,7 +62,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     A decode step multiplies 1-8 rows by each weight. On CPU, F.linear sends that to a GEMM
     that streams bf16 weights well below the memory bandwidth; `mv`/`mm` with the weight as
     the left operand reach it ("Stage-0" in docs/performance.md, scripts/bench_lm.py).
-    An int8 weight (mimo_tts/lm/quant.py) is dequantized to x's dtype first.
+    An int8 weight (mimo_tts/lm/int8.py) is dequantized to x's dtype first.
     """
     if weight.dtype == torch.int8:
         from mimo_tts.lm.int8 import dequantize

@@ -50,5 +50,5 @@ class NativeEngine:
 def load(lm_dir: Path, placement, options, text) -> NativeEngine:
     """`lm.engine.EngineSpec.load` for the native engine."""
     model = load_lm(lm_dir, placement.lm_device.value, placement.lm_dtype.value,
-                    quant=options.lm_quant)
+                    cpu_kernel=placement.cpu_kernel.value, quant=options.lm_quant)
     return NativeEngine(model, text.special)

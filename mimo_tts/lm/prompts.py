@@ -3,7 +3,8 @@
 A prompt is a list of segments. A text segment is tokenised on its own (BPE never merges across
 segments) and each token becomes one text group; an audio segment becomes a `<|sosp|>` group, one
 group per 4 codec frames and an `<|eosp|>` group (fixtures README §4). What each task takes
-lives in `mimo_tts.tasks`.
+lives in `mimo_tts.lm.tasks`. Voice-prompt codes come as the codec gives them and are cut to the
+LM's channels and padded to whole groups here (`pad_to_groups`).
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ class Segment:
     text: str = ""
     token_ids: tuple[int, ...] = ()
     audio_frames: int = 0
+    group_size: int = GROUP_SIZE
 
     @property
     def audio_groups(self) -> int:
-        return self.audio_frames // GROUP_SIZE
+        return self.audio_frames // self.group_size
 
     def render(self) -> str:
         """The segment as shown in `Prompt.rendered` (fixtures' `rendered_prompt` form)."""
@@ -64,7 +66,15 @@ class Prompt:
     n_groups: int
 
 
-def pad_prompt_codes(codes: torch.Tensor, n_channels: int) -> torch.Tensor:
+def pad_to_groups(codes: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
+    """[K, T] codes, T padded to whole LM groups by repeating the last frame (spec §10.5): the
+    one home of this rule."""
+    pad = -codes.shape[1] % group_size
+    return torch.cat([codes, codes[:, -1:].expand(-1, pad)], dim=1) if pad else codes
+
+
+def pad_prompt_codes(codes: torch.Tensor, n_channels: int,
+                     group_size: int = GROUP_SIZE) -> torch.Tensor:
     """First K rows of [>=K, T] codes, T padded to whole groups by repeating the last frame."""
     if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
         raise InputError("prompt codes must be a 2-D tensor [K, T]")
@@ -74,9 +84,8 @@ def pad_prompt_codes(codes: torch.Tensor, n_channels: int) -> torch.Tensor:
         raise InputError(f"prompt codes have {codes.shape[0]} rows, need {n_channels}")
     if codes.shape[1] == 0:
         raise InputError("prompt audio has no codec frames")
-    from mimo_tts.codec.tokenizer import pad_to_groups
-
-    return pad_to_groups(codes[:n_channels].to(device="cpu", dtype=torch.long))  # [K, T']
+    return pad_to_groups(codes[:n_channels].to(device="cpu", dtype=torch.long),
+                         group_size)  # [K, T']
 
 
 def _check_codes(codes: torch.Tensor, empty_ids: Sequence[int]) -> None:
@@ -108,25 +117,25 @@ def _pieces(task: str, text: str, instruct, template: str | None, voice) -> list
     return [*_system_turn(voice), user, "<|im_start|>assistant\n<think>\n"]
 
 
-def _text_groups(ids: Sequence[int], empty_ids: torch.Tensor) -> torch.Tensor:
+def _text_groups(ids: Sequence[int], empty_ids: torch.Tensor, group_size: int) -> torch.Tensor:
     """[1 + K, 4n] for n text tokens: token at frame 0, -100 at frames 1-3, channels empty."""
     n = len(ids)
-    text = torch.full((n, GROUP_SIZE), IGNORE_ID, dtype=torch.long)
+    text = torch.full((n, group_size), IGNORE_ID, dtype=torch.long)
     text[:, 0] = torch.tensor(list(ids), dtype=torch.long)
-    audio = empty_ids.unsqueeze(1).expand(-1, GROUP_SIZE * n)  # [K, 4n]
+    audio = empty_ids.unsqueeze(1).expand(-1, group_size * n)  # [K, 4n]
     return torch.cat([text.reshape(1, -1), audio], dim=0)
 
 
 def _audio_groups(
-    codes: torch.Tensor, special: SpecialTokens, empty_ids: torch.Tensor
+    codes: torch.Tensor, special: SpecialTokens, empty_ids: torch.Tensor, group_size: int
 ) -> torch.Tensor:
     """[1 + K, 4(g + 2)]: a <|sosp|> group, g = T'/4 audio groups, an <|eosp|> group."""
-    g = codes.shape[1] // GROUP_SIZE
-    text = torch.full((g, GROUP_SIZE), IGNORE_ID, dtype=torch.long)
+    g = codes.shape[1] // group_size
+    text = torch.full((g, group_size), IGNORE_ID, dtype=torch.long)
     text[:, 0] = special.empty
     body = torch.cat([text.reshape(1, -1), codes], dim=0)  # [1 + K, T']
-    sosp = _text_groups([special.sosp], empty_ids)
-    eosp = _text_groups([special.eosp], empty_ids)
+    sosp = _text_groups([special.sosp], empty_ids, group_size)
+    eosp = _text_groups([special.eosp], empty_ids, group_size)
     return torch.cat([sosp, body, eosp], dim=1)
 
 
@@ -145,11 +154,14 @@ def build_prompt(
     prompt_codes: torch.Tensor | None = None,
     template: int | str | None = None,
     seed: int | None = None,
+    group_size: int = GROUP_SIZE,
 ) -> Prompt:
     """Build a TTS prompt exactly as the official builder lays it out (spec §6.1-6.2).
 
-    `empty_ids` are the LM's per-channel empty ids (`speech_zeroemb_idx`); `prompt_codes` [K, T]
-    are voice-prompt codes (padded here to whole groups by repeating the last frame). The template
+    `empty_ids` are the LM's per-channel empty ids (`speech_zeroemb_idx`) and `group_size` its
+    frames per group (both from the checkpoint's LMConfig); `prompt_codes` [>=K, T] are
+    voice-prompt codes (cut to the LM's K channels and padded here to whole groups by repeating
+    the last frame). The template
     is `template` (index or string) if given, else drawn by `random.Random(seed)`; the natural
     layout uses none.
     """
@@ -160,7 +172,7 @@ def build_prompt(
     empty = torch.tensor([int(e) for e in empty_ids], dtype=torch.long)
     voice = None
     if prompt_codes is not None:
-        voice = pad_prompt_codes(prompt_codes, len(empty))
+        voice = pad_prompt_codes(prompt_codes, len(empty), group_size)
         _check_codes(voice, empty.tolist())
     processed = preprocess_text(text)
     index, chosen = None, None
@@ -171,10 +183,10 @@ def build_prompt(
         if isinstance(piece, str):
             ids = tokenizer.encode(piece)
             segments.append(Segment("text", piece, tuple(ids)))
-            blocks.append(_text_groups(ids, empty))
+            blocks.append(_text_groups(ids, empty, group_size))
         else:
-            segments.append(Segment("audio", audio_frames=piece.shape[1]))
-            blocks.append(_audio_groups(piece, tokenizer.special, empty))
+            segments.append(Segment("audio", audio_frames=piece.shape[1], group_size=group_size))
+            blocks.append(_audio_groups(piece, tokenizer.special, empty, group_size))
     input_ids = torch.cat(blocks, dim=1)  # [1 + K, 4G]
     return Prompt(
         task=task,
@@ -185,5 +197,5 @@ def build_prompt(
         template=chosen,
         text=processed,
         instruct=instruct,
-        n_groups=input_ids.shape[1] // GROUP_SIZE,
+        n_groups=input_ids.shape[1] // group_size,
     )

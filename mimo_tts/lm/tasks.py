@@ -2,7 +2,7 @@
 
 `TaskSpec` is the one home of a task's facts: the inputs it accepts, its sampler defaults (spec
 §4.6) and its stop tokens (spec §4.7). No torch here, so options validate tasks cheaply; the
-prompts themselves are built in `mimo_tts.prompts`.
+prompts themselves are built in `mimo_tts.lm.prompts`.
 
 Tasks (the official `tts_sft` forms, plus a documented voice-clone form):
 - `tts_sft`: plain, `read_text_only=True` without instruct.

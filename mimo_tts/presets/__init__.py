@@ -4,12 +4,15 @@ and the full-size one; checkpoint names resolved with the preset's name among th
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
-from mimo_tts.errors import CheckpointError
+from mimo_tts.codec.config import CodecConfig
+from mimo_tts.errors import CheckpointError, OutputError
+from mimo_tts.lm.config import LMConfig
 from mimo_tts.runtime import checkpoints
 from mimo_tts.runtime.checkpoints import ModelRef
-from mimo_tts.runtime.paths import cache_root
+from mimo_tts.runtime.paths import cache_root, pid_alive, publish
 
 TINY = "tiny"  # the preset's name, where a checkpoint name or directory is asked for
 TINY_PRESET_VERSION = 1
@@ -34,8 +37,8 @@ def ensure_tiny_preset(env=None, seed: int = 0) -> tuple[Path, Path]:
         (staging / "complete").write_text("ok\n")
         if final.exists():  # an incomplete earlier attempt
             _remove_tree(final)
-        os.replace(staging, final)
-    except OSError as exc:
+        publish(staging, final)
+    except (OSError, OutputError) as exc:
         if not (final / "complete").is_file():  # another process may have won the race
             raise CheckpointError(f"cannot write the tiny preset to {final}: {exc}") from None
     finally:
@@ -46,8 +49,6 @@ def ensure_tiny_preset(env=None, seed: int = 0) -> tuple[Path, Path]:
 def _remove_stale_staging(final: Path) -> None:
     """Remove the half-built `<preset>.tmp-<pid>` folders of builds killed before their rename
     (a live pid's folder is another build in progress and is left alone)."""
-    from mimo_tts.runtime.paths import pid_alive
-
     for staging in final.parent.glob(f"{final.name}.tmp-*"):
         pid = staging.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not pid_alive(int(pid)):
@@ -55,8 +56,6 @@ def _remove_stale_staging(final: Path) -> None:
 
 
 def _remove_tree(path: Path) -> None:
-    import shutil
-
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -71,7 +70,7 @@ def resolve(name: str, source: str, role: str, allow_download: bool = False, env
 
 
 def resolve_names(names, env=None, seed: int = 0) -> tuple[ModelRef, ModelRef]:
-    """Both checkpoints of `options.CheckpointNames`, resolved to local directories."""
+    """Both checkpoints of `synthesis.options.CheckpointNames`, resolved to local directories."""
     return (resolve(*names.lm, "model", names.allow_download, env, seed),
             resolve(*names.tokenizer, "tokenizer", names.allow_download, env, seed))
 
@@ -83,7 +82,12 @@ def locate(name: str, source: str, role: str, env=None) -> tuple[Path | None, st
         sub = root / ("lm" if role == "model" else "tokenizer")
         ok = (root / "complete").is_file()
         return (sub, "present (tiny preset)") if ok else (None, "tiny preset, built on first use")
-    return checkpoints.locate(name, source, role)
+    return checkpoints.locate(name, source, role, config_parser(role))
+
+
+def config_parser(role: str):
+    """The config.json parser of a role's model: the LM's ("model") or the codec's."""
+    return LMConfig.from_json if role == "model" else CodecConfig.from_json
 
 
 def checkpoint_dtype(name: str, source: str, role: str, env=None) -> str | None:

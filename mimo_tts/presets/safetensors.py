@@ -4,56 +4,48 @@
 device for the names and shapes, once for the values), lays out every file's header first and
 writes each tensor at its offset, so memory holds one tensor however large the checkpoint; a
 sharded checkpoint gets the Hugging Face `model.safetensors.index.json`. Files appear by rename,
-and a file whose bytes would not change is left alone.
+and a file whose bytes would not change is left alone. `randn` and `norm_weight` are the seeded
+draws the tensor generators of `presets.lm` and `presets.codec` share.
 """
 
 from __future__ import annotations
 
-import filecmp
 import json
 import math
 import os
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
+from mimo_tts.runtime.paths import atomic_write, create_temp, publish, temp_beside
+from mimo_tts.runtime.safetensors import INDEX_FILE
+
 Tensors = Iterator[tuple[str, torch.Tensor]]
+
+
+def randn(gen: torch.Generator | None, *shape: int, std: float) -> torch.Tensor:
+    """A seeded normal draw: every random tensor of `presets.lm` and `presets.codec`."""
+    return torch.randn(*shape, generator=gen).mul_(std)
+
+
+def norm_weight(gen, dim: int) -> torch.Tensor:
+    """A norm's weight: 1 plus a little noise."""
+    return 1.0 + randn(gen, dim, std=0.05)
 
 
 def json_bytes(data: dict) -> bytes:
     return (json.dumps(data, indent=2, ensure_ascii=False, sort_keys=True) + "\n").encode("utf-8")
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write via a temporary file + rename, so a concurrent reader sees old or new, never half."""
-    if path.is_file() and path.read_bytes() == data:
-        return  # idempotent: leave identical files (and their mtimes) alone
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        _publish(Path(tmp), path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _publish(tmp: Path, path: Path) -> None:
-    """Rename `tmp` over `path`, unless `path` already holds the same bytes (then drop `tmp`)."""
-    os.chmod(tmp, 0o644)  # mkstemp creates 0600; checkpoints are ordinary readable files
-    if path.is_file() and filecmp.cmp(tmp, path, shallow=False):
-        tmp.unlink()
-    else:
-        os.replace(tmp, path)
+def write_file(path: Path, data: bytes) -> None:
+    """`data` into `path` atomically (`paths.atomic_write`); identical files (and their mtimes)
+    are left alone, so a rewrite is idempotent."""
+    atomic_write(path, lambda f: f.write(data), keep_same=True)
 
 
 ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 WRITE_CHUNK = 1 << 24  # values cast and written at a time
-INDEX_FILE = "model.safetensors.index.json"
 
 
 class SafetensorsFile:
@@ -73,8 +65,8 @@ class SafetensorsFile:
         text = json.dumps(header, separators=(",", ":")).encode("utf-8")
         text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
         self.base, self.data_bytes = 8 + len(text), end
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        self.tmp, self.file = Path(tmp), os.fdopen(fd, "r+b")
+        self.tmp = temp_beside(path)
+        self.file = create_temp(self.tmp)
         self.file.write(len(text).to_bytes(8, "little") + text)
         self.file.truncate(self.base + end)
 
@@ -92,7 +84,7 @@ class SafetensorsFile:
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
-        _publish(self.tmp, self.path)
+        publish(self.tmp, self.path, keep_same=True)
 
     def discard(self) -> None:
         self.file.close()
@@ -129,7 +121,7 @@ def write_tensors(folder: Path, tensors: Callable[[torch.Generator | None], Tens
         raise
     if shards > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(where.items()))}
-        write_atomic(folder / INDEX_FILE, json_bytes(index))
+        write_file(folder / INDEX_FILE, json_bytes(index))
     keep = set(files) | ({INDEX_FILE} if shards > 1 else set())
     for old in [*folder.glob("model*.safetensors"), folder / INDEX_FILE]:
         if old.name not in keep:

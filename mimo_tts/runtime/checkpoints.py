@@ -1,5 +1,5 @@
-"""Which checkpoint directories: a path, or an HF id in the local cache (presets are resolved
-above this layer, in `synthesis/loader.py`).
+"""Which checkpoint directories: a path, or an HF id in the local cache (the `tiny` preset is
+resolved above this layer, in `mimo_tts.presets`).
 
 Resolution never downloads unless the caller allows it; a missing model is a CheckpointError
 that spells out the command that would fetch it. Nothing here loads weights: `locate` and the
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,8 +111,10 @@ def download(repo_ids: list[str]) -> list[ModelRef]:
 # --- preflight (no weights are read) ------------------------------------------------------------
 
 
-def locate(name: str, source: str, role: str) -> tuple[Path | None, str]:
-    """Where a checkpoint would be found, without writing or downloading: (path, status)."""
+def locate(name: str, source: str, role: str,
+           parse: Callable[[dict], object]) -> tuple[Path | None, str]:
+    """Where a checkpoint would be found, without writing or downloading: (path, status);
+    `parse` is the config parser of the role's model (a broken config.json is "broken")."""
     try:
         ref = resolve(name, source, role, allow_download=False)
     except CheckpointError as exc:
@@ -119,7 +122,7 @@ def locate(name: str, source: str, role: str) -> tuple[Path | None, str]:
     from mimo_tts.runtime.safetensors import check_files
 
     try:  # what a load would refuse before reading a weight: config, headers, sizes, index
-        check_files(ref.path, role)
+        check_files(ref.path, parse)
     except CheckpointError as exc:
         return ref.path, f"broken: {exc}"
     return ref.path, "present"

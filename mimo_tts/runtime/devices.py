@@ -1,4 +1,5 @@
-"""Device policy: where each stage runs, in what dtype, and whether decode uses CUDA graphs.
+"""Device policy: where each stage runs, in what dtype, whether decode uses CUDA graphs, and
+the modes of the C kernels (the LM's CPU kernel, the codec's float32 GEMM).
 
 This is the only module that reads device environment variables or probes CUDA. It returns
 frozen values that record the source of each choice, so a caller can report why a device won.
@@ -22,6 +23,12 @@ CUDA_GRAPH_ENV = "MIMO_AUDIO_TOKENIZER_CUDA_GRAPH"
 LM_DEVICE_ENV = "MIMO_TTS_LM_DEVICE"
 DTYPE_ENV = "MIMO_TTS_DTYPE"
 TOKENIZER_DTYPE_ENV = "MIMO_TTS_TOKENIZER_DTYPE"
+# "auto" (default), "1" (wherever it can run) or "0" (never): lm.cpu_kernel, codec.gemm.
+CPU_KERNEL_ENV = "MIMO_TTS_CPU_KERNEL"
+CODEC_KERNEL_ENV = "MIMO_TTS_CODEC_KERNEL"
+KERNEL_MODES = ("auto", "on", "off")
+_KERNEL_WORDS = {"on": ("1", "on", "true", "yes"), "off": ("0", "off", "false", "no"),
+                 "auto": ("", "auto")}
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda|mps)(?::(.*))?$")
 _FALSE = {"0", "false", "no", "off"}
@@ -63,17 +70,22 @@ class Probe:
                      cuda_bf16=bf16)
 
 
-def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, ...]:
-    """The native-bfloat16 flags of this CPU (empty off Linux or without them); no torch."""
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, ...]:
+    """The CPU's feature flags, in /proc/cpuinfo's order (empty off Linux); no torch."""
     try:
         with open(cpuinfo, encoding="utf-8", errors="replace") as handle:
             for line in handle:
                 if line.startswith("flags"):
-                    present = set(line.split(":", 1)[-1].split())
-                    return tuple(f for f in CPU_BF16_FLAGS if f in present)
+                    return tuple(line.split(":", 1)[-1].split())
     except OSError:
         pass
     return ()
+
+
+def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, ...]:
+    """The native-bfloat16 flags of this CPU (empty off Linux or without them); no torch."""
+    present = set(cpu_flags(cpuinfo))
+    return tuple(f for f in CPU_BF16_FLAGS if f in present)
 
 
 # Traces a GPU driver leaves on Linux: NVIDIA (/proc, /dev/nvidia*), WSL2 (/dev/dxg) and ROCm
@@ -108,10 +120,24 @@ def _loadable(name: str) -> bool:
 
 @dataclass(frozen=True)
 class Choice:
-    """A resolved value and where it came from ("flag", "env NAME", "config", "default")."""
+    """A resolved value and why: where it came from ("flag", "env NAME", "config", "default"),
+    or, for a kernel decision (`value` True or False), why it runs or not, in words."""
 
     value: object
     source: str
+
+    @property
+    def active(self) -> bool:
+        """A kernel decision: whether the kernel runs."""
+        return bool(self.value)
+
+    @property
+    def reason(self) -> str:
+        """A kernel decision: why it runs or not (the `source`)."""
+        return self.source
+
+
+DEFAULT_KERNEL = Choice("auto", "default")
 
 
 def _describe(value: str, source: str) -> str:
@@ -222,6 +248,17 @@ def resolve_cuda_graph(device: str, flag: bool | None = None, config=None, env=N
     return Choice(wanted, picked[1] if picked else "default")
 
 
+def resolve_kernel(env_name: str, env: Mapping[str, str] | None = None) -> Choice:
+    """A C kernel's mode from its environment variable: auto (unset), on (1) or off (0)."""
+    env = os.environ if env is None else env
+    raw = env.get(env_name)
+    value = (raw if raw is not None else "auto").strip().lower()
+    for mode, words in _KERNEL_WORDS.items():
+        if value in words:
+            return Choice(mode, f"env {env_name}" if raw else "default")
+    raise UsageError(f"{env_name}={raw!r}: use auto, 1 (on) or 0 (off)")
+
+
 def dtype_name(value: object, what: str, source: str) -> str:
     """Canonical dtype name (float32, bfloat16, float16) from a name or a short form."""
     name = str(value).strip().lower()
@@ -281,6 +318,8 @@ class Placement:
     lm_dtype: Choice
     tokenizer_dtype: Choice
     cuda_graph: Choice
+    cpu_kernel: Choice = DEFAULT_KERNEL  # the LM's fused CPU kernel (lm.cpu_kernel)
+    codec_kernel: Choice = DEFAULT_KERNEL  # the codec's float32 GEMM (codec.gemm)
 
     def describe(self) -> dict[str, dict[str, object]]:
         return {
@@ -316,6 +355,8 @@ def resolve_placement(
         tokenizer_dtype=resolve_dtype(tokenizer_dtype, profile.get("tokenizer_dtype"), tok.value,
                                       "tokenizer", tok_ckpt, env, probe),
         cuda_graph=resolve_cuda_graph(tok.value, cuda_graph, profile.get("cuda_graph"), env),
+        cpu_kernel=resolve_kernel(CPU_KERNEL_ENV, env),
+        codec_kernel=resolve_kernel(CODEC_KERNEL_ENV, env),
     )
 
 

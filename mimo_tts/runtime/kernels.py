@@ -2,41 +2,38 @@
 
 `-march=native` code goes into the user cache directory under a name keyed by the source,
 the flags and the CPU's feature flags, and is loaded with ctypes: no PyTorch headers or build
-toolchain at run time. Used by the LM's CPU kernel and the codec's float32 GEMM.
+toolchain at run time. Used by the LM's CPU kernel and the codec's float32 GEMM; whether each
+runs is their own decision (a `devices.Choice`), under the mode `devices.Placement` resolves.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
 import platform
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+import threading
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
-from mimo_tts.errors import UsageError
+from mimo_tts.runtime.devices import cpu_flags
+from mimo_tts.runtime.paths import cache_root, publish, temp_beside
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+# One build at a time in this process: the compiler's output is a temp file named by the pid.
+_BUILDING = threading.Lock()
 
 
 def _cache_dir() -> Path:
     """`kernels/` in the project's cache root (MIMO_TTS_CACHE, else XDG_CACHE_HOME/mimo-tts)."""
-    from mimo_tts.runtime.paths import cache_root
-
     return cache_root() / "kernels"
 
 
-def _cpu_flags() -> str:
+def _machine_key() -> str:
     """The CPU's feature flags: -march=native code is only reused on the same kind of CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), platform.node())
-    except OSError:
-        return platform.node()
+    return " ".join(cpu_flags()) or platform.node()
 
 
 def build(source: Traversable, stem: str) -> tuple[ctypes.CDLL | None, str]:
@@ -48,18 +45,13 @@ def build(source: Traversable, stem: str) -> tuple[ctypes.CDLL | None, str]:
         source_text = source.read_text(encoding="utf-8")
     except OSError:
         return None, f"this install has no {source.name}"
-    key = hashlib.sha256((source_text + " ".join(FLAGS) + _cpu_flags()).encode()).hexdigest()
+    key = hashlib.sha256((source_text + " ".join(FLAGS) + _machine_key()).encode()).hexdigest()
     target = _cache_dir() / f"{stem}_{key[:16]}.so"
     try:
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory() as tmp:
-                path = Path(tmp) / f"{stem}.c"
-                path.write_text(source_text)
-                built = Path(tmp) / target.name
-                subprocess.run(["cc", *FLAGS, str(path), "-o", str(built), "-lm"],
-                               check=True, capture_output=True, text=True, timeout=120)
-                os.replace(built, target)  # atomic: concurrent builders never see half a file
+        with _BUILDING:
+            if not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                _compile(source_text, stem, target)
         return ctypes.CDLL(str(target)), ""
     except subprocess.CalledProcessError as exc:
         lines = (exc.stderr or "").strip().splitlines()
@@ -68,23 +60,16 @@ def build(source: Traversable, stem: str) -> tuple[ctypes.CDLL | None, str]:
         return None, f"cannot build or load it ({exc})"
 
 
-MODES = ("auto", "on", "off")
-
-
-def mode_from_env(name: str) -> str:
-    """The kernel mode the environment variable `name` asks for: auto (unset), on or off."""
-    value = os.environ.get(name, "auto").strip().lower()
-    spellings = {"on": ("1", "on", "true", "yes"), "off": ("0", "off", "false", "no"),
-                 "auto": ("", "auto")}
-    for mode, words in spellings.items():
-        if value in words:
-            return mode
-    raise UsageError(f"{name}={os.environ[name]!r}: use auto, 1 (on) or 0 (off)")
-
-
-@dataclass(frozen=True)
-class Choice:
-    """Whether a kernel runs, and why (or why not), in words."""
-
-    active: bool
-    reason: str
+def _compile(source_text: str, stem: str, target: Path) -> None:
+    """`cc` into a temp file beside `target`, then renamed into place (`paths.publish`):
+    concurrent builders never see half a file."""
+    built = temp_beside(target)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"{stem}.c"
+        path.write_text(source_text)
+        try:
+            subprocess.run(["cc", *FLAGS, str(path), "-o", str(built), "-lm"],
+                           check=True, capture_output=True, text=True, timeout=120)
+            publish(built, target)
+        finally:
+            built.unlink(missing_ok=True)

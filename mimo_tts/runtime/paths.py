@@ -1,10 +1,12 @@
-"""Files and processes: the cache root, temp files renamed into place (atomic writes),
-no-follow opens, live pids."""
+"""Files and processes: the cache root, temp files renamed into place (atomic writes: the
+package's one recipe, `atomic_write`, or its parts `temp_beside`, `create_temp` and `publish`
+for files written piecemeal or by another program), no-follow opens, live pids."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import filecmp
 import json
 import os
 import stat
@@ -18,8 +20,9 @@ from mimo_tts.errors import (
 TEMP_MARK = ".mimo-tmp-"
 
 
-def _temp_path(path: Path) -> Path:
-    """A hidden `.part` file beside `path`: never matched by `*.wav`-style globs."""
+def temp_beside(path: Path) -> Path:
+    """A hidden `.part` file beside `path`, named by this pid: never matched by `*.wav`-style
+    globs, and known as a dead run's leftover once the pid is gone (`clean_temp_files`)."""
     return path.with_name(f"{TEMP_MARK}{os.getpid()}-{path.name}.part")
 
 
@@ -32,18 +35,29 @@ def is_special_file(path: str | Path) -> bool:
     return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
-def atomic_write(path: str | Path, writer) -> Path:
-    """Write through `writer(file)` into a temp file beside `path`, fsync, then rename."""
+def publish(temp: Path, path: Path, keep_same: bool = False) -> None:
+    """Rename the finished `temp` over `path` in one step, so a reader sees the old file or the
+    new, never half; with `keep_same` a file `path` that holds the same bytes stays as it is
+    (its mtime too) and `temp` goes."""
+    if keep_same and path.is_file() and filecmp.cmp(temp, path, shallow=False):
+        temp.unlink()
+    else:
+        os.replace(temp, path)
+
+
+def atomic_write(path: str | Path, writer, keep_same: bool = False) -> Path:
+    """Write through `writer(file)` into a temp file beside `path`, fsync, then rename
+    (`publish`); a device or FIFO at `path` is written in place."""
     path = Path(path)
     if is_special_file(path):
         return _write_in_place(path, writer)
-    temp = _temp_path(path)
+    temp = temp_beside(path)
     try:
-        with _create_temp(temp) as handle:
+        with create_temp(temp) as handle:
             writer(handle)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(temp, path)
+        publish(temp, path, keep_same)
     except OSError as exc:
         with contextlib.suppress(OSError):
             temp.unlink()
@@ -55,7 +69,7 @@ def atomic_write(path: str | Path, writer) -> Path:
     return path
 
 
-def _create_temp(temp: Path):
+def create_temp(temp: Path):
     """A new temp file, never through a link: a file of that name (a reused pid's leftover, or
     a planted symlink) is removed first, and O_EXCL | O_NOFOLLOW refuse one that reappears."""
     with contextlib.suppress(FileNotFoundError):

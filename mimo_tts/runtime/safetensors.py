@@ -114,19 +114,12 @@ def read_header(path: Path) -> dict:
     return header
 
 
-def check_files(directory: str | Path, role: str) -> None:
-    """What loading checks before reading any weight, torch-free: config.json for the role
-    ("model" or "tokenizer"), every safetensors header and file size, and that a sharded
-    index's tensors are in the shards it names."""
+def check_files(directory: str | Path, parse: Callable[[dict], object]) -> None:
+    """What loading checks before reading any weight, torch-free: config.json through `parse`
+    (the model's own config parser, e.g. LMConfig.from_json), every safetensors header and file
+    size, and that a sharded index's tensors are in the shards it names."""
     directory = Path(directory)
-    if role == "model":
-        from mimo_tts.lm.config import LMConfig
-
-        parse_config(directory, LMConfig.from_json)
-    else:
-        from mimo_tts.codec.config import CodecConfig
-
-        parse_config(directory, CodecConfig.from_json)
+    parse_config(directory, parse)
     files = weight_files(directory)
     found: dict[str, str] = {}
     for path in files:

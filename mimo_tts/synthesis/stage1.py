@@ -69,18 +69,21 @@ class Stage1:
             from mimo_tts.codec.gemm import choose
             from mimo_tts.synthesis.preflight import weights_bytes
 
-            choice = choose(beside, weights_bytes(tok_path, "float32") if beside else 0)
+            choice = choose(beside, weights_bytes(tok_path, "float32") if beside else 0,
+                            placement.codec_kernel.value)
         with _naming(tok_path), oom_advice("audio tokenizer loading", device):
             codec = load_audio_tokenizer(tok_path, device, dtype,
                                          cuda_graph=bool(placement.cuda_graph.value),
-                                         use_gemm=None if choice is None else choice.active)
+                                         use_gemm=None if choice is None else choice.active,
+                                         codec_kernel=placement.codec_kernel.value)
         log(f"audio tokenizer loaded from {tok_path}")
         if choice is not None:
             log(f"tokenizer float32 GEMM: {'on' if choice.active else 'off'}, {choice.reason}")
         return cls(codec, threads)
 
     def prompt_codes(self, path: str) -> torch.Tensor:
-        """Voice-prompt codes [8, T'] (encoded on the tokenizer device once per file)."""
+        """Voice-prompt codes [K, T] (encoded on the tokenizer device once per file); the
+        prompt builder cuts them to the LM's channels and pads them (`lm.prompts`)."""
         if path not in self._prompt_codes:
             audio, rate = read_audio(path)
             with thread_budget(self.threads), \

@@ -21,13 +21,13 @@ from dataclasses import asdict, dataclass, fields, replace
 import numpy as np
 import torch
 
-from mimo_tts import __version__
 from mimo_tts.errors import InputError
 from mimo_tts.lm.engine import DEFAULT_ENGINE, Engine, engine_spec
 from mimo_tts.lm.extract import extract
 from mimo_tts.lm.prompts import build_prompt
 from mimo_tts.lm.tasks import TASKS
 from mimo_tts.lm.text import TextTokenizer
+from mimo_tts.runtime import runner_record
 from mimo_tts.runtime.checkpoints import DEFAULT_MODEL
 from mimo_tts.runtime.guards import oom_advice, thread_budget
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, to_numpy
@@ -171,7 +171,8 @@ class MiMoTTS:
             raise InputError(f"task {o.task} takes no prompt audio; use tts_sft_with_audio")
         codes = self.stage1.prompt_codes(prompt_audio) if prompt_audio else None
         return [build_prompt(o.task, piece, self.text, self.empty_ids, instruct=instruct,
-                             prompt_codes=codes, template=o.template, seed=seed)
+                             prompt_codes=codes, template=o.template, seed=seed,
+                             group_size=self.group_size)
                 for piece in split_text(text, o.max_chars)]
 
     def generate(self, prompts: list, options, seed: int, batch_size: int = 1) -> list[Piece]:
@@ -265,7 +266,7 @@ class MiMoTTS:
         pieces = [codes] if isinstance(codes, torch.Tensor) else list(codes)
         audio = self.stage1.join([c.long() for c in pieces], pause_frames, "codes")
         return Audio(to_numpy(audio), self.stage1.sample_rate,
-                     {"runner": {"name": "mimo-tts", "version": __version__},
+                     {"runner": runner_record(),
                       "tokenizer": self.tok_ref.describe() if self.tok_ref else None})
 
     def _options(self, given: dict) -> SynthesisOptions:
@@ -273,7 +274,7 @@ class MiMoTTS:
         return replace(o, **{k: v for k, v in given.items() if v is not None})
 
     def _audio(self, audio: torch.Tensor, o: SynthesisOptions, pieces: list[Piece]) -> Audio:
-        record = {"runner": {"name": "mimo-tts", "version": __version__}, **self.describe(o),
+        record = {"runner": runner_record(), **self.describe(o),
                   "task": o.task, "instruct": o.instruct, "prompt_audio": o.prompt_audio,
                   "seed": o.seed, "pieces": [p.record() for p in pieces]}
         return Audio(to_numpy(audio), self.stage1.sample_rate, record)

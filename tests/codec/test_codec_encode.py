@@ -8,6 +8,7 @@ import torchaudio
 
 from mimo_tts.codec.mel import prepare_audio
 from mimo_tts.errors import InputError
+from mimo_tts.lm.prompts import pad_prompt_codes
 
 CASES = ("encode_chirp_1p3s", "encode_sines_2p7s")
 
@@ -34,7 +35,8 @@ def test_codes_match_reference_exactly(codec, encode_cases, name):
     assert codes.dtype == torch.int64
     assert torch.equal(codes, encode_cases[f"{name}.codes_all"].long())
     assert torch.equal(codes[:8], encode_cases[f"{name}.codes_8"].long())
-    prompt = codec.encode_prompt(audio, 24000)
+    assert torch.equal(codec.encode_prompt(audio, 24000), codes)  # plain: the LM pads
+    prompt = pad_prompt_codes(codec.encode_prompt(audio, 24000), 8)  # as the LM takes it
     assert torch.equal(prompt, encode_cases[f"{name}.codes_group_padded"].long())
     assert prompt.shape[1] % 4 == 0
     flat = prompt.t().reshape(-1)  # frame-major, as the prompt builder consumes it
@@ -42,7 +44,8 @@ def test_codes_match_reference_exactly(codec, encode_cases, name):
 
 
 def test_prompt_padding_repeats_last_frame(codec, encode_cases):
-    prompt = codec.encode_prompt(encode_cases["encode_chirp_1p3s.waveform_in"], 24000)
+    codes = codec.encode_prompt(encode_cases["encode_chirp_1p3s.waveform_in"], 24000)
+    prompt = pad_prompt_codes(codes, 8)
     assert prompt.shape == (8, 36)  # 33 frames -> 36
     assert torch.equal(prompt[:, 33:], prompt[:, 32:33].expand(-1, 3))
 

@@ -20,6 +20,7 @@ from mimo_tts.codec.layers import (
     unpack,
 )
 from mimo_tts.errors import UsageError
+from mimo_tts.runtime.devices import CODEC_KERNEL_ENV, resolve_placement
 
 needs_amx = pytest.mark.skipif(gemm.library() is None, reason=f"no GEMM: {gemm._build()[1]}")
 WAVE_TOL = 1e-4
@@ -75,10 +76,16 @@ def test_full_size_layer_stays_within_1e5_of_float32():
     assert _rel(packed_layer(x, rope, AttnSpec()), plain.double()) < 1e-5
 
 
+def _placed() -> str:
+    """The codec kernel mode a run's placement resolves (MIMO_TTS_CODEC_KERNEL, else auto)."""
+    return resolve_placement(lm_device="cpu", tokenizer_device="cpu").codec_kernel.value
+
+
 @pytest.fixture
 def forced(monkeypatch, tokenizer_dir):
-    monkeypatch.setenv(gemm.ENV, "1")
-    return load_audio_tokenizer(tokenizer_dir, device="cpu", dtype=torch.float32)
+    monkeypatch.setenv(CODEC_KERNEL_ENV, "1")
+    return load_audio_tokenizer(tokenizer_dir, device="cpu", dtype=torch.float32,
+                                codec_kernel=_placed())
 
 
 @needs_amx
@@ -114,20 +121,23 @@ def test_int8_copy_leaves_the_packed_model_alone(forced, decode_cases):
 
 
 def test_forced_off_keeps_the_plain_path(monkeypatch, tokenizer_dir):
-    monkeypatch.setenv(gemm.ENV, "0")
-    choice = gemm.choose()
+    monkeypatch.setenv(CODEC_KERNEL_ENV, "0")
+    choice = gemm.choose(mode=_placed())
     assert not choice.active and "off" in choice.reason
-    codec = load_audio_tokenizer(tokenizer_dir, device="cpu", dtype=torch.float32)
+    codec = load_audio_tokenizer(tokenizer_dir, device="cpu", dtype=torch.float32,
+                                 codec_kernel=_placed())
     assert not _packed(codec.model)
     assert all(p.device.type == "cpu" for p in codec.model.parameters())
 
 
 def test_choice_modes(monkeypatch):
-    monkeypatch.setenv(gemm.ENV, "maybe")
-    with pytest.raises(UsageError, match=gemm.ENV):
-        gemm.choose()
-    monkeypatch.setenv(gemm.ENV, "auto")
-    choice = gemm.choose()
+    monkeypatch.setenv(CODEC_KERNEL_ENV, "maybe")
+    with pytest.raises(UsageError, match=CODEC_KERNEL_ENV):
+        _placed()
+    with pytest.raises(UsageError, match="codec kernel mode"):
+        gemm.choose(mode="maybe")
+    monkeypatch.setenv(CODEC_KERNEL_ENV, "auto")
+    choice = gemm.choose(mode=_placed())
     if gemm.library() is None:
         assert not choice.active and choice.reason == gemm._build()[1]
     else:
@@ -136,9 +146,9 @@ def test_choice_modes(monkeypatch):
 
 
 def test_bfloat16_layers_are_not_gemm_packed(monkeypatch):
-    monkeypatch.setenv(gemm.ENV, "1")
+    monkeypatch.setenv(CODEC_KERNEL_ENV, "1")
     layer = TransformerLayer(64, 4, 128).bfloat16().eval().requires_grad_(False)
-    prepack(layer)
+    prepack(layer, codec_kernel=_placed())
     assert not _packed(layer) and layer.fc1.weight.dtype == torch.bfloat16
 
 
@@ -162,14 +172,14 @@ def test_auto_leaves_the_gemm_off_where_memory_is_short(monkeypatch, tokenizer_d
     and says so; forced on and the run without an LM on the CPU are not held back."""
     gib = 1 << 30
     monkeypatch.setenv("MIMO_TTS_AVAILABLE_MEMORY", "6GiB")
-    monkeypatch.delenv(gemm.ENV, raising=False)
-    short = gemm.choose(beside=3 * gib, weights=gib // 2)
+    monkeypatch.delenv(CODEC_KERNEL_ENV, raising=False)
+    short = gemm.choose(beside=3 * gib, weights=gib // 2, mode=_placed())
     assert not short.active and "of 6.0 GiB" in short.reason
-    assert gemm.choose().active == gemm.faster()[0]  # no LM beside: speed alone decides
-    assert gemm.choose(beside=gib, weights=gib // 2).active == gemm.faster()[0]
-    monkeypatch.setenv(gemm.ENV, "1")
-    assert gemm.choose(beside=3 * gib, weights=gib // 2).active
-    monkeypatch.setenv(gemm.ENV, "auto")
-    plain = load_audio_tokenizer(tokenizer_dir, use_gemm=False)
+    assert gemm.choose(mode=_placed()).active == gemm.faster()[0]  # no LM beside: speed decides
+    assert gemm.choose(beside=gib, weights=gib // 2, mode=_placed()).active == gemm.faster()[0]
+    monkeypatch.setenv(CODEC_KERNEL_ENV, "1")
+    assert gemm.choose(beside=3 * gib, weights=gib // 2, mode=_placed()).active
+    monkeypatch.setenv(CODEC_KERNEL_ENV, "auto")
+    plain = load_audio_tokenizer(tokenizer_dir, use_gemm=False, codec_kernel=_placed())
     assert not list(_packed_gemms(plain.model))
     assert list(_packed_gemms(load_audio_tokenizer(tokenizer_dir, use_gemm=True).model))

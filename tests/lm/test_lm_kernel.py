@@ -16,6 +16,7 @@ from mimo_tts.lm.generate import decode_patch, generate
 from mimo_tts.lm.load import load_lm
 from mimo_tts.lm.model import KVCache
 from mimo_tts.lm.sampling import GREEDY
+from mimo_tts.runtime.devices import CPU_KERNEL_ENV, resolve_placement
 
 TOL = 1e-4
 CASES = [("lm_forward", "prefill_tts_en"), ("lm_forward", "prefill_tts_instruct"),
@@ -53,6 +54,11 @@ def _steps(model, xs: torch.Tensor, kernel: bool) -> torch.Tensor:
     return torch.stack(out).float()
 
 
+def _placed() -> str:
+    """The CPU kernel mode a run's placement resolves (MIMO_TTS_CPU_KERNEL, else auto)."""
+    return resolve_placement(lm_device="cpu", tokenizer_device="cpu").cpu_kernel.value
+
+
 @pytest.fixture(scope="module")
 def kernel_lm(lm_dir):
     return load_lm(lm_dir, cpu_kernel="on")
@@ -73,13 +79,15 @@ def test_kernel_is_chosen_where_it_is_faster_and_says_why(lm_dir, kernel_lm, mon
     assert off == cpu_kernel.Choice(False, "off (asked for)")
     half = cpu_kernel.choose(load_lm(lm_dir, dtype=torch.float16, cpu_kernel="on"))
     assert not half.active and "torch.float16 weights" in half.reason
-    monkeypatch.setenv(cpu_kernel.ENV, "0")
-    assert not cpu_kernel.choose(load_lm(lm_dir, dtype=torch.bfloat16)).active
-    monkeypatch.setenv(cpu_kernel.ENV, "1")
-    assert cpu_kernel.choose(load_lm(lm_dir)).active
-    monkeypatch.setenv(cpu_kernel.ENV, "fast")
-    with pytest.raises(UsageError, match=cpu_kernel.ENV):
-        load_lm(lm_dir)
+    monkeypatch.setenv(CPU_KERNEL_ENV, "0")
+    assert not cpu_kernel.choose(load_lm(lm_dir, dtype=torch.bfloat16,
+                                         cpu_kernel=_placed())).active
+    monkeypatch.setenv(CPU_KERNEL_ENV, "1")
+    assert cpu_kernel.choose(load_lm(lm_dir, cpu_kernel=_placed())).active
+    assert not cpu_kernel.choose(load_lm(lm_dir)).active  # the LM itself reads no env
+    monkeypatch.setenv(CPU_KERNEL_ENV, "fast")
+    with pytest.raises(UsageError, match=CPU_KERNEL_ENV):
+        _placed()
     with pytest.raises(UsageError, match="cpu kernel mode"):
         load_lm(lm_dir, cpu_kernel="fast")
 

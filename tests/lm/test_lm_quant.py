@@ -1,4 +1,4 @@
-"""Opt-in int8 weight-only LM (mimo_tts/lm/quant.py): the quantizer, the kernel's int8
+"""Opt-in int8 weight-only LM (mimo_tts/lm/int8.py): the quantizer, the kernel's int8
 products against the dequantized matrices, and whole generations through both paths."""
 
 from __future__ import annotations

@@ -8,8 +8,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from mimo_tts.lm.prompts import pad_prompt_codes
 from mimo_tts.lm.text import TextTokenizer
-from mimo_tts.presets.write import SPECIAL_TOKENS, write_tiny_preset
+from mimo_tts.presets.lm import SPECIAL_TOKENS
+from mimo_tts.presets.write import write_tiny_preset
+from mimo_tts.runtime.paths import TEMP_MARK
 
 LM_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
             "tokenizer_config.json", "special_tokens_map.json"}
@@ -39,7 +42,8 @@ def test_rewrite_is_byte_identical(tmp_path):
     assert _files(a) == first == _files(tmp_path / "b")
     assert set(first) == {f"lm/{n}" for n in LM_FILES} | {"tokenizer/config.json",
                                                             "tokenizer/model.safetensors"}
-    assert not list(a.rglob("*.tmp"))  # no leftovers of the atomic writes
+    assert not list(a.rglob(f"{TEMP_MARK}*"))  # no leftovers of the atomic writes
+    assert not list(a.rglob("*.tmp")) and not list(a.rglob("*.part"))
     write_tiny_preset(tmp_path / "c", seed=4)
     other = _files(tmp_path / "c")
     assert other["lm/model.safetensors"] != first["lm/model.safetensors"]
@@ -150,7 +154,7 @@ def test_voice_prompt_audio_is_not_counted(loaded, seconds):
     n = int(24000 * seconds)
     t = torch.arange(n) / 24000
     voice = 0.3 * torch.sin(2 * torch.pi * (200 + 150 * t) * t)  # a chirp
-    prompt_codes = codec.encode_prompt(voice, 24000)
+    prompt_codes = pad_prompt_codes(codec.encode_prompt(voice, 24000), 8)
     assert prompt_codes.shape[1] >= 4 * 8  # more groups than some answers
     tokens, codes = _speak(loaded, "tts_sft_with_audio", 0, prompt_codes=prompt_codes)
     assert tokens[-1] == loaded[1].special.eostm

@@ -11,20 +11,18 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from mimo_tts.presets.safetensors import SafetensorsFile
-from mimo_tts.presets.write import (
-    FULL_CODEC,
+from mimo_tts.presets.codec import FULL_CODEC, codec_config, codec_tensors
+from mimo_tts.presets.lm import (
     FULL_LM,
     FULL_VOCAB,
     RESERVED,
     SPECIAL_TOKENS,
     TINY_LM,
     build_text_tokenizer,
-    codec_config,
-    codec_tensors,
     lm_tensors,
-    write_random_checkpoint,
 )
+from mimo_tts.presets.safetensors import SafetensorsFile
+from mimo_tts.presets.write import write_random_checkpoint
 
 # Intermediate dims: 16x the tiny width and 4x its depth, real head_dim 64 and GQA 4:1.
 MID_LM = dict(TINY_LM) | {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
@@ -52,7 +50,7 @@ def test_full_size_plan_matches_the_published_model():
     """The full-size LM and tokenizer, names and shapes only (meta): spec §3.7 and §4.9."""
     from mimo_tts.lm.config import LMConfig
     from mimo_tts.lm.model import MiMoAudioLM
-    from mimo_tts.presets.write import lm_config
+    from mimo_tts.presets.lm import lm_config
 
     special = _special()
     lm = _meta_shapes(lm_tensors(None, FULL_LM, FULL_VOCAB, special))

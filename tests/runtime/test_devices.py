@@ -7,16 +7,21 @@ import pytest
 from mimo_tts.errors import EXIT_DEVICE, EXIT_USAGE, DeviceError, UsageError
 from mimo_tts.runtime import devices
 from mimo_tts.runtime.devices import (
+    CODEC_KERNEL_ENV,
+    CPU_KERNEL_ENV,
     CUDA_GRAPH_ENV,
     DTYPE_ENV,
     LM_DEVICE_ENV,
     TOKENIZER_DEVICE_ENV,
     TOKENIZER_DTYPE_ENV,
+    Choice,
     Probe,
     cpu_bf16_flags,
+    cpu_flags,
     normalize_device,
     resolve_cuda_graph,
     resolve_dtype,
+    resolve_kernel,
     resolve_lm_device,
     resolve_placement,
     resolve_tokenizer_device,
@@ -226,6 +231,52 @@ def test_cpu_bf16_flags_read_from_cpuinfo(tmp_path):
     info.write_text("processor\t: 0\nflags\t\t: fpu sse avx2\n")
     assert cpu_bf16_flags(str(info)) == ()
     assert cpu_bf16_flags(str(tmp_path / "missing")) == ()
+
+
+def test_cpu_flags_keep_the_order_of_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx2\nprocessor\t: 1\nflags\t: x\n")
+    assert cpu_flags(str(info)) == ("fpu", "sse", "avx2")  # the first CPU's line
+    assert cpu_flags(str(tmp_path / "missing")) == ()
+
+
+# --- kernel modes: env > auto, resolved here for lm/ and codec/ ----------------------------------
+
+
+@pytest.mark.parametrize(("text", "mode"), [("1", "on"), ("ON", "on"), (" yes ", "on"),
+                                            ("true", "on"), ("0", "off"), ("no", "off"),
+                                            ("false", "off"), ("off", "off"), ("auto", "auto")])
+def test_kernel_mode_spellings(text, mode):
+    assert resolve_kernel(CPU_KERNEL_ENV, {CPU_KERNEL_ENV: text}) == \
+        Choice(mode, f"env {CPU_KERNEL_ENV}")
+
+
+def test_kernel_mode_defaults_to_auto():
+    assert resolve_kernel(CODEC_KERNEL_ENV, {}) == Choice("auto", "default")
+    assert resolve_kernel(CODEC_KERNEL_ENV, {CODEC_KERNEL_ENV: ""}) == Choice("auto", "default")
+
+
+def test_bad_kernel_mode_is_a_usage_error():
+    with pytest.raises(UsageError) as info:
+        resolve_kernel(CPU_KERNEL_ENV, {CPU_KERNEL_ENV: "fast"})
+    assert str(info.value) == "MIMO_TTS_CPU_KERNEL='fast': use auto, 1 (on) or 0 (off)"
+    assert info.value.exit_code == EXIT_USAGE
+
+
+def test_placement_carries_both_kernel_modes():
+    env = {CPU_KERNEL_ENV: "0", CODEC_KERNEL_ENV: "1"}
+    placement = resolve_placement(lm_device="cpu", tokenizer_device="cpu", env=env)
+    assert placement.cpu_kernel == Choice("off", f"env {CPU_KERNEL_ENV}")
+    assert placement.codec_kernel == Choice("on", f"env {CODEC_KERNEL_ENV}")
+    described = resolve_placement(lm_device="cpu", tokenizer_device="cpu", env={}).describe()
+    assert described["cpu_kernel"] == described["codec_kernel"] == {"value": "auto",
+                                                                    "source": "default"}
+
+
+def test_one_choice_type_reads_as_a_kernel_decision():
+    decision = Choice(True, "on: AMX tiles")
+    assert decision.active and decision.reason == "on: AMX tiles"
+    assert not Choice(False, "off (asked for)").active
 
 
 def test_detect_probe_matches_torch():
