@@ -10,6 +10,7 @@ invisible to valid queries, so a padded batch gives each sequence exactly what i
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -294,9 +295,25 @@ def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None, gelu: bool = F
 
 def _fusable(x: Tensor, weight, residual: Tensor | None) -> bool:
     return x.device.type == "cpu" and isinstance(weight, Tensor) and x.dtype == weight.dtype \
-        and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous() and (
+        and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and onednn_bf16())) \
+        and x.is_contiguous() and (
             residual is None or (residual.is_contiguous() and residual.dtype == x.dtype)) \
         and torch.backends.mkldnn.is_available() and not weight.requires_grad
+
+
+@functools.cache
+def onednn_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 linears on this CPU: it needs AVX512 (BW, VL, DQ), AVX-NE-
+    CONVERT or AMX and refuses others (an AVX2-only EPYC, say), where PyTorch's own bfloat16
+    kernels run instead. Found by running one tiny product, once per process."""
+    try:
+        weight = torch.ops.mkldnn._reorder_linear_weight(
+            torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 16, dtype=torch.bfloat16), weight,
+                                           None, "none", [], "")
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 class PackedLinear:
@@ -491,7 +508,7 @@ def prepack(model: nn.Module, use_gemm: bool | None = None, codec_kernel: str = 
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer) and
               isinstance(m.fc1, nn.Linear) and m.fc1.weight.device.type == "cpu"]
     dtypes = {m.fc1.weight.dtype for m in layers}
-    if torch.bfloat16 in dtypes and packable():
+    if torch.bfloat16 in dtypes and packable() and onednn_bf16():
         for m in layers:
             if m.fc1.weight.dtype == torch.bfloat16:
                 m.prepack(PackedLinear.of)

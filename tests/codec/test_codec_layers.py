@@ -9,6 +9,7 @@ from mimo_tts.codec.layers import (
     Rotary,
     TransformerLayer,
     attention_mask,
+    onednn_bf16,
     packable,
     prepack,
     run_layers,
@@ -65,7 +66,8 @@ def test_half_precision_stack_padded_once_equals_per_layer_key_padding(spec):
     torch.testing.assert_close(got.float(), expected.float(), atol=0.05, rtol=0.02)
 
 
-@pytest.mark.skipif(not packable(), reason="needs torch's oneDNN linear ops")
+@pytest.mark.skipif(not (packable() and onednn_bf16()),
+                    reason="needs oneDNN bfloat16 linears (AVX512-BW/VL/DQ, AVX-NE-CONVERT or AMX)")
 def test_prepacked_bfloat16_layers_match_plain_and_follow_new_weights():
     layers, rotary, spec = stack(dtype=torch.bfloat16), Rotary(DIM // HEADS, 10000), AttnSpec()
     x = torch.randn(1, 64, DIM).bfloat16()
@@ -84,3 +86,21 @@ def test_prepacked_bfloat16_layers_match_plain_and_follow_new_weights():
         repacked, _ = run_layers(layers, rotary, x, spec)
     assert not torch.allclose(changed.float(), packed.float(), atol=0.1)
     torch.testing.assert_close(changed.float(), repacked.float(), atol=0.05, rtol=0.02)
+
+
+def test_bfloat16_layers_run_where_onednn_refuses_bfloat16(monkeypatch):
+    """On a CPU whose oneDNN has no bfloat16 linears (an AVX2-only EPYC) nothing is packed and
+    the layers run PyTorch's own bfloat16 products, close to float32."""
+    from mimo_tts.codec import layers as codec_layers
+
+    monkeypatch.setattr(codec_layers, "onednn_bf16", lambda: False)
+    half, full = stack(dtype=torch.bfloat16), stack()
+    full.load_state_dict({k: v.float() for k, v in half.state_dict().items()})
+    rotary, spec = Rotary(DIM // HEADS, 10000), AttnSpec()
+    x = torch.randn(1, 32, DIM)
+    with torch.inference_mode():
+        prepack(half)
+        assert not hasattr(half[0].fc1, "packed")
+        got, _ = run_layers(half, rotary, x.bfloat16(), spec)
+        expected, _ = run_layers(full, rotary, x, spec)
+    torch.testing.assert_close(got.float(), expected, atol=0.1, rtol=0.05)
