@@ -9,7 +9,15 @@ from typing import Annotated
 
 import typer
 
-from mimo_tts.runtime.devices import DTYPES
+from mimo_tts.runtime.checkpoints import DEFAULT_MODEL, DEFAULT_TOKENIZER, TOKENIZER_PATH_ENV
+from mimo_tts.runtime.devices import (
+    CUDA_GRAPH_ENV,
+    DTYPE_ENV,
+    DTYPES,
+    LM_DEVICE_ENV,
+    TOKENIZER_DEVICE_ENV,
+    TOKENIZER_DTYPE_ENV,
+)
 from mimo_tts.synthesis.audio import FORMATS
 from mimo_tts.synthesis.options import ENGINES
 
@@ -31,22 +39,22 @@ VLLM, SERVE = "vLLM engine", "Server"
 Model = Annotated[str | None, typer.Option(
     "--model", "-m", rich_help_panel=MODELS, metavar="MODEL",
     help="LM checkpoint: a directory, a Hugging Face id (local cache) or 'tiny' (built-in preset). "
-         "Default XiaomiMiMo/MiMo-Audio-7B-Instruct.")]
+         f"Default {DEFAULT_MODEL}.")]
 Tokenizer = Annotated[str | None, typer.Option(
     rich_help_panel=MODELS, metavar="TOKENIZER", help="Audio tokenizer: a directory or HF id "
-    "(default XiaomiMiMo/MiMo-Audio-Tokenizer; env MIMO_AUDIO_TOKENIZER_PATH).")]
+    f"(default {DEFAULT_TOKENIZER}; env {TOKENIZER_PATH_ENV}).")]
 LmDevice = Annotated[str | None, typer.Option(
     rich_help_panel=DEV, metavar="DEVICE",
-    help="Stage-0 device: cpu, cuda, cuda:N, mps (env MIMO_TTS_LM_DEVICE).")]
+    help=f"Stage-0 device: cpu, cuda, cuda:N, mps (env {LM_DEVICE_ENV}).")]
 TokDevice = Annotated[str | None, typer.Option(
     rich_help_panel=DEV, metavar="DEVICE",
-    help="Stage-1 device (env MIMO_AUDIO_TOKENIZER_DEVICE).")]
+    help=f"Stage-1 device (env {TOKENIZER_DEVICE_ENV}).")]
 Dtype = Annotated[str | None, typer.Option(
     rich_help_panel=DEV, metavar="DTYPE", help="LM dtype: auto (default: the checkpoint's, where "
-    f"the device runs it natively), {', '.join(DTYPES)} (env MIMO_TTS_DTYPE).")]
+    f"the device runs it natively), {', '.join(DTYPES)} (env {DTYPE_ENV}).")]
 TokDtype = Annotated[str | None, typer.Option(
     rich_help_panel=DEV, metavar="DTYPE", help="Tokenizer dtype: auto (default), "
-    f"{', '.join(DTYPES)} (env MIMO_TTS_TOKENIZER_DTYPE).")]
+    f"{', '.join(DTYPES)} (env {TOKENIZER_DTYPE_ENV}).")]
 NoMemoryCheck = Annotated[bool | None, typer.Option(
     "--no-memory-check", rich_help_panel=DEV, show_default=False,
     help="Load even when the memory preflight says the run does not fit (exit 4 otherwise).")]
@@ -57,7 +65,7 @@ TokThreads = Annotated[int | None, typer.Option(
     rich_help_panel=DEV, metavar="N", help="CPU threads for Stage-1 decode and prompt encode.")]
 Graph = Annotated[bool | None, typer.Option(
     "--cuda-graph/--no-cuda-graph", rich_help_panel=DEV, show_default=False,
-    help="CUDA-graph decode on CUDA (env MIMO_AUDIO_TOKENIZER_CUDA_GRAPH; never on CPU).")]
+    help=f"CUDA-graph decode on CUDA (env {CUDA_GRAPH_ENV}; never on CPU).")]
 EngineName = Annotated[str | None, typer.Option(
     rich_help_panel=VLLM, metavar="ENGINE", help=f"Stage-0 engine: {', '.join(ENGINES)} "
     # `\\[` keeps rich markup from eating the extra's name

@@ -44,10 +44,19 @@ from mimo_tts.cli.params import (
     Verbose,
 )
 from mimo_tts.cli.report import Reporter, run_command
+from mimo_tts.codec.config import STREAM_MODES
 from mimo_tts.errors import EXIT_CHECKPOINT, EXIT_DEVICE, EXIT_OK
-from mimo_tts.lm.config import LM_QUANTS
+from mimo_tts.lm.config import LM_QUANTS, MAX_GROUPS, task_samplers
 from mimo_tts.lm.tasks import TASKS
-from mimo_tts.synthesis.options import STREAM_MODES
+from mimo_tts.lm.vllm import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_TENSOR_PARALLEL_SIZE,
+)
+from mimo_tts.synthesis.options import SynthesisOptions
+
+# The default task's (text, audio) samplers: the help's "task default" (every TTS task has them)
+TEXT, AUDIO = task_samplers(TASKS[SynthesisOptions.task].sampler)
 
 
 def synth(
@@ -87,13 +96,13 @@ def synth(
     seed: Annotated[int | None, typer.Option(rich_help_panel=GEN, metavar="SEED",
                                              help="Sampling seed (default 0).")] = None,
     temperature: Annotated[float | None, typer.Option(rich_help_panel=GEN, metavar="T",
-        help="Text temperature (0 = greedy; task default 0.6).")] = None,
+        help=f"Text temperature (0 = greedy; task default {TEXT.temperature:g}).")] = None,
     top_k: Annotated[int | None, typer.Option(rich_help_panel=GEN, metavar="K",
                                               help="Text top-k.")] = None,
     top_p: Annotated[float | None, typer.Option(rich_help_panel=GEN, metavar="P",
                                                 help="Text top-p.")] = None,
     audio_temperature: Annotated[float | None, typer.Option(rich_help_panel=GEN, metavar="T",
-        help="Audio temperature (0 = greedy; task default 0.9).")] = None,
+        help=f"Audio temperature (0 = greedy; task default {AUDIO.temperature:g}).")] = None,
     audio_top_k: Annotated[int | None, typer.Option(rich_help_panel=GEN, metavar="K",
                                                     help="Audio top-k.")] = None,
     audio_top_p: Annotated[float | None, typer.Option(rich_help_panel=GEN, metavar="P",
@@ -123,13 +132,15 @@ def synth(
     engine: EngineName = None,
     gpu_memory_utilization: Annotated[float | None, typer.Option(rich_help_panel=VLLM,
         metavar="FRACTION",
-        help="vLLM: share of GPU memory for weights + KV cache (default 0.9).")] = None,
+        help="vLLM: share of GPU memory for weights + KV cache (default "
+             f"{DEFAULT_GPU_MEMORY_UTILIZATION:g}).")] = None,
     max_num_seqs: Annotated[int | None, typer.Option(rich_help_panel=VLLM, metavar="N",
-        help="vLLM: prompts generated concurrently (default 32).")] = None,
+        help=f"vLLM: prompts generated concurrently (default {DEFAULT_MAX_NUM_SEQS}).")] = None,
     tensor_parallel_size: Annotated[int | None, typer.Option(rich_help_panel=VLLM, metavar="N",
-        help="vLLM: GPUs to shard the LM over (default 1).")] = None,
+        help=f"vLLM: GPUs to shard the LM over (default {DEFAULT_TENSOR_PARALLEL_SIZE}).")] = None,
     max_model_len: Annotated[int | None, typer.Option(rich_help_panel=VLLM, metavar="GROUPS",
-        help="vLLM: longest sequence in groups, prompt included (default 8192).")] = None,
+        help=f"vLLM: longest sequence in groups, prompt included (default {MAX_GROUPS}).")
+    ] = None,
     config: Config = None,
     shard: Annotated[str | None, typer.Option(rich_help_panel=RUN, metavar="K/N",
         help="Run shard K of N (K from 1) of the items, split by id, with its own manifest "

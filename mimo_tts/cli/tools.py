@@ -28,6 +28,8 @@ from mimo_tts.cli.params import (
 from mimo_tts.cli.report import Reporter, run_command
 from mimo_tts.errors import EXIT_OK, AudioCheckError
 from mimo_tts.presets import TINY
+from mimo_tts.runtime import checkpoints
+from mimo_tts.runtime.checkpoints import DEFAULT_MODEL, DEFAULT_TOKENIZER
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE
 
 
@@ -65,18 +67,15 @@ def status(
 
 
 def download(
-    model: Annotated[str, typer.Option(metavar="REPO", help="LM repo id.")] =
-        "XiaomiMiMo/MiMo-Audio-7B-Instruct",
+    model: Annotated[str, typer.Option(metavar="REPO", help="LM repo id.")] = DEFAULT_MODEL,
     tokenizer: Annotated[str, typer.Option(metavar="REPO", help="Tokenizer repo id.")] =
-        "XiaomiMiMo/MiMo-Audio-Tokenizer",
+        DEFAULT_TOKENIZER,
     debug: Debug = False,
 ) -> None:
     """Fetch the checkpoints into the Hugging Face cache (needs network access)."""
     reporter = Reporter(debug=debug)
 
     def body() -> int:
-        from mimo_tts.runtime import checkpoints
-
         for ref in checkpoints.download([model, tokenizer]):
             reporter.data(f"{ref.name}\t{ref.path}")
         return EXIT_OK

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import get_args, get_type_hints
 
 from mimo_tts.batch.shards import Shard, resolve_shard
+from mimo_tts.codec.config import STREAM_MODES
 from mimo_tts.errors import CheckpointError, MimoTTSError, UsageError, short_repr
-from mimo_tts.lm.config import LM_QUANTS, MAX_GROUPS
+from mimo_tts.lm.config import LM_QUANTS, MAX_GROUPS, SamplerConfig
 from mimo_tts.lm.engine import DEFAULT_ENGINE
 from mimo_tts.lm.engine import ENGINES as ENGINE_SPECS
 from mimo_tts.lm.tasks import TASKS, TTS_EN_TEMPLATES, TTS_ZH_TEMPLATES
@@ -28,7 +29,6 @@ from mimo_tts.runtime.checkpoints import DEFAULT_MODEL, DEFAULT_TOKENIZER, TOKEN
 from mimo_tts.runtime.devices import Placement, resolve_placement
 from mimo_tts.synthesis.audio import FORMATS, SAMPLE_RATE, check_format_rate, output_format
 
-STREAM_MODES = ("official", "incremental")
 MAX_TEMPERATURE = 100.0  # finite: inf/NaN would turn the softmax into NaN
 MAX_THREADS = 256  # torch/OpenMP crash or abort on absurd thread counts
 MAX_SAMPLE_RATE = 192000  # the highest rate libsndfile's FLAC writer takes
@@ -109,8 +109,6 @@ class SynthesisOptions:
 
     def samplers(self):
         """(text, audio) SamplerConfig: the task's defaults with these options' overrides."""
-        from mimo_tts.lm.sampling import SamplerConfig
-
         text, audio = TASKS[self.task].samplers()
 
         def pick(base, temperature, top_k, top_p):
