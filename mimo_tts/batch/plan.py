@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
 from mimo_tts.batch.items import Item, read_items
 from mimo_tts.batch.results import ItemResult
 from mimo_tts.batch.runner import BatchRunner
+from mimo_tts.batch.shards import Shard, resolve_shard
 from mimo_tts.batch.sinks import DirectorySink, FileSink, RawPcmSink, StdoutSink
 from mimo_tts.errors import UsageError
 from mimo_tts.synthesis.options import (
@@ -20,7 +22,6 @@ from mimo_tts.synthesis.options import (
     place,
     resolve,
     resolve_options,
-    with_shard,
 )
 from mimo_tts.synthesis.profiles import load_profile
 
@@ -42,9 +43,22 @@ def settings_for(flags: Mapping[str, object], config: str | None) -> Settings:
     return resolve(flags, load_profile(config), os.environ)
 
 
-def prepare_synth(flags: Mapping[str, object], config: str | None, stdin, log):
-    """Settings, items and a BatchRunner; usage errors up front, then input errors, then
-    device and checkpoint-name errors."""
+@dataclass(frozen=True)
+class Plan:
+    """A synth run, planned: its items (its shard's only), its settings and its shard."""
+
+    items: list[Item]
+    settings: Settings
+    shard: Shard | None = None  # --shard K/N (or its env default); None: every item
+
+    def sink(self):
+        """The one sink this run writes through."""
+        return sink_for(self.settings, self.shard)
+
+
+def prepare_synth(flags: Mapping[str, object], config: str | None, stdin, log) -> Plan:
+    """Settings, items and shard; usage errors up front, then input errors, then device and
+    checkpoint-name errors."""
     profile = load_profile(config)
     settings = resolve_options(flags, profile)
     run = settings.run
@@ -58,17 +72,25 @@ def prepare_synth(flags: Mapping[str, object], config: str | None, stdin, log):
     settings = place(settings, flags, profile, os.environ)
     if run.output or run.raw:
         _check(flags.get("shard") is None, "--shard splits an --output-dir run; drop -o/--raw")
-    else:  # shard K of N takes its part of the items (shards.py)
-        settings = with_shard(settings, flags, os.environ)
-    shard = settings.shard
-    if shard is not None:
+    shard = shard_for(settings, flags.get("shard"))
+    if shard is not None:  # shard K of N takes its part of the items
         items = [i for i in items if shard.owns(i.id)]
         log(f"shard {shard.label} ({shard.source}): {len(items)} items")
-    return items, settings, BatchRunner(settings, log=log)
+    return Plan(items, settings, shard)
 
 
-def sink_for(settings: Settings):
-    """The one sink a synth run writes through: raw PCM, stdout, one file or a directory."""
+def shard_for(settings: Settings, flag: str | None,
+              env: Mapping[str, str] | None = None) -> Shard | None:
+    """The shard of a run (flag > Slurm array > Indexed Job, `shards.resolve_shard`); a run to
+    one file or to stdout has none."""
+    if settings.run.output or settings.run.raw:
+        return None
+    return resolve_shard(flag, env)
+
+
+def sink_for(settings: Settings, shard: Shard | None = None):
+    """The one sink a synth run writes through: raw PCM, stdout, one file or a directory (the
+    shard's manifest and lock in it)."""
     run = settings.run
     if run.raw:
         return RawPcmSink(streamed=run.stream)
@@ -77,11 +99,11 @@ def sink_for(settings: Settings):
     if run.output:
         return FileSink(run.output, run.format, run.sample_rate, run.save_codes, run.overwrite)
     return DirectorySink(run.output_dir, settings.synthesis.task, run.format, run.sample_rate,
-                         run.save_codes, run.overwrite, settings.shard)
+                         run.save_codes, run.overwrite, shard)
 
 
-def run_synth(runner: BatchRunner, items: list[Item], sink=None) -> Iterator[ItemResult]:
-    """Run items through the sink (default: the one the settings ask for)."""
+def run_synth(runner: BatchRunner, items: list[Item], sink) -> Iterator[ItemResult]:
+    """Run items through the sink (`Plan.sink`, or `sink_for`)."""
     runner.resolve()  # a missing checkpoint ends the run here, before any item (exit 3)
-    with sink or sink_for(runner.settings) as opened:
+    with sink as opened:
         yield from runner.run(items, opened)

@@ -162,16 +162,18 @@ def synth(
             return _preflight(reporter, flags, config)
         if quiet:
             _quiet_libraries()
-        from mimo_tts.batch import plan as commands
+        from mimo_tts.batch.plan import prepare_synth, run_synth
         from mimo_tts.batch.results import exit_code_for
+        from mimo_tts.batch.runner import BatchRunner
 
-        items, settings, runner = commands.prepare_synth(flags, config, sys.stdin, reporter.log)
+        plan = prepare_synth(flags, config, sys.stdin, reporter.log)
+        runner = BatchRunner(plan.settings, log=reporter.log)
         start = time.perf_counter()
-        with runner, reporter.bar(len(items)) as advance:  # closes the engine (vLLM) at the end
+        with runner, reporter.bar(len(plan.items)) as advance:  # closes the engine (vLLM)
             results = []
-            for result in commands.run_synth(runner, items):
+            for result in run_synth(runner, plan.items, plan.sink()):
                 results.append(result)
-                reporter.item(result, settings.synthesis.task)
+                reporter.item(result, plan.settings.synthesis.task)
                 advance()
         reporter.info(summary(results, runner, time.perf_counter() - start))
         return exit_code_for(results)
@@ -231,17 +233,17 @@ def preflight_report(flags: Mapping[str, object], config: str | None) -> dict:
     as a run reads them (stdin is left alone), and their texts with `--text` size the memory
     plan."""
     from mimo_tts.batch.items import read_items
-    from mimo_tts.batch.plan import settings_for
-    from mimo_tts.synthesis.options import with_shard
+    from mimo_tts.batch.plan import settings_for, shard_for
     from mimo_tts.synthesis.preflight import preflight
 
     texts = [t for t in flags.get("text") or [] if t != "-"]
     files = [f for f in flags.get("input") or [] if f != "-"]
     settings = settings_for(flags, config)
     items = read_items([], files) if files else []
-    if not (settings.run.output or settings.run.raw):
-        settings = with_shard(settings, flags, os.environ)
+    shard = shard_for(settings, flags.get("shard"))
     report = preflight(settings, texts + [i.text for i in items if isinstance(i.text, str)])
+    report["shard"] = (shard.describe() if shard else
+                       {"shard": None, "source": "default: every item"})
     if files:
         report["inputs"] = {"files": files, "items": len(items),
                             "bad_items": sum(i.error is not None for i in items)}

@@ -108,7 +108,7 @@ def run_selftest(lm_device: str | None, tokenizer_device: str | None, log) -> di
 
     from mimo_tts.batch.files import load_codes
     from mimo_tts.batch.items import Item
-    from mimo_tts.batch.plan import run_synth
+    from mimo_tts.batch.plan import run_synth, sink_for
     from mimo_tts.batch.runner import BatchRunner
     from mimo_tts.synthesis.options import resolve
 
@@ -118,7 +118,7 @@ def run_selftest(lm_device: str | None, tokenizer_device: str | None, log) -> di
                             "save_codes": True})
         runner = BatchRunner(settings, log=log)
         item = Item(id="selftest", text="Hello from MiMo.", source="selftest")
-        (result,) = list(run_synth(runner, [item]))
+        (result,) = list(run_synth(runner, [item], sink_for(settings)))
         if result.status != "ok":
             error = AudioCheckError(f"selftest failed: {result.error}")
             error.exit_code = result.exit_code

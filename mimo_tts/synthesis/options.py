@@ -17,7 +17,6 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import get_args, get_type_hints
 
-from mimo_tts.batch.shards import Shard, resolve_shard
 from mimo_tts.codec.config import STREAM_MODES
 from mimo_tts.errors import CheckpointError, MimoTTSError, UsageError, short_repr
 from mimo_tts.lm.config import LM_QUANTS, MAX_GROUPS, SamplerConfig
@@ -241,7 +240,6 @@ class Settings:
     run: RunOptions = field(default_factory=RunOptions)
     placement: Placement | None = None
     checkpoints: CheckpointNames | None = None
-    shard: Shard | None = None  # synth's --shard K/N (or its env default); None: every item
     sources: Mapping[str, str] = field(default_factory=dict)
 
     def replace(self, **changes) -> Settings:
@@ -351,14 +349,6 @@ def _build(cls, values: dict, from_profile: list[str], profile: Mapping):
             raise UsageError(f"{getattr(profile, 'path', 'config profile')}: {key} = "
                              f"{short_repr(values[key])}: {exc}") from None
         raise
-
-
-def with_shard(settings: Settings, flags: Mapping[str, object],
-               env: Mapping[str, str] | None = None) -> Settings:
-    """Add synth's shard (`shards.resolve_shard`: flag > Slurm array / Indexed Job env)."""
-    shard = resolve_shard(flags.get("shard"), os.environ if env is None else env)
-    sources = {**settings.sources, "shard": shard.source if shard else "default"}
-    return replace(settings, shard=shard, sources=sources)
 
 
 def _pick(name: str, flags: Mapping, profile: Mapping) -> tuple[object, str]:
