@@ -1,5 +1,6 @@
-"""What `mimo-tts synth` and the Ray driver share: flags -> items, Settings and the one sink a
-run writes through, and the run itself through the batch runner.
+"""What `mimo-tts synth` and the Ray driver share: a `SynthRequest` (built once from the flags)
+-> items, Settings and Shard, the one sink a run writes through, and the run itself through
+the batch runner.
 
 No torch at import: the CLI imports this inside its commands, and `--dry-run` reads its
 settings without loading anything.
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mimo_tts.batch.items import Item, read_items
 from mimo_tts.batch.results import ItemResult
@@ -17,12 +18,7 @@ from mimo_tts.batch.runner import BatchRunner
 from mimo_tts.batch.shards import Shard, resolve_shard
 from mimo_tts.batch.sinks import DirectorySink, FileSink, RawPcmSink, StdoutSink
 from mimo_tts.errors import UsageError
-from mimo_tts.synthesis.options import (
-    Settings,
-    place,
-    resolve,
-    resolve_options,
-)
+from mimo_tts.synthesis.options import OptionValues, Settings, place, resolve_options
 from mimo_tts.synthesis.profiles import load_profile
 
 
@@ -38,9 +34,17 @@ def check_binary_stdout(to_stdout: bool, flag: str) -> None:
            "redirect it (> file)")
 
 
-def settings_for(flags: Mapping[str, object], config: str | None) -> Settings:
-    """The command's options, resolved once: flag > env > profile > default."""
-    return resolve(flags, load_profile(config), os.environ)
+@dataclass(frozen=True)
+class SynthRequest:
+    """What one `mimo-tts synth` (or a Ray run, or a preflight) asks for: the texts and input
+    files of its items, its shard, its profile, whether stdout takes JSON, and its options."""
+
+    options: OptionValues = field(default_factory=OptionValues)
+    texts: tuple[str, ...] = ()  # --text ('-': stdin)
+    inputs: tuple[str, ...] = ()  # --input .txt / .jsonl files ('-': stdin)
+    shard: str | None = None  # --shard K/N; None: from the env, or every item
+    config: str | None = None  # --config: a profile's path or name
+    as_json: bool = False
 
 
 @dataclass(frozen=True)
@@ -56,23 +60,24 @@ class Plan:
         return sink_for(self.settings, self.shard)
 
 
-def prepare_synth(flags: Mapping[str, object], config: str | None, stdin, log) -> Plan:
-    """Settings, items and shard; usage errors up front, then input errors, then device and
-    checkpoint-name errors."""
-    profile = load_profile(config)
-    settings = resolve_options(flags, profile)
+def plan_synth(request: SynthRequest, stdin=None, log=None) -> Plan:
+    """Settings, items and shard of a request; usage errors up front, then input errors, then
+    device and checkpoint-name errors."""
+    log = log or (lambda message: None)
+    profile = load_profile(request.config)
+    settings = resolve_options(request.options, profile)
     run = settings.run
-    _check(not (flags.get("as_json") and run.to_stdout),
+    _check(not (request.as_json and run.to_stdout),
            "--json prints to stdout, which -o - / --raw already use")
     check_binary_stdout(run.to_stdout, "--raw" if run.raw else "-o -")
-    items = read_items(flags.get("text") or [], flags.get("input") or [], stdin)
+    items = read_items(request.texts, request.inputs, stdin)
     _check(bool(items), "nothing to say: give --text, --input FILE or --input -")
     _check(run.output is None or run.raw or len(items) == 1,
            f"-o/--output takes exactly one item, got {len(items)}; use --output-dir")
-    settings = place(settings, flags, profile, os.environ)
+    settings = place(settings, request.options, profile, os.environ)
     if run.output or run.raw:
-        _check(flags.get("shard") is None, "--shard splits an --output-dir run; drop -o/--raw")
-    shard = shard_for(settings, flags.get("shard"))
+        _check(request.shard is None, "--shard splits an --output-dir run; drop -o/--raw")
+    shard = shard_for(settings, request.shard)
     if shard is not None:  # shard K of N takes its part of the items
         items = [i for i in items if shard.owns(i.id)]
         log(f"shard {shard.label} ({shard.source}): {len(items)} items")

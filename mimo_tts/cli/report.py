@@ -119,3 +119,15 @@ def _run_error(reporter: Reporter, message: str, code: int) -> int:
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
+
+def quiet_libraries() -> None:
+    """--quiet: what the libraries print on stderr is cut to errors too (vLLM's logs and its
+    loading bar, torch's C++ and Python warnings), set before they are imported; a variable
+    the user set stays."""
+    import warnings
+
+    for name, value in (("VLLM_LOGGING_LEVEL", "ERROR"), ("TORCH_CPP_LOG_LEVEL", "ERROR"),
+                        ("TORCH_LOGS", "-torch"), ("TQDM_DISABLE", "1")):
+        os.environ.setdefault(name, value)
+    warnings.simplefilter("ignore")
+

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Mapping
 from typing import Annotated
 
 import typer
@@ -43,7 +42,7 @@ from mimo_tts.cli.params import (
     TokThreads,
     Verbose,
 )
-from mimo_tts.cli.report import Reporter, run_command
+from mimo_tts.cli.report import Reporter, quiet_libraries, run_command
 from mimo_tts.codec.config import STREAM_MODES
 from mimo_tts.errors import EXIT_CHECKPOINT, EXIT_DEVICE, EXIT_OK
 from mimo_tts.lm.config import LM_QUANTS, MAX_GROUPS, task_samplers
@@ -53,7 +52,7 @@ from mimo_tts.lm.vllm import (
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_TENSOR_PARALLEL_SIZE,
 )
-from mimo_tts.synthesis.options import SynthesisOptions
+from mimo_tts.synthesis.options import OptionValues, SynthesisOptions, resolve
 
 # The default task's (text, audio) samplers: the help's "task default" (every TTS task has them)
 TEXT, AUDIO = task_samplers(TASKS[SynthesisOptions.task].sampler)
@@ -68,7 +67,7 @@ def synth(
         help=".txt (one item per line) or .jsonl (id, text, instruct, prompt_audio, seed); "
              "'-' reads stdin.")] = None,
     task: Annotated[str | None, typer.Option(rich_help_panel=IN, metavar="TASK",
-        help=f"Prompt task: {', '.join(TASKS)} (default tts_sft).")] = None,
+        help=f"Prompt task: {', '.join(TASKS)} (default {SynthesisOptions.task}).")] = None,
     instruct: Annotated[str | None, typer.Option(rich_help_panel=IN, metavar="TEXT",
                                                  help="Style instruction.")] = None,
     prompt_audio: Annotated[str | None, typer.Option(rich_help_panel=IN, metavar="FILE",
@@ -154,19 +153,34 @@ def synth(
     debug: Debug = False,
 ) -> None:
     """Synthesise speech: text -> [b]output_audio/<task>/<id>.wav[/b] (+ sidecar, manifest)."""
-    flags = dict(locals())
+    from mimo_tts.batch.plan import SynthRequest
+
+    options = OptionValues(
+        task=task, instruct=instruct, prompt_audio=prompt_audio, template=template,
+        max_chars=max_chars, model=model, tokenizer=tokenizer, allow_download=allow_download,
+        lm_device=lm_device, tokenizer_device=tokenizer_device, dtype=dtype,
+        tokenizer_dtype=tokenizer_dtype, cuda_graph=cuda_graph, no_memory_check=no_memory_check,
+        lm_quant=lm_quant, lm_threads=lm_threads, tokenizer_threads=tokenizer_threads, seed=seed,
+        temperature=temperature, top_k=top_k, top_p=top_p, audio_temperature=audio_temperature,
+        audio_top_k=audio_top_k, audio_top_p=audio_top_p, max_new_groups=max_new_groups,
+        batch_size=batch_size, output_dir=output_dir, output=output, format=format,
+        sample_rate=sample_rate, save_codes=save_codes, overwrite=overwrite, stream=stream,
+        raw=raw, stream_mode=stream_mode, engine=engine,
+        gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+        tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len)
+    request = SynthRequest(options, tuple(text or ()), tuple(input or ()), shard, config, as_json)
     reporter = Reporter(quiet, verbose, as_json, debug, stdout_data=not (raw or output == "-"))
 
     def body() -> int:
         if dry_run:
-            return _preflight(reporter, flags, config)
+            return _preflight(reporter, request)
         if quiet:
-            _quiet_libraries()
-        from mimo_tts.batch.plan import prepare_synth, run_synth
+            quiet_libraries()
+        from mimo_tts.batch.plan import plan_synth, run_synth
         from mimo_tts.batch.results import exit_code_for
         from mimo_tts.batch.runner import BatchRunner
 
-        plan = prepare_synth(flags, config, sys.stdin, reporter.log)
+        plan = plan_synth(request, sys.stdin, reporter.log)
         runner = BatchRunner(plan.settings, log=reporter.log)
         start = time.perf_counter()
         with runner, reporter.bar(len(plan.items)) as advance:  # closes the engine (vLLM)
@@ -181,20 +195,8 @@ def synth(
     run_command(reporter, body)
 
 
-def _quiet_libraries() -> None:
-    """--quiet: what the libraries print on stderr is cut to errors too (vLLM's logs and its
-    loading bar, torch's C++ and Python warnings), set before they are imported; a variable
-    the user set stays."""
-    import warnings
-
-    for name, value in (("VLLM_LOGGING_LEVEL", "ERROR"), ("TORCH_CPP_LOG_LEVEL", "ERROR"),
-                        ("TORCH_LOGS", "-torch"), ("TQDM_DISABLE", "1")):
-        os.environ.setdefault(name, value)
-    warnings.simplefilter("ignore")
-
-
-def _preflight(reporter: Reporter, flags: dict, config: str | None) -> int:
-    report = preflight_report(flags, config)
+def _preflight(reporter: Reporter, request) -> int:
+    report = preflight_report(request)
     if reporter.as_json:
         reporter.data(report)
     else:  # the report is the command's data: pretty JSON on stdout
@@ -205,7 +207,7 @@ def _preflight(reporter: Reporter, flags: dict, config: str | None) -> int:
         reporter.error(entry["status"].split(": ", 1)[-1])
     if missing:
         return EXIT_CHECKPOINT
-    if report.get("memory_error") and not flags.get("no_memory_check"):
+    if report.get("memory_error") and not request.options.no_memory_check:
         reporter.error(report["memory_error"])
         return EXIT_DEVICE
     return EXIT_OK
@@ -222,25 +224,31 @@ def devices(
     Loads no weights. Exits 3 when a checkpoint is missing, 4 on a bad device or when the
     default run would not fit in memory.
     """
-    flags = dict(locals())
+    from mimo_tts.batch.plan import SynthRequest
+
+    options = OptionValues(model=model, tokenizer=tokenizer, lm_device=lm_device,
+                           tokenizer_device=tokenizer_device, dtype=dtype,
+                           tokenizer_dtype=tokenizer_dtype, cuda_graph=cuda_graph, engine=engine,
+                           no_memory_check=no_memory_check)
+    request = SynthRequest(options, config=config, as_json=as_json)
     reporter = Reporter(as_json=as_json, debug=debug)
-    run_command(reporter, lambda: _preflight(reporter, flags, config))
+    run_command(reporter, lambda: _preflight(reporter, request))
 
 
-
-def preflight_report(flags: Mapping[str, object], config: str | None) -> dict:
-    """The preflight of the run these flags describe: the `--input` files are read and checked
-    as a run reads them (stdin is left alone), and their texts with `--text` size the memory
-    plan."""
+def preflight_report(request) -> dict:
+    """The preflight of the run a `SynthRequest` describes: the `--input` files are read and
+    checked as a run reads them (stdin is left alone), and their texts with `--text` size the
+    memory plan; the shard is the one the run would take."""
     from mimo_tts.batch.items import read_items
-    from mimo_tts.batch.plan import settings_for, shard_for
+    from mimo_tts.batch.plan import shard_for
     from mimo_tts.synthesis.preflight import preflight
+    from mimo_tts.synthesis.profiles import load_profile
 
-    texts = [t for t in flags.get("text") or [] if t != "-"]
-    files = [f for f in flags.get("input") or [] if f != "-"]
-    settings = settings_for(flags, config)
+    texts = [t for t in request.texts if t != "-"]
+    files = [f for f in request.inputs if f != "-"]
+    settings = resolve(request.options, load_profile(request.config), os.environ)
     items = read_items([], files) if files else []
-    shard = shard_for(settings, flags.get("shard"))
+    shard = shard_for(settings, request.shard)
     report = preflight(settings, texts + [i.text for i in items if isinstance(i.text, str)])
     report["shard"] = (shard.describe() if shard else
                        {"shard": None, "source": "default: every item"})

@@ -31,6 +31,7 @@ from mimo_tts.presets import TINY
 from mimo_tts.runtime import checkpoints
 from mimo_tts.runtime.checkpoints import DEFAULT_MODEL, DEFAULT_TOKENIZER
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE
+from mimo_tts.synthesis.options import OptionValues, resolve
 
 
 def status(
@@ -110,12 +111,11 @@ def run_selftest(lm_device: str | None, tokenizer_device: str | None, log) -> di
     from mimo_tts.batch.items import Item
     from mimo_tts.batch.plan import run_synth, sink_for
     from mimo_tts.batch.runner import BatchRunner
-    from mimo_tts.synthesis.options import resolve
 
     with tempfile.TemporaryDirectory(prefix="mimo-tts-selftest-") as tmp:
-        settings = resolve({"model": TINY, "lm_device": lm_device or "cpu",
-                            "tokenizer_device": tokenizer_device or "cpu", "output_dir": tmp,
-                            "save_codes": True})
+        settings = resolve(OptionValues(model=TINY, lm_device=lm_device or "cpu",
+                                        tokenizer_device=tokenizer_device or "cpu",
+                                        output_dir=tmp, save_codes=True))
         runner = BatchRunner(settings, log=log)
         item = Item(id="selftest", text="Hello from MiMo.", source="selftest")
         (result,) = list(run_synth(runner, [item], sink_for(settings)))
@@ -181,12 +181,20 @@ def serve(
     verbose: Verbose = False, debug: Debug = False,
 ) -> None:
     """Serve an OpenAI-compatible speech API: POST /v1/audio/speech (needs the serve extra)."""
-    flags = {k: v for k, v in locals().items() if k not in ("config", "verbose", "debug")}
+    serving = {"host": host, "port": port, "api_key": api_key, "voice": voice,
+               "batch_size": batch_size, "max_concurrent": max_concurrent, "max_queue": max_queue,
+               "max_input_chars": max_input_chars, "timeout": timeout}
+    options = OptionValues(
+        max_new_groups=max_new_groups, model=model, tokenizer=tokenizer, lm_device=lm_device,
+        tokenizer_device=tokenizer_device, dtype=dtype, tokenizer_dtype=tokenizer_dtype,
+        cuda_graph=cuda_graph, no_memory_check=no_memory_check, lm_threads=lm_threads,
+        tokenizer_threads=tokenizer_threads)
     reporter = Reporter(verbose=verbose, debug=debug)
 
     def body() -> int:
         from mimo_tts.server import app as server
 
-        return server.main(flags, config, reporter)
+        # the server's own settings, then the model's options by name (`options.resolve`)
+        return server.main({**serving, **options.given()}, config, reporter)
 
     run_command(reporter, body)
