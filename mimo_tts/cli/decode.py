@@ -16,10 +16,20 @@ import typer
 from mimo_tts import presets
 from mimo_tts.batch.files import load_codes
 from mimo_tts.batch.sinks import FileSink, StdoutSink
-from mimo_tts.cli.params import OUT, Debug, Fmt, Graph, Quiet, Rate, TokDevice, TokDtype, Tokenizer
+from mimo_tts.cli.params import (
+    OUT,
+    Debug,
+    Fmt,
+    Graph,
+    NoMemoryCheck,
+    Quiet,
+    Rate,
+    TokDevice,
+    TokDtype,
+    Tokenizer,
+)
 from mimo_tts.cli.report import Reporter, run_command
 from mimo_tts.errors import MimoTTSError, UsageError
-from mimo_tts.runtime.devices import resolve_placement
 from mimo_tts.synthesis.audio import (
     FORMATS,
     PAUSE_FRAMES,
@@ -28,7 +38,7 @@ from mimo_tts.synthesis.audio import (
     output_format,
     resample,
 )
-from mimo_tts.synthesis.options import pick_names
+from mimo_tts.synthesis.options import OptionValues, resolve
 
 
 def decode(
@@ -36,6 +46,7 @@ def decode(
         metavar="CODES", help="Codes file(s) written by --save-codes.")],
     tokenizer: Tokenizer = None, tokenizer_device: TokDevice = None,
     tokenizer_dtype: TokDtype = None, cuda_graph: Graph = None,
+    no_memory_check: NoMemoryCheck = None,
     output: Annotated[str | None, typer.Option("--output", "-o", rich_help_panel=OUT,
         metavar="FILE",
         help="Output file ('-' = stdout); default <codes stem>.decoded.wav beside the codes.")
@@ -50,16 +61,17 @@ def decode(
 
     A bad file (unreadable, codes out of range, audio failing its check) fails alone.
     """
+    options = OptionValues(tokenizer=tokenizer, tokenizer_device=tokenizer_device,
+                           tokenizer_dtype=tokenizer_dtype, cuda_graph=cuda_graph,
+                           no_memory_check=no_memory_check)
     reporter = Reporter(quiet=quiet, debug=debug, stdout_data=output != "-")
 
     def body() -> int:
         from mimo_tts.batch.results import exit_code_for
 
         results = []
-        for result in decode_files(
-                codes, reporter.log, output=output, fmt=format, sample_rate=sample_rate,
-                tokenizer=tokenizer, tokenizer_device=tokenizer_device,
-                tokenizer_dtype=tokenizer_dtype, cuda_graph=cuda_graph, overwrite=overwrite):
+        for result in decode_files(codes, options, reporter.log, output=output, fmt=format,
+                                   sample_rate=sample_rate, overwrite=overwrite):
             results.append(result)
             if result.error is not None:
                 reporter.err.print(f"failed {result.source}: {result.error}", markup=False)
@@ -84,15 +96,16 @@ class DecodeResult:
         return "error" if self.error is not None else "ok"
 
 
-def decode_files(codes: list[str], log, *, output: str | None = None, fmt: str | None = None,
-                 sample_rate: int | None = None, tokenizer: str | None = None,
-                 tokenizer_device: str | None = None, tokenizer_dtype: str | None = None,
-                 cuda_graph: bool | None = None,
+def decode_files(codes: list[str], options: OptionValues, log, *, output: str | None = None,
+                 fmt: str | None = None, sample_rate: int | None = None,
                  overwrite: bool = False) -> Iterator[DecodeResult]:
-    """`mimo-tts decode`: saved codes -> audio files, decoded on the tokenizer device.
+    """`mimo-tts decode`: saved codes -> audio files, decoded on the tokenizer device that
+    `options` (the tokenizer's flags) resolve to.
 
-    A bad codes file (unreadable, codes out of range, audio failing its check) fails alone;
-    the other files are still decoded. An existing output is kept unless `overwrite`.
+    The tokenizer loads through `Stage1.from_settings`: a decode that cannot fit is refused
+    (exit 4) before loading. A bad codes file (unreadable, codes out of range, audio failing
+    its check) fails alone; the other files are still decoded. An existing output is kept
+    unless `overwrite`.
     """
     from mimo_tts.batch.plan import check_binary_stdout
     from mimo_tts.synthesis.stage1 import Stage1
@@ -105,13 +118,12 @@ def decode_files(codes: list[str], log, *, output: str | None = None, fmt: str |
     check_binary_stdout(output == "-", "-o -")
     loaded = {p: _try(lambda p=p: load_codes(p)) for p in paths}
     first = next((v for v in loaded.values() if not isinstance(v, MimoTTSError)), None)
-    placement = resolve_placement(tokenizer_device=tokenizer_device,
-                                  tokenizer_dtype=tokenizer_dtype, cuda_graph=cuda_graph)
+    settings = resolve(options)  # flag > env > default, as synth resolves them
     stage1 = None
     if first is not None:  # at least one readable file: load the tokenizer once
-        tok = _decode_tokenizer(tokenizer, first[1])
-        log(f"decoding with {tok.path} on {placement.tokenizer_device.value}")
-        stage1 = Stage1.load(tok.path, placement, lambda m: None)
+        ref = _decode_tokenizer(settings, first[1])
+        log(f"decoding with {ref.path} on {settings.placement.tokenizer_device.value}")
+        stage1 = Stage1.from_settings(settings, ref, log)
     for path, found in loaded.items():
         result = DecodeResult(path)
         try:
@@ -139,9 +151,9 @@ def _try(fn):
         return exc
 
 
-def _decode_tokenizer(flag: str | None, meta: dict):
+def _decode_tokenizer(settings, meta: dict):
     """flag > MIMO_AUDIO_TOKENIZER_PATH > the directory recorded in the codes > default."""
-    (_, _), (name, source) = pick_names(None, flag)
+    name, source = settings.checkpoints.tokenizer
     recorded = meta.get("tokenizer")
     if source == "default" and recorded and Path(recorded).is_dir():
         name, source = recorded, "codes metadata"
