@@ -1,4 +1,5 @@
-"""The options more than one command takes, as `Annotated` aliases, and the help's panels.
+"""The options more than one command takes (and the vLLM engine's, beside --engine), as
+`Annotated` aliases, and the help's panels.
 
 Each option has a metavar naming what it takes; lists of values come from their one home.
 """
@@ -9,6 +10,12 @@ from typing import Annotated
 
 import typer
 
+from mimo_tts.lm.config import MAX_GROUPS
+from mimo_tts.lm.vllm import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_TENSOR_PARALLEL_SIZE,
+)
 from mimo_tts.runtime.checkpoints import DEFAULT_MODEL, DEFAULT_TOKENIZER, TOKENIZER_PATH_ENV
 from mimo_tts.runtime.devices import (
     CUDA_GRAPH_ENV,
@@ -71,6 +78,19 @@ EngineName = Annotated[str | None, typer.Option(
     # `\\[` keeps rich markup from eating the extra's name
     "(default native; vllm needs pip install 'mimo-tts\\[vllm]', without it exit 2). Stage-1 "
     "stays on the tokenizer device.")]
+# The vLLM engine's own settings (None: VLLMOptions' defaults, shown from their homes).
+GpuMemoryUtilization = Annotated[float | None, typer.Option(
+    rich_help_panel=VLLM, metavar="FRACTION", help="vLLM: share of GPU memory for weights + "
+    f"KV cache (default {DEFAULT_GPU_MEMORY_UTILIZATION:g}).")]
+MaxNumSeqs = Annotated[int | None, typer.Option(
+    rich_help_panel=VLLM, metavar="N",
+    help=f"vLLM: prompts generated concurrently (default {DEFAULT_MAX_NUM_SEQS}).")]
+TensorParallelSize = Annotated[int | None, typer.Option(
+    rich_help_panel=VLLM, metavar="N",
+    help=f"vLLM: GPUs to shard the LM over (default {DEFAULT_TENSOR_PARALLEL_SIZE}).")]
+MaxModelLen = Annotated[int | None, typer.Option(
+    rich_help_panel=VLLM, metavar="GROUPS",
+    help=f"vLLM: longest sequence in groups, prompt included (default {MAX_GROUPS}).")]
 Config = Annotated[str | None, typer.Option(
     "--config", "-c", rich_help_panel=RUN, metavar="PROFILE",
     help="TOML profile: a path, or a name in ~/.config/mimo-tts (MIMO_TTS_CONFIG_DIR) or the "

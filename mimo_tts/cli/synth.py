@@ -1,16 +1,12 @@
 """`mimo-tts synth` and `mimo-tts devices`: a run, or its preflight (devices, checkpoints,
-memory, shard) without loading anything.
-
-The batch code (`batch/plan.py`, the runner) is imported inside the commands: `--help`,
-`devices` and `synth --dry-run` never import torch.
-"""
+memory, shard) without loading anything. The batch code is imported inside the commands."""
 
 from __future__ import annotations
 
 import os
 import sys
 import time
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -22,20 +18,23 @@ from mimo_tts.cli.params import (
     MODELS,
     OUT,
     RUN,
-    VLLM,
     AsJson,
     Config,
     Debug,
     Dtype,
     EngineName,
     Fmt,
+    GpuMemoryUtilization,
     Graph,
     LmDevice,
     LmThreads,
+    MaxModelLen,
+    MaxNumSeqs,
     Model,
     NoMemoryCheck,
     Quiet,
     Rate,
+    TensorParallelSize,
     TokDevice,
     TokDtype,
     Tokenizer,
@@ -45,14 +44,12 @@ from mimo_tts.cli.params import (
 from mimo_tts.cli.report import Reporter, quiet_libraries, run_command
 from mimo_tts.codec.config import STREAM_MODES
 from mimo_tts.errors import EXIT_CHECKPOINT, EXIT_DEVICE, EXIT_OK
-from mimo_tts.lm.config import LM_QUANTS, MAX_GROUPS, task_samplers
+from mimo_tts.lm.config import LM_QUANTS, task_samplers
 from mimo_tts.lm.tasks import TASKS
-from mimo_tts.lm.vllm import (
-    DEFAULT_GPU_MEMORY_UTILIZATION,
-    DEFAULT_MAX_NUM_SEQS,
-    DEFAULT_TENSOR_PARALLEL_SIZE,
-)
 from mimo_tts.synthesis.options import OptionValues, SynthesisOptions, resolve
+
+if TYPE_CHECKING:
+    from mimo_tts.batch.plan import SynthRequest
 
 # The default task's (text, audio) samplers: the help's "task default" (every TTS task has them)
 TEXT, AUDIO = task_samplers(TASKS[SynthesisOptions.task].sampler)
@@ -129,17 +126,10 @@ def synth(
              "each frame once, closest to one-shot; official re-decodes overlapping windows "
              "(spec §7.2).")] = None,
     engine: EngineName = None,
-    gpu_memory_utilization: Annotated[float | None, typer.Option(rich_help_panel=VLLM,
-        metavar="FRACTION",
-        help="vLLM: share of GPU memory for weights + KV cache (default "
-             f"{DEFAULT_GPU_MEMORY_UTILIZATION:g}).")] = None,
-    max_num_seqs: Annotated[int | None, typer.Option(rich_help_panel=VLLM, metavar="N",
-        help=f"vLLM: prompts generated concurrently (default {DEFAULT_MAX_NUM_SEQS}).")] = None,
-    tensor_parallel_size: Annotated[int | None, typer.Option(rich_help_panel=VLLM, metavar="N",
-        help=f"vLLM: GPUs to shard the LM over (default {DEFAULT_TENSOR_PARALLEL_SIZE}).")] = None,
-    max_model_len: Annotated[int | None, typer.Option(rich_help_panel=VLLM, metavar="GROUPS",
-        help=f"vLLM: longest sequence in groups, prompt included (default {MAX_GROUPS}).")
-    ] = None,
+    gpu_memory_utilization: GpuMemoryUtilization = None,
+    max_num_seqs: MaxNumSeqs = None,
+    tensor_parallel_size: TensorParallelSize = None,
+    max_model_len: MaxModelLen = None,
     config: Config = None,
     shard: Annotated[str | None, typer.Option(rich_help_panel=RUN, metavar="K/N",
         help="Run shard K of N (K from 1) of the items, split by id, with its own manifest "
@@ -168,7 +158,8 @@ def synth(
         raw=raw, stream_mode=stream_mode, engine=engine,
         gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
         tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len)
-    request = SynthRequest(options, tuple(text or ()), tuple(input or ()), shard, config, as_json)
+    request = SynthRequest(options, texts=tuple(text or ()), inputs=tuple(input or ()),
+                           shard=shard, config=config, as_json=as_json)
     reporter = Reporter(quiet, verbose, as_json, debug, stdout_data=not (raw or output == "-"))
 
     def body() -> int:
@@ -195,7 +186,7 @@ def synth(
     run_command(reporter, body)
 
 
-def _preflight(reporter: Reporter, request) -> int:
+def _preflight(reporter: Reporter, request: SynthRequest) -> int:
     report = preflight_report(request)
     if reporter.as_json:
         reporter.data(report)
@@ -235,7 +226,7 @@ def devices(
     run_command(reporter, lambda: _preflight(reporter, request))
 
 
-def preflight_report(request) -> dict:
+def preflight_report(request: SynthRequest) -> dict:
     """The preflight of the run a `SynthRequest` describes: the `--input` files are read and
     checked as a run reads them (stdin is left alone), and their texts with `--text` size the
     memory plan; the shard is the one the run would take."""
