@@ -23,12 +23,14 @@ a = p.parse_args()
 import ray  # noqa: E402 (pip install 'mimo-tts[ray]'; --help works without it)
 
 from mimo_tts.batch import ray as mray  # noqa: E402
+from mimo_tts.batch.plan import SynthRequest  # noqa: E402
+from mimo_tts.synthesis.options import OptionValues  # noqa: E402
 
 ray.init(address=a.address, log_to_driver=False)
-flags = {"input": [a.input], "output_dir": a.output_dir, "model": a.model,
-         "max_new_groups": a.max_new_groups}
+request = SynthRequest(OptionValues(output_dir=a.output_dir, model=a.model,
+                                    max_new_groups=a.max_new_groups), inputs=(a.input,))
 try:
-    results = list(mray.run(flags, stage0_actors=a.stage0_actors, stage0_gpus=a.stage0_gpus,
+    results = list(mray.run(request, stage0_actors=a.stage0_actors, stage0_gpus=a.stage0_gpus,
                             stage1_actors=a.stage1_actors))
 except MimoTTSError as exc:
     sys.exit(print(f"Error: {exc}", file=sys.stderr) or exc.exit_code)

@@ -9,12 +9,12 @@ Three callable classes for `Dataset.map_batches`, each a thin shell around the C
   and runs `batch.finish_item`: decode, join, check, resample, sidecar record.
 - `Writer`: writes through the CLI's `DirectorySink` (layout, sidecars, manifest, lock, shard).
 
-`run` is the driver: `planned` resolves options as `mimo-tts synth` does, opens the sink, drops
-the items already done (the resume keys, before Stage-0) and records bad items; `pipeline` runs
-the two stages on Ray; each result is written through `Writer` in the driver, so one process
-holds the output folder. Rows carry one pickled payload each (`ItemResult`, pieces, codes,
-samples). Seeds and code paths are the CLI's, so the wavs are byte-identical to `mimo-tts
-synth`'s at batch size 1.
+`run` is the driver: `planned` plans a `SynthRequest` as `mimo-tts synth` does (`plan_synth`:
+settings, shard, items), opens the sink, drops the items already done (the resume keys, before
+Stage-0) and records bad items; `pipeline` runs the two stages on Ray; each result is written
+through `Writer` in the driver, so one process holds the output folder. Rows carry one pickled
+payload each (`ItemResult`, pieces, codes, samples). Seeds and code paths are the CLI's, so the
+wavs are byte-identical to `mimo-tts synth`'s at batch size 1.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from mimo_tts.batch import plan as commands
+from mimo_tts.batch.plan import SynthRequest, plan_synth, sink_for
 from mimo_tts.batch.results import ItemResult, guarded
 from mimo_tts.batch.runner import BatchRunner, finish_item
 from mimo_tts.errors import UsageError
@@ -81,13 +81,13 @@ class Stage1:
 class Writer:
     """Each result through the CLI's sink: codes, sidecar, audio, then the manifest line.
 
-    Give it the opened sink (`run` does), or settings to open one (a map_batches stage with
-    one actor, where every node sees the output folder).
+    Give it the opened sink (`run` does), or the plan's settings and shard to open one (a
+    map_batches stage with one actor, where every node sees the output folder).
     """
 
-    def __init__(self, settings, sink=None):
+    def __init__(self, settings, sink=None, shard=None):
         self.task = settings.synthesis.task
-        self.sink = sink if sink is not None else commands.sink_for(settings).open()
+        self.sink = sink if sink is not None else sink_for(settings, shard).open()
 
     def __call__(self, batch: Mapping) -> dict:
         return _rows(list(self.results(batch)))
@@ -124,41 +124,43 @@ def pipeline(settings, pending: list[ItemResult], *, stage0_actors: int = 1,
 
 
 @contextlib.contextmanager
-def planned(flags: Mapping[str, object], *, config: str | None = None, log=None, stdin=None):
-    """`mimo-tts synth`'s settings and items (its shard's), each checked against the output
-    folder: yields (settings, the opened sink, pending results for Stage-0, the others), the
-    folder's lock held until the block ends. Done items are skipped (the resume keys), bad
-    ones recorded in the manifest.
+def planned(request: SynthRequest, *, log=None, stdin=None):
+    """`mimo-tts synth`'s plan (settings, shard, the shard's items), each item checked against
+    the output folder: yields (the plan, the opened sink, pending results for Stage-0, the
+    others), the folder's lock held until the block ends. Done items are skipped (the resume
+    keys), bad ones recorded in the manifest.
     """
-    items, settings, runner = commands.prepare_synth(flags, config, stdin or sys.stdin,
-                                                     log or (lambda m: None))
+    log = log or (lambda m: None)
+    plan = plan_synth(request, stdin or sys.stdin, log)
+    settings = plan.settings
     run = settings.run
     if run.stream or run.output or run.raw:
         raise UsageError("the Ray pipeline writes an --output-dir; drop --stream, -o and --raw")
+    runner = BatchRunner(settings, log=log)
     runner.resolve()  # a missing checkpoint ends the run here (exit 3)
-    with commands.sink_for(settings) as sink:
+    with plan.sink() as sink:
         pending, others = [], []
-        for item in items:
+        for item in plan.items:
             result = runner.prepare(item, sink)
             if result.status == "error":
                 sink.finished(result, settings.synthesis.task)
             (pending if result.status == "pending" else others).append(result)
-        yield settings, sink, pending, others
+        yield plan, sink, pending, others
 
 
-def run(flags: Mapping[str, object], *, config: str | None = None, log=None, stdin=None,
-        **actors) -> Iterator[ItemResult]:
-    """`mimo-tts synth` on a Ray cluster (call `ray.init` first): `flags` are synth's options
-    by name (`{"model": "tiny", "input": ["lines.txt"], "output_dir": "out"}`), `actors` the
-    sizes of `pipeline`. The driver holds the output folder from the resume check to the last
-    write. Yields one `ItemResult` per item: skipped and bad items first, then the rest as
-    they are written.
+def run(request: SynthRequest, *, log=None, stdin=None, **actors) -> Iterator[ItemResult]:
+    """`mimo-tts synth` on a Ray cluster (call `ray.init` first): `request` is what synth's
+    flags make (`SynthRequest(OptionValues(model="tiny", output_dir="out"),
+    inputs=("lines.txt",))`), `actors` the sizes of `pipeline`. The driver holds the output
+    folder from the resume check to the last write. Yields one `ItemResult` per item: skipped
+    and bad items first, then the rest as they are written.
     """
-    with planned(flags, config=config, log=log, stdin=stdin) as (settings, sink, pending, others):
+    with planned(request, log=log, stdin=stdin) as (plan, sink, pending, others):
         yield from others
         if not pending:
             return
-        writer = Writer(settings, sink)
-        for batch in pipeline(settings, pending, **actors).iter_batches(batch_size=1,
-                                                                          batch_format="numpy"):
+        writer = Writer(plan.settings, sink)
+        batches = pipeline(plan.settings, pending, **actors).iter_batches(batch_size=1,
+                                                                          batch_format="numpy")
+        for batch in batches:
             yield from writer.results(batch)

@@ -12,6 +12,7 @@ picks its shard. `--shard 1/1` runs everything, as an unsharded run. No torch he
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -77,9 +78,10 @@ def parse_tag(name: str) -> tuple[int, int] | None:
     return (int(match[1]), int(match[2])) if match else None
 
 
-def resolve_shard(flag: str | None, env: Mapping[str, str]) -> Shard | None:
-    """flag > Slurm array > Indexed Job > none; N = 1 is no shard."""
-    shard = parse(flag) if flag is not None else _from_env(env)
+def resolve_shard(flag: str | None, env: Mapping[str, str] | None = None) -> Shard | None:
+    """flag > Slurm array > Indexed Job (`env`, default the process's) > none; N = 1 is no
+    shard."""
+    shard = parse(flag) if flag is not None else _from_env(os.environ if env is None else env)
     return shard if shard is not None and shard.count > 1 else None
 
 

@@ -12,6 +12,9 @@ from dataclasses import dataclass, fields
 from mimo_tts.errors import CheckpointError
 
 MODEL_TYPE = "mimo_audio_tokenizer"
+# The streaming decoders (codec/streaming.py): the official re-decode of overlapping windows
+# (spec §7.2) and the incremental one (codec/incremental.py). Here, torch-free, for the options.
+STREAM_MODES = ("official", "incremental")
 
 
 def _bad(name: str, value, what: str) -> CheckpointError:

@@ -16,13 +16,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mimo_tts.codec.config import STREAM_MODES
 from mimo_tts.codec.incremental import IncrementalDecoder
 from mimo_tts.errors import UsageError
 
 # Spec §7.2 StreamingConfig defaults, in code frames (10 s and 1.6 s).
 LEFT_OVERLAP = 250
 RIGHT_OVERLAP = 40
-MODES = ("official", "incremental")
 
 
 class StreamingDecoder:
@@ -35,8 +35,9 @@ class StreamingDecoder:
 
     def __init__(self, tokenizer, left_overlap: int = LEFT_OVERLAP,
                  right_overlap: int = RIGHT_OVERLAP, mode: str = "official", **options):
-        if mode not in MODES:
-            raise UsageError(f"streaming mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode not in STREAM_MODES:
+            raise UsageError(f"streaming mode must be one of {', '.join(STREAM_MODES)}, "
+                             f"got {mode!r}")
         if not 0 <= right_overlap <= left_overlap:
             # The kept cache must cover the held-back frames, or the next start goes negative.
             raise UsageError(

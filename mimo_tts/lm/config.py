@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mimo_tts.errors import CheckpointError
+from mimo_tts.errors import CheckpointError, UsageError
 
 # The published LM reads and writes 8 RVQ channels in groups of 4 codec frames (spec §1, §2.2);
 # checkpoints state their own (LMConfig); these are for code that has no checkpoint at hand
@@ -29,6 +29,49 @@ TASK_STOP_TOKENS: dict[str, tuple[str, ...]] = {
     "in_context_learning_s2s": ("eos", "eostm"),
 }
 LM_QUANTS = ("int8",)  # opt-in weight-only quantizations of the LM (mimo_tts/lm/int8.py)
+FLOAT32_TINY = 2.0**-126  # the smallest normal float32 (torch.finfo(torch.float32).tiny)
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """One sampler; temperature 0 means greedy (argmax), top_k None/0 and top_p 1.0 mean off."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise UsageError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 0:
+            raise UsageError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise UsageError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        # below float32's smallest normal number the logits cannot be divided by it: its limit
+        return self.temperature < FLOAT32_TINY
+
+
+GREEDY = SamplerConfig()
+
+# Per-task (text, audio) samplers, spec §4.6 (lm/sampling.py samples with them). Only the
+# default row sets top_k.
+TASK_SAMPLERS: dict[str, tuple[SamplerConfig, SamplerConfig]] = {
+    "default": (SamplerConfig(0.6, 50, 0.95), SamplerConfig(0.9, 50, 0.95)),
+    "asr": (GREEDY, SamplerConfig(0.9, None, 0.95)),
+    "tts": (SamplerConfig(0.6, None, 1.0), SamplerConfig(0.9, None, 0.95)),
+    "spoken_dialogue": (SamplerConfig(0.6, None, 0.95), SamplerConfig(0.9, None, 0.95)),
+    "audio_understanding": (SamplerConfig(0.3, None, 0.95), SamplerConfig(0.9, None, 0.95)),
+    "text_chat": (SamplerConfig(0.4, None, 0.95), SamplerConfig(0.9, None, 0.95)),
+    "in_context_learning_s2s": (GREEDY, SamplerConfig(0.9, None, 0.95)),
+}
+
+
+def task_samplers(task: str) -> tuple[SamplerConfig, SamplerConfig]:
+    """The (text, audio) samplers of a task name; unknown names get the default row."""
+    return TASK_SAMPLERS.get(task, TASK_SAMPLERS["default"])
 
 
 def _field(cfg: dict, name: str, kind=int):

@@ -4,53 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from mimo_tts.errors import UsageError
-
-
-@dataclass(frozen=True)
-class SamplerConfig:
-    """One sampler; temperature 0 means greedy (argmax), top_k None/0 and top_p 1.0 mean off."""
-
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float = 1.0
-
-    def __post_init__(self):
-        if not self.temperature >= 0:
-            raise UsageError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 0:
-            raise UsageError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise UsageError(f"top_p must be in (0, 1], got {self.top_p}")
-
-    @property
-    def greedy(self) -> bool:
-        # below float32's smallest normal number the logits cannot be divided by it: its limit
-        return self.temperature < torch.finfo(torch.float32).tiny
-
-
-GREEDY = SamplerConfig()
-
-# Per-task (text, audio) samplers, spec §4.6. Only the default row sets top_k.
-TASK_SAMPLERS: dict[str, tuple[SamplerConfig, SamplerConfig]] = {
-    "default": (SamplerConfig(0.6, 50, 0.95), SamplerConfig(0.9, 50, 0.95)),
-    "asr": (GREEDY, SamplerConfig(0.9, None, 0.95)),
-    "tts": (SamplerConfig(0.6, None, 1.0), SamplerConfig(0.9, None, 0.95)),
-    "spoken_dialogue": (SamplerConfig(0.6, None, 0.95), SamplerConfig(0.9, None, 0.95)),
-    "audio_understanding": (SamplerConfig(0.3, None, 0.95), SamplerConfig(0.9, None, 0.95)),
-    "text_chat": (SamplerConfig(0.4, None, 0.95), SamplerConfig(0.9, None, 0.95)),
-    "in_context_learning_s2s": (GREEDY, SamplerConfig(0.9, None, 0.95)),
-}
-
-
-def task_samplers(task: str) -> tuple[SamplerConfig, SamplerConfig]:
-    """The (text, audio) samplers of a task name; unknown names get the default row."""
-    return TASK_SAMPLERS.get(task, TASK_SAMPLERS["default"])
+# The sampler settings and the per-task defaults are torch-free (the CLI's help reads them):
+# they live in lm/config.py and are used, and re-exported, here.
+from mimo_tts.lm.config import GREEDY, TASK_SAMPLERS, SamplerConfig, task_samplers  # noqa: F401
 
 
 def filter_logits(logits: Tensor, cfg: SamplerConfig) -> Tensor:

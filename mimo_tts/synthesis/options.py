@@ -1,12 +1,14 @@
 """Run options: one pass (flag > env > profile > default) into typed, self-checking parts.
 
-`resolve` reads every option once and returns `Settings`: what to say and how to sample
-(`SynthesisOptions`, the library's options), how Stage-0/1 run (`EngineOptions`), where the
-output goes (`RunOptions`, the CLI's), the device `Placement` and the checkpoint names, with the
-source of every value. Each dataclass validates itself (UsageError, exit 2). Values are tested
-with `is not None`, so an explicit 0 or false wins. Device and checkpoint fields have
-environment variables; `devices.resolve_placement` and `checkpoints.pick_names` apply them in
-this same pass. No torch here.
+`resolve` reads every option once, from the `OptionValues` a caller gives (the CLI's commands
+build them from their flags; the library and the server give a mapping of option names), and
+returns `Settings`: what to say and how to sample (`SynthesisOptions`, the library's options),
+how Stage-0/1 run (`EngineOptions`), where the output goes (`RunOptions`, the CLI's), the
+device `Placement` and the checkpoint names, with the source of every value. Each dataclass
+validates itself (UsageError, exit 2). Values are tested with `is not None`, so an explicit 0
+or false wins. Device and checkpoint fields have environment variables;
+`devices.resolve_placement` and `checkpoints.pick_names` apply them in this same pass. No
+torch here.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import get_args, get_type_hints
 
-from mimo_tts.batch.shards import Shard, resolve_shard
+from mimo_tts.codec.config import STREAM_MODES
 from mimo_tts.errors import CheckpointError, MimoTTSError, UsageError, short_repr
-from mimo_tts.lm.config import LM_QUANTS, MAX_GROUPS
+from mimo_tts.lm.config import LM_QUANTS, MAX_GROUPS, SamplerConfig
 from mimo_tts.lm.engine import DEFAULT_ENGINE
 from mimo_tts.lm.engine import ENGINES as ENGINE_SPECS
 from mimo_tts.lm.tasks import TASKS, TTS_EN_TEMPLATES, TTS_ZH_TEMPLATES
@@ -28,16 +30,13 @@ from mimo_tts.runtime.checkpoints import DEFAULT_MODEL, DEFAULT_TOKENIZER, TOKEN
 from mimo_tts.runtime.devices import Placement, resolve_placement
 from mimo_tts.synthesis.audio import FORMATS, SAMPLE_RATE, check_format_rate, output_format
 
-STREAM_MODES = ("official", "incremental")
+MAX_SEED = 2**64 - 1  # torch generators take seeds in [0, 2**64)
 MAX_TEMPERATURE = 100.0  # finite: inf/NaN would turn the softmax into NaN
 MAX_THREADS = 256  # torch/OpenMP crash or abort on absurd thread counts
 MAX_SAMPLE_RATE = 192000  # the highest rate libsndfile's FLAC writer takes
 ENGINES = tuple(ENGINE_SPECS)
-# Options of the vLLM engine only (`--engine vllm`); an error with the native engine.
-# Resolved with their env variables by devices.py and checkpoints.py: name -> type of a value.
-PLACEMENT_FIELDS = {"lm_device": str, "tokenizer_device": str, "dtype": str,
-                    "tokenizer_dtype": str, "cuda_graph": bool}
-CHECKPOINT_FIELDS = {"model": str, "tokenizer": str, "allow_download": bool}
+# Options resolved with their env variables by devices.py, in resolve_placement's order.
+PLACEMENT_FIELDS = ("lm_device", "tokenizer_device", "dtype", "tokenizer_dtype", "cuda_graph")
 
 
 def _check(ok: bool, message: str) -> None:
@@ -109,8 +108,6 @@ class SynthesisOptions:
 
     def samplers(self):
         """(text, audio) SamplerConfig: the task's defaults with these options' overrides."""
-        from mimo_tts.lm.sampling import SamplerConfig
-
         text, audio = TASKS[self.task].samplers()
 
         def pick(base, temperature, top_k, top_p):
@@ -227,10 +224,79 @@ def _value_type(hint) -> type:
     return next(t for t in get_args(hint) or (hint,) if t is not type(None))
 
 
-# Profile key -> the type its value must have (a field's own annotation).
-PROFILE_TYPES = {**{f.name: _value_type(get_type_hints(cls)[f.name])
-                    for cls in GROUPS.values() for f in fields(cls)},
-                 **PLACEMENT_FIELDS, **CHECKPOINT_FIELDS}
+@dataclass(frozen=True)
+class OptionValues:
+    """The options a caller gives, by name (None: not given, so env, profile or default
+    decide): what the CLI's commands build from their flags and `resolve` reads. Every field is
+    an option group's field, a placement field or a checkpoint field, of that field's type."""
+
+    # SynthesisOptions
+    task: str | None = None
+    instruct: str | None = None
+    prompt_audio: str | None = None
+    template: int | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    audio_temperature: float | None = None
+    audio_top_k: int | None = None
+    audio_top_p: float | None = None
+    max_new_groups: int | None = None
+    max_chars: int | None = None
+    stream_chunk_groups: int | None = None
+    stream_max_chunk_groups: int | None = None
+    stream_mode: str | None = None
+    # EngineOptions
+    engine: str | None = None
+    lm_threads: int | None = None
+    tokenizer_threads: int | None = None
+    no_memory_check: bool | None = None
+    lm_quant: str | None = None
+    gpu_memory_utilization: float | None = None
+    max_num_seqs: int | None = None
+    tensor_parallel_size: int | None = None
+    max_model_len: int | None = None
+    kv_cache_mib: int | None = None
+    # RunOptions
+    batch_size: int | None = None
+    output_dir: str | None = None
+    output: str | None = None
+    format: str | None = None
+    sample_rate: int | None = None
+    save_codes: bool | None = None
+    overwrite: bool | None = None
+    stream: bool | None = None
+    raw: bool | None = None
+    # the placement (PLACEMENT_FIELDS) and the checkpoints
+    lm_device: str | None = None
+    tokenizer_device: str | None = None
+    dtype: str | None = None
+    tokenizer_dtype: str | None = None
+    cuda_graph: bool | None = None
+    model: str | None = None
+    tokenizer: str | None = None
+    allow_download: bool | None = None
+
+    @classmethod
+    def of(cls, values: OptionValues | Mapping[str, object]) -> OptionValues:
+        """Option values from a mapping of option names (the library's and the server's)."""
+        if isinstance(values, OptionValues):
+            return values
+        unknown = sorted(set(values) - OPTION_NAMES)
+        _check(not unknown, f"unknown option(s) {', '.join(map(repr, unknown))}")
+        return cls(**values)
+
+    def given(self) -> dict[str, object]:
+        """The options that were given, by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) is not None}
+
+
+OPTION_NAMES = frozenset(f.name for f in fields(OptionValues))
+# Profile key -> the type its value must have (an option field's own annotation).
+PROFILE_TYPES = {f.name: _value_type(get_type_hints(OptionValues)[f.name])
+                 for f in fields(OptionValues)}
 PROFILE_KEYS = frozenset(PROFILE_TYPES)
 
 
@@ -243,7 +309,6 @@ class Settings:
     run: RunOptions = field(default_factory=RunOptions)
     placement: Placement | None = None
     checkpoints: CheckpointNames | None = None
-    shard: Shard | None = None  # synth's --shard K/N (or its env default); None: every item
     sources: Mapping[str, str] = field(default_factory=dict)
 
     def replace(self, **changes) -> Settings:
@@ -258,15 +323,20 @@ class Settings:
         return replace(self, **groups)
 
 
-def resolve(flags: Mapping[str, object], profile: Mapping[str, object] | None = None,
-            env: Mapping[str, str] | None = None, probe=None) -> Settings:
-    """flag > env > profile > default for every option, in one pass (usage errors raised)."""
-    return place(resolve_options(flags, profile), flags, profile, env, probe)
+def resolve(given: OptionValues | Mapping[str, object],
+            profile: Mapping[str, object] | None = None, env: Mapping[str, str] | None = None,
+            probe=None) -> Settings:
+    """given > env > profile > default for every option, in one pass (usage errors raised).
+
+    `given`: `OptionValues`, or a mapping of option names (`mimo_tts.load`, the server)."""
+    given = OptionValues.of(given)
+    return place(resolve_options(given, profile), given, profile, env, probe)
 
 
-def resolve_options(flags: Mapping[str, object],
+def resolve_options(given: OptionValues | Mapping[str, object],
                     profile: Mapping[str, object] | None = None) -> Settings:
-    """The option groups alone (flag > profile > default); no placement or checkpoints yet."""
+    """The option groups alone (given > profile > default); no placement or checkpoints yet."""
+    given = OptionValues.of(given)
     profile = profile or {}
     sources: dict[str, str] = {}
     groups = {}
@@ -274,7 +344,7 @@ def resolve_options(flags: Mapping[str, object],
         for name, cls in GROUPS.items():
             values = {}
             for spec in fields(cls):
-                value, source = _pick(spec.name, flags, profile)
+                value, source = _pick(spec.name, given, profile)
                 if value is not None:
                     values[spec.name] = value
                 sources[spec.name] = source
@@ -290,7 +360,7 @@ def resolve_options(flags: Mapping[str, object],
     return Settings(**groups, sources=sources)
 
 
-def place(settings: Settings, flags: Mapping[str, object],
+def place(settings: Settings, given: OptionValues,
           profile: Mapping[str, object] | None = None, env: Mapping[str, str] | None = None,
           probe=None) -> Settings:
     """Add the devices (flag > env > profile > default, `devices.py`) and the checkpoint names
@@ -299,7 +369,7 @@ def place(settings: Settings, flags: Mapping[str, object],
     env = os.environ if env is None else env
     sources = dict(settings.sources)
     try:
-        lm, tok = pick_names(flags.get("model"), flags.get("tokenizer"), profile, env)
+        lm, tok = pick_names(given.model, given.tokenizer, profile, env)
         error = None
     except MimoTTSError as exc:  # raised after the placement's own errors, as before
         lm = tok = None
@@ -307,13 +377,13 @@ def place(settings: Settings, flags: Mapping[str, object],
     # `--dtype auto` follows the checkpoints' own torch_dtype (config.json)
     dtypes = (None, None) if error else (checkpoint_dtype(*lm, "model", env),
                                          checkpoint_dtype(*tok, "tokenizer", env))
-    placement = resolve_placement(*(flags.get(name) for name in PLACEMENT_FIELDS),
+    placement = resolve_placement(*(getattr(given, name) for name in PLACEMENT_FIELDS),
                                   profile=profile, env=env, probe=probe,
                                   checkpoint_dtypes=dtypes)
     if error:
         raise error
     sources.update({name: choice.source for name, choice in vars(placement).items()})
-    download, sources["allow_download"] = _pick("allow_download", flags, profile)
+    download, sources["allow_download"] = _pick("allow_download", given, profile)
     sources.update({"model": lm[1], "tokenizer": tok[1]})
     return replace(settings, placement=placement,
                    checkpoints=CheckpointNames(lm, tok, bool(download)), sources=sources)
@@ -355,34 +425,9 @@ def _build(cls, values: dict, from_profile: list[str], profile: Mapping):
         raise
 
 
-def with_shard(settings: Settings, flags: Mapping[str, object],
-               env: Mapping[str, str] | None = None) -> Settings:
-    """Add synth's shard (`shards.resolve_shard`: flag > Slurm array / Indexed Job env)."""
-    shard = resolve_shard(flags.get("shard"), os.environ if env is None else env)
-    sources = {**settings.sources, "shard": shard.source if shard else "default"}
-    return replace(settings, shard=shard, sources=sources)
-
-
-def _pick(name: str, flags: Mapping, profile: Mapping) -> tuple[object, str]:
-    if flags.get(name) is not None:
-        return flags[name], "flag"
+def _pick(name: str, given: OptionValues, profile: Mapping) -> tuple[object, str]:
+    if getattr(given, name) is not None:
+        return getattr(given, name), "flag"
     if profile.get(name) is not None:
         return profile[name], "config"
     return None, "default"
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-MAX_SEED = 2**64 - 1  # torch generators take seeds in [0, 2**64)

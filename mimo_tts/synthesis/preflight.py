@@ -2,8 +2,8 @@
 
 Placement with the source of every value, CUDA facts, where each checkpoint would come from,
 the memory each stage needs at the run dtype against what its device has (`mimo_tts.memory`,
-from `config.json` and safetensors headers), the Stage-0 engine's settings and the shard. torch is
-imported only when a GPU may be present (`devices.Probe`).
+from `config.json` and safetensors headers) and the Stage-0 engine's settings. torch is imported
+only when a GPU may be present (`devices.Probe`).
 """
 
 from __future__ import annotations
@@ -97,8 +97,6 @@ def preflight(settings: Settings, texts: list[str] = (), env: Mapping[str, str] 
     except CheckpointError as exc:  # the checkpoint entries report the cause
         report["memory"] = {"error": str(exc)}
     report["engine"] = engine_record(settings)
-    report["shard"] = (settings.shard.describe() if settings.shard else
-                       {"shard": None, "source": "default: every item"})
     spec = engine_spec(settings.engine.engine)
     if spec.needs is not None:
         report["engine"]["installed"] = find_spec(spec.needs) is not None

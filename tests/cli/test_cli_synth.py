@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from mimo_tts.errors import EXIT_DEVICE
 from mimo_tts.presets import ensure_tiny_preset
 from mimo_tts.runtime.paths import CACHE_ENV
 
@@ -124,6 +125,23 @@ def test_saved_codes_decode_to_the_same_audio(default_run, mimo):
     assert proc.returncode == 0, proc.stderr.decode()
     assert proc.stdout.decode().strip() == str(out)
     assert out.read_bytes() == wav.read_bytes()
+
+
+def test_decode_that_cannot_fit_exits_4_before_loading(default_run, mimo):
+    """decode loads the tokenizer through the loader's memory preflight, as synth does."""
+    cwd, _ = default_run
+    codes = _only(cwd / "output_audio" / "tts_sft", "*.codes.safetensors")
+    out = cwd / "refused.wav"
+    proc = mimo("decode", codes, "-o", out, "--tokenizer", "tiny", "--tokenizer-device", "cpu",
+                env={"MIMO_TTS_AVAILABLE_MEMORY": "200MiB"})
+    assert proc.returncode == EXIT_DEVICE, proc.stderr.decode()
+    lines = proc.stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: not enough memory on cpu"), lines
+    assert proc.stdout == b"" and not out.exists()
+    forced = mimo("decode", codes, "-o", out, "--tokenizer", "tiny", "--tokenizer-device", "cpu",
+                  "--no-memory-check", env={"MIMO_TTS_AVAILABLE_MEMORY": "200MiB"})
+    assert forced.returncode == 0, forced.stderr.decode()
+    assert out.read_bytes() == _only(codes.parent, "*.wav").read_bytes()
 
 
 def test_rerun_skips_and_loads_nothing(default_run, mimo, manifest):

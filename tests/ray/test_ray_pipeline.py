@@ -16,10 +16,12 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is not installed here (pip install '.[ray]')")
 
 from mimo_tts.batch import ray as mray  # noqa: E402
+from mimo_tts.batch.plan import SynthRequest  # noqa: E402
+from mimo_tts.synthesis.options import OptionValues  # noqa: E402
 
 ITEMS = [{"id": f"item-{i}", "text": f"Ray sentence number {i}, spoken once."} for i in range(8)]
 ITEMS[2]["seed"], ITEMS[5]["seed"] = 7, 11  # per-item seeds beside the run's --seed
-FLAGS = {"model": "tiny", "max_new_groups": 6, "seed": 3}
+OPTIONS = {"model": "tiny", "max_new_groups": 6, "seed": 3}
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +44,12 @@ def _batch(tmp_path, items):
     return str(path)
 
 
+def _request(batch, output_dir) -> SynthRequest:
+    return SynthRequest(OptionValues(**OPTIONS, output_dir=str(output_dir)), inputs=(batch,))
+
+
 def _ray(tmp_path, batch, out):
-    return list(mray.run({**FLAGS, "input": [batch], "output_dir": str(tmp_path / out)},
-                         stage0_actors=1, stage1_actors=1))
+    return list(mray.run(_request(batch, tmp_path / out), stage0_actors=1, stage1_actors=1))
 
 
 def test_ray_wavs_are_byte_identical_to_the_cli(local_ray, mimo, tmp_path, manifest):
@@ -92,16 +97,17 @@ def test_ray_resumes_done_items_before_stage0_and_records_bad_ones(local_ray, tm
 
 def test_writer_as_a_third_stage_writes_the_same_folder(local_ray, tmp_path, manifest):
     """The classes compose by hand: `Writer` mapped on one actor (every node sees the folder)."""
-    flags = {**FLAGS, "input": [_batch(tmp_path, ITEMS[:2])]}
-    with mray.planned({**flags, "output_dir": str(tmp_path / "a")}) as (settings, _, pending, _):
+    batch = _batch(tmp_path, ITEMS[:2])
+    with mray.planned(_request(batch, tmp_path / "a")) as (plan, _, pending, _):
         pass  # the driver lets go of the folder: the writer actor takes it
-    rows = mray.pipeline(settings, pending).map_batches(
-        mray.Writer, fn_constructor_kwargs={"settings": settings}, num_cpus=0,
+    rows = mray.pipeline(plan.settings, pending).map_batches(
+        mray.Writer, fn_constructor_kwargs={"settings": plan.settings, "shard": plan.shard},
+        num_cpus=0,
         compute=ray.data.ActorPoolStrategy(size=1)).take_all()
     written = sorted(pickle.loads(r["payload"]).item.id for r in rows)
     assert written == ["item-0", "item-1"]
     by_hand, by_run = tmp_path / "a" / "tts_sft", tmp_path / "b" / "tts_sft"
-    _ray(tmp_path, flags["input"][0], "b")
+    _ray(tmp_path, batch, "b")
     for name in ("item-0.wav", "item-1.wav"):
         assert (by_hand / name).read_bytes() == (by_run / name).read_bytes()
     assert sorted(r["id"] for r in manifest(by_hand)) == written

@@ -126,3 +126,29 @@ def test_profile_errors(tmp_path):
         load_profile(str(bad))
     with pytest.raises(UsageError, match="bad option value|must"):
         resolve({}, {"seed": -3}, env={}, probe=NO_GPU)
+
+
+def test_option_values_name_every_option_once_with_its_type():
+    """`OptionValues` (what a command builds from its flags) has one field per option: each
+    group's fields, the placement's and the checkpoints', each of that field's value type."""
+    from dataclasses import fields
+    from typing import get_args, get_type_hints
+
+    def value_type(hint):
+        return next(t for t in get_args(hint) or (hint,) if t is not type(None))
+
+    expected = {f.name: value_type(get_type_hints(cls)[f.name])
+                for cls in mopts.GROUPS.values() for f in fields(cls)}
+    expected.update({name: str for name in mopts.PLACEMENT_FIELDS}, cuda_graph=bool,
+                    model=str, tokenizer=str, allow_download=bool)
+    assert mopts.PROFILE_TYPES == expected
+    assert all(f.default is None for f in fields(mopts.OptionValues))
+
+
+def test_resolve_takes_option_values_or_a_mapping_of_option_names():
+    given = mopts.OptionValues(seed=4, lm_device="cpu", tokenizer_device="cpu", model="tiny")
+    typed = resolve(given, env={}, probe=NO_GPU)
+    assert typed == resolve(given.given(), env={}, probe=NO_GPU)
+    assert (typed.synthesis.seed, typed.checkpoints.lm) == (4, ("tiny", "flag"))
+    with pytest.raises(UsageError, match="unknown option.*'sede'"):
+        resolve({"sede": 4}, env={}, probe=NO_GPU)

@@ -15,7 +15,10 @@ vLLM is optional: nothing here is imported by the rest of the package.
 from __future__ import annotations
 
 ARCHITECTURE = "MiMoTTSAudioForVLLM"  # registered name; the engine selects it via hf_overrides
-DEFAULT_MAX_NUM_SEQS = 32  # VLLMOptions.max_num_seqs (readable without the engine module)
+# VLLMOptions defaults, readable without the engine module (the CLI's help shows them)
+DEFAULT_MAX_NUM_SEQS = 32
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+DEFAULT_TENSOR_PARALLEL_SIZE = 1
 # EngineOptions fields that only vLLM reads (kv_cache_mib: profiles only).
 VLLM_SETTINGS = ("gpu_memory_utilization", "max_num_seqs", "tensor_parallel_size", "max_model_len",
                  "kv_cache_mib")

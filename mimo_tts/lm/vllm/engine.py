@@ -33,7 +33,11 @@ from mimo_tts.lm.generate import (
 )
 from mimo_tts.lm.load import load_config
 from mimo_tts.lm.text import TextTokenizer
-from mimo_tts.lm.vllm import DEFAULT_MAX_NUM_SEQS
+from mimo_tts.lm.vllm import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_TENSOR_PARALLEL_SIZE,
+)
 from mimo_tts.lm.vllm.launch import vllm_options
 
 # Set before vLLM is imported, unless the caller chose otherwise. The V1 model runner is the one
@@ -53,8 +57,8 @@ class VLLMOptions:
     dtype: str = "auto"  # checkpoint dtype; float32 / bfloat16 / float16
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_model_len: int | None = None  # groups, prompt included; default the model's 8192
-    gpu_memory_utilization: float = 0.9
-    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    tensor_parallel_size: int = DEFAULT_TENSOR_PARALLEL_SIZE
     kv_cache_memory_bytes: int | None = None
     max_num_batched_tokens: int | None = None  # prefill chunk budget
     block_size: int | None = None  # KV-cache block (groups); vLLM's default when None

@@ -1,0 +1,264 @@
+"""`mimo-tts synth` and `mimo-tts devices`: a run, or its preflight (devices, checkpoints,
+memory, shard) without loading anything. The batch code is imported inside the commands."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console
+
+from mimo_tts.cli.params import (
+    DEV,
+    GEN,
+    IN,
+    MODELS,
+    OUT,
+    RUN,
+    AsJson,
+    Config,
+    Debug,
+    Dtype,
+    EngineName,
+    Fmt,
+    GpuMemoryUtilization,
+    Graph,
+    LmDevice,
+    LmThreads,
+    MaxModelLen,
+    MaxNumSeqs,
+    Model,
+    NoMemoryCheck,
+    Quiet,
+    Rate,
+    TensorParallelSize,
+    TokDevice,
+    TokDtype,
+    Tokenizer,
+    TokThreads,
+    Verbose,
+)
+from mimo_tts.cli.report import Reporter, quiet_libraries, run_command
+from mimo_tts.codec.config import STREAM_MODES
+from mimo_tts.errors import EXIT_CHECKPOINT, EXIT_DEVICE, EXIT_OK
+from mimo_tts.lm.config import LM_QUANTS, task_samplers
+from mimo_tts.lm.tasks import TASKS
+from mimo_tts.synthesis.options import OptionValues, SynthesisOptions, resolve
+
+if TYPE_CHECKING:
+    from mimo_tts.batch.plan import SynthRequest
+
+# The default task's (text, audio) samplers: the help's "task default" (every TTS task has them)
+TEXT, AUDIO = task_samplers(TASKS[SynthesisOptions.task].sampler)
+
+
+def synth(
+    text: Annotated[list[str] | None, typer.Option(
+        "--text", "-t", rich_help_panel=IN, metavar="TEXT",
+        help="Text to speak (repeatable; '-' reads stdin).")] = None,
+    input: Annotated[list[str] | None, typer.Option(
+        "--input", "-i", rich_help_panel=IN, metavar="FILE",
+        help=".txt (one item per line) or .jsonl (id, text, instruct, prompt_audio, seed); "
+             "'-' reads stdin.")] = None,
+    task: Annotated[str | None, typer.Option(rich_help_panel=IN, metavar="TASK",
+        help=f"Prompt task: {', '.join(TASKS)} (default {SynthesisOptions.task}).")] = None,
+    instruct: Annotated[str | None, typer.Option(rich_help_panel=IN, metavar="TEXT",
+                                                 help="Style instruction.")] = None,
+    prompt_audio: Annotated[str | None, typer.Option(rich_help_panel=IN, metavar="FILE",
+                                                     help="Voice prompt audio file.")] = None,
+    template: Annotated[int | None, typer.Option(rich_help_panel=IN, metavar="N",
+        help="Fix the instruction template index (default: drawn from the seed).")] = None,
+    max_chars: Annotated[int | None, typer.Option(rich_help_panel=IN, metavar="N",
+        help="Split longer text on sentence ends (default 300; 0 = never).")] = None,
+    model: Model = None,
+    tokenizer: Tokenizer = None,
+    allow_download: Annotated[bool | None, typer.Option(
+        "--allow-download/--offline", rich_help_panel=MODELS, show_default=False,
+        help="Download missing checkpoints (default offline).")] = None,
+    lm_device: LmDevice = None,
+    tokenizer_device: TokDevice = None,
+    dtype: Dtype = None,
+    tokenizer_dtype: TokDtype = None,
+    cuda_graph: Graph = None,
+    no_memory_check: NoMemoryCheck = None,
+    lm_quant: Annotated[str | None, typer.Option(rich_help_panel=DEV, metavar="QUANT",
+        help=f"Opt-in weight-only LM quantization on CPU: {', '.join(LM_QUANTS)} (faster, "
+             "slightly less exact; default off).")] = None,
+    lm_threads: LmThreads = None,
+    tokenizer_threads: TokThreads = None,
+    seed: Annotated[int | None, typer.Option(rich_help_panel=GEN, metavar="SEED",
+                                             help="Sampling seed (default 0).")] = None,
+    temperature: Annotated[float | None, typer.Option(rich_help_panel=GEN, metavar="T",
+        help=f"Text temperature (0 = greedy; task default {TEXT.temperature:g}).")] = None,
+    top_k: Annotated[int | None, typer.Option(rich_help_panel=GEN, metavar="K",
+                                              help="Text top-k.")] = None,
+    top_p: Annotated[float | None, typer.Option(rich_help_panel=GEN, metavar="P",
+                                                help="Text top-p.")] = None,
+    audio_temperature: Annotated[float | None, typer.Option(rich_help_panel=GEN, metavar="T",
+        help=f"Audio temperature (0 = greedy; task default {AUDIO.temperature:g}).")] = None,
+    audio_top_k: Annotated[int | None, typer.Option(rich_help_panel=GEN, metavar="K",
+                                                    help="Audio top-k.")] = None,
+    audio_top_p: Annotated[float | None, typer.Option(rich_help_panel=GEN, metavar="P",
+                                                      help="Audio top-p.")] = None,
+    max_new_groups: Annotated[int | None, typer.Option(rich_help_panel=GEN, metavar="N",
+        help="Cap on generated groups (one group = 160 ms).")] = None,
+    batch_size: Annotated[int | None, typer.Option(rich_help_panel=GEN, metavar="N",
+        help="Prompts generated together.")] = None,
+    output_dir: Annotated[str | None, typer.Option(rich_help_panel=OUT, metavar="DIR",
+        help="Root of <dir>/<task>/<id>.wav (default output_audio).")] = None,
+    output: Annotated[str | None, typer.Option("--output", "-o", rich_help_panel=OUT,
+        metavar="FILE", help="One item: write to this file, or '-' for stdout.")] = None,
+    format: Fmt = None,
+    sample_rate: Rate = None,
+    save_codes: Annotated[bool | None, typer.Option("--save-codes", rich_help_panel=OUT,
+        help="Also write the Stage-0 codes (<id>.codes.safetensors).")] = None,
+    overwrite: Annotated[bool | None, typer.Option("--overwrite", rich_help_panel=OUT,
+        help="Redo items already done and replace existing files.")] = None,
+    stream: Annotated[bool | None, typer.Option("--stream", rich_help_panel=OUT,
+        help="Decode audio while the LM generates (streaming Stage-1).")] = None,
+    raw: Annotated[bool | None, typer.Option("--raw", rich_help_panel=OUT,
+        help="Stream 16-bit 24 kHz mono PCM to stdout as it is decoded.")] = None,
+    stream_mode: Annotated[str | None, typer.Option(rich_help_panel=OUT, metavar="MODE",
+        help=f"Streaming decoder ({', '.join(STREAM_MODES)}): incremental (default) decodes "
+             "each frame once, closest to one-shot; official re-decodes overlapping windows "
+             "(spec §7.2).")] = None,
+    engine: EngineName = None,
+    gpu_memory_utilization: GpuMemoryUtilization = None,
+    max_num_seqs: MaxNumSeqs = None,
+    tensor_parallel_size: TensorParallelSize = None,
+    max_model_len: MaxModelLen = None,
+    config: Config = None,
+    shard: Annotated[str | None, typer.Option(rich_help_panel=RUN, metavar="K/N",
+        help="Run shard K of N (K from 1) of the items, split by id, with its own manifest "
+             "in the output folder (default: from SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT, "
+             "or JOB_COMPLETION_INDEX with MIMO_TTS_SHARD_COUNT).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", rich_help_panel=RUN,
+        help="Preflight only (devices, checkpoints, memory); load nothing.")] = False,
+    as_json: AsJson = False,
+    quiet: Quiet = False,
+    verbose: Verbose = False,
+    debug: Debug = False,
+) -> None:
+    """Synthesise speech: text -> [b]output_audio/<task>/<id>.wav[/b] (+ sidecar, manifest)."""
+    from mimo_tts.batch.plan import SynthRequest
+
+    options = OptionValues(
+        task=task, instruct=instruct, prompt_audio=prompt_audio, template=template,
+        max_chars=max_chars, model=model, tokenizer=tokenizer, allow_download=allow_download,
+        lm_device=lm_device, tokenizer_device=tokenizer_device, dtype=dtype,
+        tokenizer_dtype=tokenizer_dtype, cuda_graph=cuda_graph, no_memory_check=no_memory_check,
+        lm_quant=lm_quant, lm_threads=lm_threads, tokenizer_threads=tokenizer_threads, seed=seed,
+        temperature=temperature, top_k=top_k, top_p=top_p, audio_temperature=audio_temperature,
+        audio_top_k=audio_top_k, audio_top_p=audio_top_p, max_new_groups=max_new_groups,
+        batch_size=batch_size, output_dir=output_dir, output=output, format=format,
+        sample_rate=sample_rate, save_codes=save_codes, overwrite=overwrite, stream=stream,
+        raw=raw, stream_mode=stream_mode, engine=engine,
+        gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+        tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len)
+    request = SynthRequest(options, texts=tuple(text or ()), inputs=tuple(input or ()),
+                           shard=shard, config=config, as_json=as_json)
+    reporter = Reporter(quiet, verbose, as_json, debug, stdout_data=not (raw or output == "-"))
+
+    def body() -> int:
+        if dry_run:
+            return _preflight(reporter, request)
+        if quiet:
+            quiet_libraries()
+        from mimo_tts.batch.plan import plan_synth, run_synth
+        from mimo_tts.batch.results import exit_code_for
+        from mimo_tts.batch.runner import BatchRunner
+
+        plan = plan_synth(request, sys.stdin, reporter.log)
+        runner = BatchRunner(plan.settings, log=reporter.log)
+        start = time.perf_counter()
+        with runner, reporter.bar(len(plan.items)) as advance:  # closes the engine (vLLM)
+            results = []
+            for result in run_synth(runner, plan.items, plan.sink()):
+                results.append(result)
+                reporter.item(result, plan.settings.synthesis.task)
+                advance()
+        reporter.info(summary(results, runner, time.perf_counter() - start))
+        return exit_code_for(results)
+
+    run_command(reporter, body)
+
+
+def _preflight(reporter: Reporter, request: SynthRequest) -> int:
+    report = preflight_report(request)
+    if reporter.as_json:
+        reporter.data(report)
+    else:  # the report is the command's data: pretty JSON on stdout
+        Console(highlight=False).print_json(data=report)
+    missing = [c for c in report["checkpoints"].values()
+               if c["status"].startswith(("missing", "broken"))]
+    for entry in missing:
+        reporter.error(entry["status"].split(": ", 1)[-1])
+    if missing:
+        return EXIT_CHECKPOINT
+    if report.get("memory_error") and not request.options.no_memory_check:
+        reporter.error(report["memory_error"])
+        return EXIT_DEVICE
+    return EXIT_OK
+
+
+def devices(
+    model: Model = None, tokenizer: Tokenizer = None, lm_device: LmDevice = None,
+    tokenizer_device: TokDevice = None, dtype: Dtype = None, tokenizer_dtype: TokDtype = None,
+    cuda_graph: Graph = None, engine: EngineName = None, config: Config = None,
+    no_memory_check: NoMemoryCheck = None, as_json: AsJson = False, debug: Debug = False,
+) -> None:
+    """Preflight: devices (and why), CUDA, graph policy, checkpoints, memory, Stage-0 engine.
+
+    Loads no weights. Exits 3 when a checkpoint is missing, 4 on a bad device or when the
+    default run would not fit in memory.
+    """
+    from mimo_tts.batch.plan import SynthRequest
+
+    options = OptionValues(model=model, tokenizer=tokenizer, lm_device=lm_device,
+                           tokenizer_device=tokenizer_device, dtype=dtype,
+                           tokenizer_dtype=tokenizer_dtype, cuda_graph=cuda_graph, engine=engine,
+                           no_memory_check=no_memory_check)
+    request = SynthRequest(options, config=config, as_json=as_json)
+    reporter = Reporter(as_json=as_json, debug=debug)
+    run_command(reporter, lambda: _preflight(reporter, request))
+
+
+def preflight_report(request: SynthRequest) -> dict:
+    """The preflight of the run a `SynthRequest` describes: the `--input` files are read and
+    checked as a run reads them (stdin is left alone), and their texts with `--text` size the
+    memory plan; the shard is the one the run would take."""
+    from mimo_tts.batch.items import read_items
+    from mimo_tts.batch.plan import shard_for
+    from mimo_tts.synthesis.preflight import preflight
+    from mimo_tts.synthesis.profiles import load_profile
+
+    texts = [t for t in request.texts if t != "-"]
+    files = [f for f in request.inputs if f != "-"]
+    settings = resolve(request.options, load_profile(request.config), os.environ)
+    items = read_items([], files) if files else []
+    shard = shard_for(settings, request.shard)
+    report = preflight(settings, texts + [i.text for i in items if isinstance(i.text, str)])
+    report["shard"] = (shard.describe() if shard else
+                       {"shard": None, "source": "default: every item"})
+    if files:
+        report["inputs"] = {"files": files, "items": len(items),
+                            "bad_items": sum(i.error is not None for i in items)}
+    return report
+
+
+def summary(results: list, runner, elapsed: float) -> str:
+    """One line: counts, load time, synthesis time, audio seconds and real-time factor."""
+    counts = {s: sum(r.status == s for r in results) for s in ("ok", "skipped", "error")}
+    audio = sum(r.seconds for r in results if r.status == "ok")
+    load = runner.timings.get("load_s")
+    busy = elapsed - (load or 0.0)
+    parts = [f"{counts['ok']} written, {counts['skipped']} skipped, {counts['error']} failed"]
+    if load is not None:
+        parts.append(f"load {load:.2f} s")
+    if audio:
+        parts.append(f"synthesis {busy:.2f} s for {audio:.2f} s of audio "
+                     f"(RTF {busy / audio:.3f})")
+    return " | ".join(parts)
