@@ -25,8 +25,8 @@ from mimo_tts.synthesis.preflight import (
     tokenizer_need,
     weights_bytes,
 )
-from tests.conftest import FULL_SIZE
 from tests.full_size import write_full_size_lm, write_full_size_tokenizer
+from tests.helpers import FULL_SIZE
 
 GIB = 2**30
 
