@@ -174,3 +174,42 @@ def manifest():
 def entry_point() -> Path:
     return ENTRY_POINT
 
+
+# --- CI: an installed extra must not skip its tests ----------------------------------------------
+
+# MIMO_TTS_REQUIRE_EXTRAS=serve,vllm,ray (.ci/run*) names the extras the venv installed; a skip
+# in their folders then means a broken install, and is reported as a failure.
+EXTRA_FOLDERS = {"serve": "server", "vllm": "vllm", "ray": "ray"}
+REQUIRED = pytest.StashKey[tuple[Path, ...]]()
+
+
+def pytest_configure(config):
+    names = {n.strip() for n in os.environ.get("MIMO_TTS_REQUIRE_EXTRAS", "").split(",")} - {""}
+    if unknown := names - set(EXTRA_FOLDERS):
+        raise pytest.UsageError(f"MIMO_TTS_REQUIRE_EXTRAS: unknown extra(s) {sorted(unknown)}; "
+                                f"known: {', '.join(EXTRA_FOLDERS)}")
+    config.stash[REQUIRED] = tuple(Path(__file__).parent / EXTRA_FOLDERS[n] for n in names)
+
+
+def _fail_a_required_skip(config, report, path: Path) -> None:
+    if report.skipped and not hasattr(report, "wasxfail") and any(
+            path.is_relative_to(folder) for folder in config.stash[REQUIRED]):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"skipped, but MIMO_TTS_REQUIRE_EXTRAS requires it to run: {reason}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """A module that skips itself at import (importorskip) in a required folder fails."""
+    report = yield
+    _fail_a_required_skip(collector.config, report, Path(collector.path))
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that skips (a marker or pytest.skip) in a required folder fails."""
+    report = yield
+    _fail_a_required_skip(item.config, report, Path(item.path))
+    return report
