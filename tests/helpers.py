@@ -51,6 +51,10 @@ def audio_files(directory: Path) -> list[Path]:
                   and not p.name.startswith("."))
 
 
-def find_case(cases: dict, group: str, name: str) -> dict:
-    """The case `name` of a group of tiny-a's cases.json (`cases` fixture)."""
-    return next(c for c in cases["groups"][group]["cases"] if c["name"] == name)
+def find_case(cases: dict, name: str) -> dict:
+    """The case `name` of tiny-a's cases.json (`cases` fixture); names are unique across groups."""
+    for group in cases["groups"].values():
+        for case in group["cases"]:
+            if case["name"] == name:
+                return case
+    raise KeyError(f"no case {name!r} in cases.json")

@@ -26,7 +26,7 @@ CASES = [
 @pytest.mark.parametrize(("group", "name"), CASES)
 def test_static_decode_matches_reference(lm, special, cases, case_tensors, forcing,
                                          greedy_options, group, name):
-    case, t = find_case(cases, group, name), case_tensors(group)
+    case, t = find_case(cases, name), case_tensors(group)
     script = case["params"]["forced_script_ids"]
     options = greedy_options(max_new_groups=case["params"]["max_new_groups"], keep_logits=True,
                              text_logits_processor=forcing([script]) if script else None,
@@ -43,7 +43,7 @@ def test_static_padded_batch_matches_reference(lm, special, cases, case_tensors,
     """Three prompt lengths (54, 56, 147 groups): two rows are left-padded and the key
     mask carries the padding into every fixed-span step."""
     names = ["gen_tts_en_forced", "gen_tts_zh_forced_interleaved", "gen_tts_instruct_forced"]
-    scripts = [find_case(cases, "lm_generate", n)["params"]["forced_script_ids"] for n in names]
+    scripts = [find_case(cases, n)["params"]["forced_script_ids"] for n in names]
     t = case_tensors("lm_generate")
     options = greedy_options(text_logits_processor=forcing(scripts), keep_logits=True,
                              decode_step="static")
