@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -184,6 +185,11 @@ REQUIRED = pytest.StashKey[tuple[Path, ...]]()
 
 
 def pytest_configure(config):
+    # A job started in the background (`bash .ci/run &`, nohup) inherits SIGINT ignored, and
+    # an ignored signal stays ignored across exec: the Ctrl-C tests' children would never see
+    # it. Python's own handler here gives every child the default disposition.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     names = {n.strip() for n in os.environ.get("MIMO_TTS_REQUIRE_EXTRAS", "").split(",")} - {""}
     if unknown := names - set(EXTRA_FOLDERS):
         raise pytest.UsageError(f"MIMO_TTS_REQUIRE_EXTRAS: unknown extra(s) {sorted(unknown)}; "
