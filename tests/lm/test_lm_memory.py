@@ -58,6 +58,7 @@ print(json.dumps({"delta": rss() - base}))
 """
 
 
+@pytest.mark.slow
 def test_bf16_load_costs_the_weights_once(tmp_path, published_lm_config):
     cfg = lm_config_cut(published_lm_config, hidden_size=1024, num_hidden_layers=4,
                         num_attention_heads=8, num_key_value_heads=2, intermediate_size=3072,

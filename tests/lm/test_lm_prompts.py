@@ -69,6 +69,7 @@ def test_each_task_on_the_tiny_preset_writes_audio(invoke, tmp_path, task, stere
     assert manifest(tmp_path / "output_audio" / task)[0]["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_free_greedy_fixture_case_generates_no_audio(mimo, tmp_path, tiny_a, cases,
                                                      case_tensors):
     """tiny-a, fixed template, temperature 0, 6 groups: the reference's ids, exit 7, no wav."""

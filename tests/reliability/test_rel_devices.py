@@ -36,6 +36,7 @@ def test_a_real_cpu_allocation_failure_is_recognised():
     assert OOM_ADVICE in str(advice.value) and advice.value.exit_code == EXIT_DEVICE
 
 
+@pytest.mark.slow
 def test_out_of_memory_in_a_run_gives_advice(limited, tmp_path):
     """2048 pieces in one batch, the child may map only 6 GiB in all: whichever stage runs out
     first (the KV cache grows with the run, so today it is joining the 2048 pieces' audio), the

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import soundfile as sf
 
 from mimo_tts.errors import EXIT_INTERRUPTED
@@ -59,6 +60,7 @@ def test_ctrl_c_mid_write_removes_the_partial_file(base_env, tmp_path):
     assert target.read_bytes() == b"the previous complete file"
 
 
+@pytest.mark.slow
 def test_sigterm_while_streaming_stops_cleanly_and_resumes(base_env, entry_point, tmp_path,
                                                            manifest):
     """SIGTERM with the Stage-1 worker thread running: exit 130, complete files only, resume."""

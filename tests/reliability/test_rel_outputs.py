@@ -33,6 +33,7 @@ def test_read_only_output_directory(invoke, tmp_path):
     assert "cannot create output directory" in error_line(result.stderr)
 
 
+@pytest.mark.slow
 def test_disk_full_fails_items_cleanly_and_a_rerun_completes(limited, mimo, tmp_path):
     """RLIMIT_FSIZE (16 KiB per file): each 23 KiB wav fails to write with EFBIG."""
     lines = tmp_path / "lines.txt"
@@ -65,6 +66,7 @@ def test_dev_full_is_no_space_and_dev_null_stays_a_device(invoke):
     assert not [p for p in os.listdir("/dev") if p.startswith(TEMP_MARK)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [
     ["--raw", "--stream"],  # chunks as decoded
     ["-o", "-"],  # the encoded file, bigger than the pipe: a short write (issue 13 B)
@@ -83,6 +85,7 @@ def test_closed_stdout_pipe_is_an_io_error(base_env, entry_point, tmp_path, args
     assert "Exception ignored" not in stderr
 
 
+@pytest.mark.slow
 def test_two_runs_into_one_directory(base_env, entry_point, invoke, tmp_path, manifest):
     """A second run (another process) is refused while the first holds the directory lock."""
     lines = tmp_path / "lines.txt"

@@ -180,6 +180,7 @@ def test_bad_stated_memory_is_a_usage_error(tmp_path):
         assert f"invalid memory size 'plenty' (from env {memory.AVAILABLE_ENV})" in run.stderr
 
 
+@pytest.mark.slow
 def test_no_memory_check_still_runs(tmp_path):
     args = ["synth", "--model", "tiny", "--text", "Hello", "-o", str(tmp_path / "a.wav")]
     refused = _cli(args, {memory.AVAILABLE_ENV: "64M"}, tmp_path)
