@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from mimo_tts.presets import ensure_tiny_preset
 from mimo_tts.runtime.paths import CACHE_ENV
-
-REPO = Path(__file__).resolve().parents[1]
-FIXTURES = Path(os.environ.get("MIMO_TTS_FIXTURES") or REPO / "tests" / "fixtures")
-TINY_A = FIXTURES / "tiny-a"
-FULL_SIZE = FIXTURES / "full-size"
+from tests.helpers import ENTRY_POINT, TINY_A, read_manifest
 
 
 @pytest.fixture(scope="session")
@@ -71,9 +67,27 @@ def forcing():
     return make
 
 
+@pytest.fixture(scope="session")
+def codec(tiny_a):
+    """The tiny-a audio tokenizer (Stage-1) on CPU in float32, as the reference was made."""
+    import torch
+
+    from mimo_tts.codec import load_audio_tokenizer
+
+    return load_audio_tokenizer(tiny_a / "tokenizer", device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def greedy_options():
+    """greedy_options(**kw) -> GenerationOptions with greedy text and audio samplers."""
+    from mimo_tts.lm.generate import GenerationOptions
+    from mimo_tts.lm.sampling import GREEDY
+
+    return lambda **kw: GenerationOptions(text_sampler=GREEDY, audio_sampler=GREEDY, **kw)
+
+
 # --- the tiny preset and the CLI runners ---------------------------------------------------------
 
-ENTRY_POINT = Path(sys.executable).with_name("mimo-tts")
 # Environment variables that would change device/checkpoint resolution under test.
 SCRUBBED = ("MIMO_AUDIO_TOKENIZER_DEVICE", "MIMO_AUDIO_TOKENIZER_PATH", "MIMO_TTS_LM_DEVICE",
             "MIMO_AUDIO_TOKENIZER_CUDA_GRAPH", "MIMO_TTS_CACHE")
@@ -118,7 +132,20 @@ def mimo(base_env, tmp_path):
 
 
 @pytest.fixture
-def invoke(base_env, tmp_path, monkeypatch):
+def one_thread():
+    """One torch intra-op thread for the test, restored after: small models on a shared
+    2-core machine gain nothing from more, and oversubscribed threads make every op wait.
+    A folder of small-model tests uses it autouse from its conftest (tests/lm, tests/vllm)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def invoke(base_env, tmp_path, monkeypatch, one_thread):
     """Run the Typer app in-process (CliRunner) with the session env, cwd = tmp_path."""
     from typer.testing import CliRunner
 
@@ -130,27 +157,17 @@ def invoke(base_env, tmp_path, monkeypatch):
         monkeypatch.setenv(key, base_env[key])
     monkeypatch.chdir(tmp_path)
     runner = CliRunner()
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
 
     def run(*args, input=None, env=None):
         return runner.invoke(app, [str(a) for a in args], input=input, env=env,
                              catch_exceptions=False)
 
-    yield run
-    torch.set_num_threads(threads)
-
-
-def read_manifest(directory: Path) -> list[dict]:
-    path = directory / "results.jsonl"
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    return run
 
 
 @pytest.fixture(scope="session")
 def manifest():
-    """read_manifest(task_dir) -> the parsed lines of results.jsonl."""
+    """manifest(task_dir) -> the parsed lines of results.jsonl (tests/helpers.py)."""
     return read_manifest
 
 
@@ -159,13 +176,46 @@ def entry_point() -> Path:
     return ENTRY_POINT
 
 
-@pytest.fixture
-def one_thread():
-    """One torch intra-op thread for the test, restored after: small models on a shared
-    2-core machine gain nothing from more, and oversubscribed threads make every op wait."""
-    import torch
+# --- CI: an installed extra must not skip its tests ----------------------------------------------
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# MIMO_TTS_REQUIRE_EXTRAS=serve,vllm,ray (.ci/run*) names the extras the venv installed; a skip
+# in their folders then means a broken install, and is reported as a failure.
+EXTRA_FOLDERS = {"serve": "server", "vllm": "vllm", "ray": "ray"}
+REQUIRED = pytest.StashKey[tuple[Path, ...]]()
+
+
+def pytest_configure(config):
+    # A job started in the background (`bash .ci/run &`, nohup) inherits SIGINT ignored, and
+    # an ignored signal stays ignored across exec: the Ctrl-C tests' children would never see
+    # it. Python's own handler here gives every child the default disposition.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    names = {n.strip() for n in os.environ.get("MIMO_TTS_REQUIRE_EXTRAS", "").split(",")} - {""}
+    if unknown := names - set(EXTRA_FOLDERS):
+        raise pytest.UsageError(f"MIMO_TTS_REQUIRE_EXTRAS: unknown extra(s) {sorted(unknown)}; "
+                                f"known: {', '.join(EXTRA_FOLDERS)}")
+    config.stash[REQUIRED] = tuple(Path(__file__).parent / EXTRA_FOLDERS[n] for n in names)
+
+
+def _fail_a_required_skip(config, report, path: Path) -> None:
+    if report.skipped and not hasattr(report, "wasxfail") and any(
+            path.is_relative_to(folder) for folder in config.stash[REQUIRED]):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"skipped, but MIMO_TTS_REQUIRE_EXTRAS requires it to run: {reason}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """A module that skips itself at import (importorskip) in a required folder fails."""
+    report = yield
+    _fail_a_required_skip(collector.config, report, Path(collector.path))
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that skips (a marker or pytest.skip) in a required folder fails."""
+    report = yield
+    _fail_a_required_skip(item.config, report, Path(item.path))
+    return report

@@ -187,6 +187,7 @@ def test_debug_shows_a_traceback(invoke):
     assert quiet.exit_code == loud.exit_code == EXIT_CHECKPOINT
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["sigint", "sigkill"])
 def test_interrupt_keeps_complete_outputs_and_resumes(tmp_path, base_env, entry_point, manifest,
                                                       sig):

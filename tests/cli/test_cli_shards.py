@@ -10,6 +10,8 @@ import subprocess
 import time
 from collections import Counter
 
+import pytest
+
 from mimo_tts.batch.items import read_items
 from mimo_tts.batch.shards import shard_of
 from mimo_tts.errors import EXIT_INCOMPLETE
@@ -19,6 +21,7 @@ def _lines(path):
     return path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
 
 
+@pytest.mark.slow
 def test_three_shards_one_killed_and_resumed_write_each_item_once(base_env, entry_point,
                                                                  tmp_path):
     lines = tmp_path / "lines.txt"
@@ -85,6 +88,7 @@ def test_three_shards_one_killed_and_resumed_write_each_item_once(base_env, entr
     assert [r["id"] for r in records] == ids and {r["status"] for r in records} == {"ok"}
 
 
+@pytest.mark.slow
 def test_status_counts_failed_items_with_their_exit_codes(mimo, tmp_path):
     batch = tmp_path / "batch.jsonl"
     batch.write_text('{"id": "good", "text": "Fine."}\n{"id": "bad", "text": ""}\n')

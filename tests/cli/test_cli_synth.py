@@ -115,6 +115,7 @@ def test_bad_cpu_kernel_setting_is_a_one_line_usage_error(invoke, tmp_path):
     assert not list(tmp_path.rglob("*.wav"))
 
 
+@pytest.mark.slow
 def test_saved_codes_decode_to_the_same_audio(default_run, mimo):
     cwd, _ = default_run
     task_dir = cwd / "output_audio" / "tts_sft"
@@ -208,6 +209,7 @@ def test_jsonl_batch_with_bad_lines_is_a_partial_failure(invoke, tmp_path, manif
                                           str(task_dir.relative_to(tmp_path) / "ok2.wav")]
 
 
+@pytest.mark.slow
 def test_stdin_items(mimo, tmp_path, manifest):
     proc = mimo("synth", "--model", "tiny", "--input", "-", "--max-new-groups", "2", "--json",
                 input="From a pipe.\nSecond piped line.\n")
@@ -218,6 +220,7 @@ def test_stdin_items(mimo, tmp_path, manifest):
     assert manifest(tmp_path / "output_audio" / "tts_sft") == records
 
 
+@pytest.mark.slow
 def test_wav_to_stdout_with_logs_on_stderr(mimo, tmp_path):
     proc = mimo("synth", "--model", "tiny", "--text", "To stdout.", "-o", "-",
                 "--max-new-groups", "2", "-v")
@@ -228,6 +231,7 @@ def test_wav_to_stdout_with_logs_on_stderr(mimo, tmp_path):
     assert not (tmp_path / "output_audio").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("mode", "max_error"), [("incremental", 0.03), ("official", 0.015)])
 def test_stream_raw_pcm_to_stdout(mimo, invoke, tmp_path, mode, max_error):
     args = ["synth", "--model", "tiny", "--text", "Streamed.", "--max-new-groups", "12"]

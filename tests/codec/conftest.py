@@ -1,11 +1,10 @@
-"""Codec test fixtures: the tiny-a audio tokenizer loaded once per session."""
+"""Codec test fixtures: the tiny-a tokenizer's directory and cases (the loaded tokenizer,
+`codec`, is shared with tests/lm from tests/conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
-from mimo_tts.codec import load_audio_tokenizer
 
 cuda = pytest.mark.cuda
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -14,12 +13,6 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tiny_a):
     return tiny_a / "tokenizer"
-
-
-@pytest.fixture(scope="session")
-def codec(tokenizer_dir):
-    """tiny-a tokenizer on CPU in float32 (matches the reference fixtures)."""
-    return load_audio_tokenizer(tokenizer_dir, device="cpu", dtype=torch.float32)
 
 
 @pytest.fixture(scope="session")

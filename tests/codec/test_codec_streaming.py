@@ -7,17 +7,14 @@ import torch
 
 from mimo_tts.codec import StreamingDecoder
 from mimo_tts.errors import UsageError
+from tests.helpers import find_case
 
 STREAM_CASES = ("stream_T101_default", "stream_T37_small_overlap")
 
 
-def _case(cases, name):
-    return next(c for c in cases["groups"]["codec_decode"]["cases"] if c["name"] == name)
-
-
 @pytest.mark.parametrize("name", STREAM_CASES)
 def test_streaming_matches_reference(codec, cases, decode_cases, name):
-    params = _case(cases, name)["params"]
+    params = find_case(cases, name)["params"]
     config = params["streaming_config"]
     stream = StreamingDecoder(codec, config["left_overlap"], config["right_overlap"])
     codes = decode_cases[f"{name}.codes"]

@@ -1,24 +1,19 @@
-"""LM test fixtures: the tiny-a LM and text tokenizer, loaded once per session."""
+"""LM test fixtures: the tiny-a LM and text tokenizer, loaded once per session (the codec,
+`codec`, and `greedy_options` come from tests/conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mimo_tts.lm.generate import GenerationOptions
 from mimo_tts.lm.load import load_lm
-from mimo_tts.lm.sampling import GREEDY
 from mimo_tts.lm.text import TextTokenizer
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
+def _one_thread(one_thread):
     """The tiny models' ops are far too small to split; on a shared 2-core machine the
-    OpenMP threads of two processes spin against each other (30x slower). Restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    OpenMP threads of two processes spin against each other (30x slower)."""
 
 
 @pytest.fixture(scope="session")
@@ -39,12 +34,6 @@ def text_tokenizer(lm_dir):
 @pytest.fixture(scope="session")
 def special(text_tokenizer):
     return text_tokenizer.special
-
-
-@pytest.fixture(scope="session")
-def greedy_options():
-    """greedy_options(**kw) -> GenerationOptions with greedy text and audio samplers."""
-    return lambda **kw: GenerationOptions(text_sampler=GREEDY, audio_sampler=GREEDY, **kw)
 
 
 @pytest.fixture(scope="session")
@@ -72,10 +61,3 @@ def gen_cases(cases, case_tensors):
             if case["task"] == "lm_generate":
                 out.append((case, case_tensors(group)))
     return out
-
-
-@pytest.fixture(scope="session")
-def audio_tokenizer(tiny_a):
-    """The tiny-a codec (Stage-1), skipped until `mimo_tts.codec` is importable."""
-    codec = pytest.importorskip("mimo_tts.codec")
-    return codec.load_audio_tokenizer(tiny_a / "tokenizer", device="cpu", dtype=torch.float32)

@@ -10,6 +10,7 @@ from mimo_tts.lm.config import MAX_GROUPS
 from mimo_tts.lm.extract import extract
 from mimo_tts.lm.generate import GenerationOptions, generate, stream
 from mimo_tts.lm.sampling import TASK_SAMPLERS, SamplerConfig
+from tests.helpers import find_case
 
 TOL = 1e-4
 GENERATE = [
@@ -20,10 +21,6 @@ GENERATE = [
     ("voice_prompt", "gen_tts_voice_forced"),
     ("voice_prompt", "gen_tts_voice_free_greedy"),
 ]
-
-
-def _case(cases, group, name):
-    return next(c for c in cases["groups"][group]["cases"] if c["name"] == name)
 
 
 def _options(case, special, forcing, greedy_options, **kw):
@@ -47,7 +44,7 @@ def test_every_generation_case_is_covered(cases):
 @pytest.mark.parametrize(("group", "name"), GENERATE)
 def test_generation_matches_reference(lm, text_tokenizer, special, cases, case_tensors,
                                       forcing, greedy_options, group, name):
-    case, t = _case(cases, group, name), case_tensors(group)
+    case, t = find_case(cases, name), case_tensors(group)
     options = _options(case, special, forcing, greedy_options, keep_logits=True)
     result = generate(lm, [t[f"{name}.input_ids"]], options, special)[0]
     assert result.text_tokens == case["generated_text_tokens"]
@@ -65,12 +62,12 @@ def test_generation_matches_reference(lm, text_tokenizer, special, cases, case_t
 @pytest.mark.parametrize(("group", "name"), [g for g in GENERATE if "forced" in g[1]])
 def test_generated_codes_decode_to_reference_waveform(lm, text_tokenizer, special, cases,
                                                       case_tensors, forcing, greedy_options,
-                                                      audio_tokenizer, group, name):
-    case, t = _case(cases, group, name), case_tensors(group)
+                                                      codec, group, name):
+    case, t = find_case(cases, name), case_tensors(group)
     result = generate(lm, [t[f"{name}.input_ids"]],
                       _options(case, special, forcing, greedy_options), special)[0]
     out = extract(result.new_ids, text_tokenizer, lm.cfg.speech_empty_ids, lm.cfg.group_size)
-    wave = audio_tokenizer.decode(out.codes)
+    wave = codec.decode(out.codes)
     assert wave.shape == (960 * out.n_frames,)
     torch.testing.assert_close(wave, t[f"{name}.waveform"], atol=TOL, rtol=0)
 
@@ -85,7 +82,7 @@ def _prompts(case_tensors):
 def test_forced_batch_matches_reference_with_per_row_stopping(lm, special, cases, case_tensors,
                                                               forcing, greedy_options):
     names = ["gen_tts_en_forced", "gen_tts_zh_forced_interleaved", "gen_tts_instruct_forced"]
-    scripts = [_case(cases, "lm_generate", n)["params"]["forced_script_ids"] for n in names]
+    scripts = [find_case(cases, n)["params"]["forced_script_ids"] for n in names]
     options = greedy_options(text_logits_processor=forcing(scripts), keep_logits=True)
     results = generate(lm, _prompts(case_tensors), options, special)
     t = case_tensors("lm_generate")
@@ -110,7 +107,7 @@ def test_stream_yields_groups_in_order_and_generate_is_built_on_it(lm, special, 
                                                                    case_tensors, forcing,
                                                                    greedy_options):
     names = ["gen_tts_en_forced", "gen_tts_zh_forced_interleaved"]
-    scripts = [_case(cases, "lm_generate", n)["params"]["forced_script_ids"] for n in names]
+    scripts = [find_case(cases, n)["params"]["forced_script_ids"] for n in names]
     options = greedy_options(text_logits_processor=forcing(scripts))
     prompts = _prompts(case_tensors)[:2]
     steps = list(stream(lm, prompts, options, special))

@@ -20,8 +20,8 @@ from mimo_tts.lm import generate as gen_mod
 from mimo_tts.lm.generate import GenerationOptions, generate
 from mimo_tts.lm.load import load_lm
 from mimo_tts.lm.sampling import SamplerConfig
-from tests.conftest import FULL_SIZE
 from tests.full_size import lm_config_cut, write_full_size_lm, write_random_lm
+from tests.helpers import FULL_SIZE
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +58,7 @@ print(json.dumps({"delta": rss() - base}))
 """
 
 
+@pytest.mark.slow
 def test_bf16_load_costs_the_weights_once(tmp_path, published_lm_config):
     cfg = lm_config_cut(published_lm_config, hidden_size=1024, num_hidden_layers=4,
                         num_attention_heads=8, num_key_value_heads=2, intermediate_size=3072,
@@ -86,7 +87,7 @@ def test_growing_kv_cache_equals_full_allocation(lm, monkeypatch, greedy):
     options = GenerationOptions(text_sampler=sampler, audio_sampler=sampler, seed=3,
                                 max_new_groups=40, min_new_groups=40)
     from mimo_tts.lm.text import TextTokenizer
-    from tests.conftest import TINY_A
+    from tests.helpers import TINY_A
 
     special = TextTokenizer.from_dir(TINY_A / "lm").special
     full = generate(lm, ids, options, special)

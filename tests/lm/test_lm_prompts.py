@@ -9,18 +9,12 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from tests.helpers import find_case
+
 SPF = 960
 TASKS = ("tts_sft", "tts_sft_with_instruct", "tts_sft_with_audio",
          "tts_sft_with_natural_instruction")
 GREEDY = ("--temperature", "0", "--audio-temperature", "0")
-
-
-def _case(cases, name):
-    for group in cases["groups"].values():
-        for case in group["cases"]:
-            if case["name"] == name:
-                return case
-    raise KeyError(name)
 
 
 def _fixture_args(tiny_a):
@@ -75,10 +69,11 @@ def test_each_task_on_the_tiny_preset_writes_audio(invoke, tmp_path, task, stere
     assert manifest(tmp_path / "output_audio" / task)[0]["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_free_greedy_fixture_case_generates_no_audio(mimo, tmp_path, tiny_a, cases,
                                                      case_tensors):
     """tiny-a, fixed template, temperature 0, 6 groups: the reference's ids, exit 7, no wav."""
-    case = _case(cases, "gen_tts_en_free_greedy")
+    case = find_case(cases, "gen_tts_en_free_greedy")
     prompt = case["prompt"]
     proc = mimo("synth", *_fixture_args(tiny_a), "--text", prompt["text"],
                 "--template", prompt["template_choice"]["index"], *GREEDY,
@@ -100,7 +95,7 @@ def test_free_greedy_fixture_case_generates_no_audio(mimo, tmp_path, tiny_a, cas
 
 def test_voice_prompt_fixture_case(invoke, tiny_a, cases, voice_wav):
     """The voice-clone prompt from a real audio file reproduces the reference greedy ids."""
-    case = _case(cases, "gen_tts_voice_free_greedy")
+    case = find_case(cases, "gen_tts_voice_free_greedy")
     prompt = case["prompt"]
     result = invoke("synth", *_fixture_args(tiny_a), "--task", "tts_sft_with_audio",
                     "--text", prompt["text"], "--instruct", prompt["instruct"],
@@ -116,7 +111,7 @@ def test_voice_prompt_fixture_case(invoke, tiny_a, cases, voice_wav):
 def test_instruct_and_chinese_prompts_match_the_reference_prefill(invoke, tiny_a, cases, name,
                                                                   task):
     """The first greedy token is the reference prefill's argmax (so the prompt ids match)."""
-    case = _case(cases, name)
+    case = find_case(cases, name)
     prompt = case["prompt"]
     args = ["--instruct", prompt["instruct"]] if prompt["instruct"] else []
     result = invoke("synth", *_fixture_args(tiny_a), "--task", task, "--text", prompt["text"],

@@ -12,6 +12,7 @@ from mimo_tts.lm.generate import GenerationOptions, generate
 from mimo_tts.lm.graph import SPAN_MIN, span_buckets
 from mimo_tts.lm.model import SMALL_ROWS, linear
 from mimo_tts.runtime.safetensors import load_tensors
+from tests.helpers import find_case
 
 TOL = 1e-4
 CASES = [
@@ -22,14 +23,10 @@ CASES = [
 ]
 
 
-def _case(cases, group, name):
-    return next(c for c in cases["groups"][group]["cases"] if c["name"] == name)
-
-
 @pytest.mark.parametrize(("group", "name"), CASES)
 def test_static_decode_matches_reference(lm, special, cases, case_tensors, forcing,
                                          greedy_options, group, name):
-    case, t = _case(cases, group, name), case_tensors(group)
+    case, t = find_case(cases, name), case_tensors(group)
     script = case["params"]["forced_script_ids"]
     options = greedy_options(max_new_groups=case["params"]["max_new_groups"], keep_logits=True,
                              text_logits_processor=forcing([script]) if script else None,
@@ -46,7 +43,7 @@ def test_static_padded_batch_matches_reference(lm, special, cases, case_tensors,
     """Three prompt lengths (54, 56, 147 groups): two rows are left-padded and the key
     mask carries the padding into every fixed-span step."""
     names = ["gen_tts_en_forced", "gen_tts_zh_forced_interleaved", "gen_tts_instruct_forced"]
-    scripts = [_case(cases, "lm_generate", n)["params"]["forced_script_ids"] for n in names]
+    scripts = [find_case(cases, n)["params"]["forced_script_ids"] for n in names]
     t = case_tensors("lm_generate")
     options = greedy_options(text_logits_processor=forcing(scripts), keep_logits=True,
                              decode_step="static")

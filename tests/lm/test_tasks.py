@@ -18,6 +18,7 @@ from mimo_tts.lm.tasks import (
     preprocess_text,
 )
 from mimo_tts.lm.text import TextTokenizer
+from tests.helpers import find_case
 
 PREFILL = [
     ("lm_forward", "prefill_tts_en"),
@@ -46,10 +47,6 @@ def chirp_codes(case_tensors) -> dict:
     }
 
 
-def _case(cases, group, name):
-    return next(c for c in cases["groups"][group]["cases"] if c["name"] == name)
-
-
 def _task_of(meta) -> str:
     if meta["instruct"] is None:
         return "tts_sft"
@@ -65,7 +62,7 @@ def _build(meta, tok, empty_ids, codes, **kw):
 
 @pytest.mark.parametrize("group,name", PREFILL)
 def test_prompt_matches_reference(group, name, cases, case_tensors, tok, empty_ids, chirp_codes):
-    meta = _case(cases, group, name)["prompt"]
+    meta = find_case(cases, name)["prompt"]
     choice = meta["template_choice"]
     prompt = _build(meta, tok, empty_ids, chirp_codes["padded"], template=choice["index"])
     ref = case_tensors(group)[f"{name}.input_ids"].long()
@@ -88,7 +85,7 @@ def test_prompt_matches_reference(group, name, cases, case_tensors, tok, empty_i
 
 @pytest.mark.parametrize("group,name", PREFILL)
 def test_template_by_string_equals_index(group, name, cases, tok, empty_ids, chirp_codes):
-    meta = _case(cases, group, name)["prompt"]
+    meta = find_case(cases, name)["prompt"]
     choice = meta["template_choice"]
     by_index = _build(meta, tok, empty_ids, chirp_codes["padded"], template=choice["index"])
     by_string = _build(meta, tok, empty_ids, chirp_codes["padded"], template=choice["template"])
@@ -100,7 +97,7 @@ def test_template_by_string_equals_index(group, name, cases, tok, empty_ids, chi
 def test_voice_prompt_pads_by_repeating_last_frame(
     cases, case_tensors, tok, empty_ids, chirp_codes
 ):
-    meta = _case(cases, "voice_prompt", "prefill_tts_voice")["prompt"]
+    meta = find_case(cases, "prefill_tts_voice")["prompt"]
     raw = chirp_codes["raw"]
     assert raw.shape[1] % 4 != 0  # the case exercises the padding
     prompt = _build(meta, tok, empty_ids, raw, template=meta["template_choice"]["index"])

@@ -1,4 +1,5 @@
-"""Reliability test fixtures: broken checkpoint copies, limits (the CLI runners: tests/conftest).
+"""Reliability test fixtures: broken checkpoint copies, limits (the CLI runners: tests/conftest;
+plain helpers such as `error_line` and `temp_files`: tests/helpers.py).
 
 Every case runs the real thing: the installed entry point in a subprocess (real signals, real
 `setrlimit` limits) or the Typer app in-process, on real files and the tiny preset.
@@ -6,18 +7,14 @@ Every case runs the real thing: the installed entry point in a subprocess (real 
 
 from __future__ import annotations
 
-import json
 import resource
 import shutil
 import subprocess
-import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-ENTRY_POINT = Path(sys.executable).with_name("mimo-tts")
-TEMP_MARK = ".mimo-tmp-"
+from tests.helpers import ENTRY_POINT
 
 
 @pytest.fixture
@@ -49,29 +46,6 @@ def limited(base_env, tmp_path):
     return run
 
 
-def error_line(stderr: str) -> str:
-    """The single `Error:` line of a failed run."""
-    lines = [line for line in stderr.splitlines() if line.startswith("Error:")]
-    assert len(lines) == 1, stderr
-    return lines[0]
-
-
-def temp_files(directory: Path) -> list[Path]:
-    return sorted(directory.rglob(f"{TEMP_MARK}*")) if directory.exists() else []
-
-
-def audio_files(directory: Path) -> list[Path]:
-    if not directory.exists():
-        return []
-    return sorted(p for p in directory.iterdir() if p.suffix in (".wav", ".flac")
-                  and not p.name.startswith("."))
-
-
-def read_lines(path: Path) -> list[dict]:
-    """Every line of a JSON-lines file must parse (a consistent manifest)."""
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
-
-
 @pytest.fixture
 def synth_broken(invoke, preset_copy, tmp_path):
     """synth_broken(kind, build) -> (result, broken dir): one synth run with the tiny preset's
@@ -89,11 +63,3 @@ def synth_broken(invoke, preset_copy, tmp_path):
 
     return run
 
-
-@pytest.fixture(scope="session")
-def rel():
-    """Helpers shared by the reliability tests (conftest modules are not importable here)."""
-    return SimpleNamespace(error_line=error_line, temp_files=temp_files,
-                           audio_files=audio_files, read_lines=read_lines,
-                           TEMP_MARK=TEMP_MARK, RLIMIT_AS=resource.RLIMIT_AS,
-                           RLIMIT_FSIZE=resource.RLIMIT_FSIZE)

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mimo_tts.errors import EXIT_CHECKPOINT
+from tests.helpers import error_line
 
 
 def _drop(name):
@@ -107,18 +108,18 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_broken_checkpoint_exit_3(synth_broken, rel, case):
+def test_broken_checkpoint_exit_3(synth_broken, case):
     kind, build, message = CASES[case]
     result, broken = synth_broken(kind, build)
     assert result.exit_code == EXIT_CHECKPOINT, result.stderr
-    line = rel.error_line(result.stderr)
+    line = error_line(result.stderr)
     assert message in line and str(broken) in line, line
 
 
-def test_missing_tokenizer_directory(invoke, tmp_path, rel):
+def test_missing_tokenizer_directory(invoke, tmp_path):
     result = invoke("synth", "--model", "tiny", "--tokenizer", tmp_path / "gone", "--text", "x")
     assert result.exit_code == EXIT_CHECKPOINT
-    assert "tokenizer checkpoint directory not found" in rel.error_line(result.stderr)
+    assert "tokenizer checkpoint directory not found" in error_line(result.stderr)
 
 
 class _Payload:

@@ -14,10 +14,11 @@ import torch
 from safetensors.torch import save_file
 
 from mimo_tts.errors import EXIT_INPUT, EXIT_OK, EXIT_PARTIAL
+from tests.helpers import read_lines
 
 
 @pytest.mark.parametrize(("samples", "rate"), [(1, 24000), (100, 8000), (900, 24000)])
-def test_o_too_short_voice_prompt_fails_the_item(invoke, tmp_path, rel, samples, rate):
+def test_o_too_short_voice_prompt_fails_the_item(invoke, tmp_path, samples, rate):
     short = tmp_path / "short.wav"
     sf.write(short, np.full(samples, 0.1, dtype=np.float32), rate)
     good = tmp_path / "good.wav"
@@ -30,7 +31,7 @@ def test_o_too_short_voice_prompt_fails_the_item(invoke, tmp_path, rel, samples,
                     tmp_path / "batch.jsonl", "--output-dir", tmp_path / "out")
     assert result.exit_code == EXIT_PARTIAL, result.stderr
     assert "a voice prompt needs at least 40 ms" in result.stderr
-    records = {r["id"]: r for r in rel.read_lines(tmp_path / "out" / "tts_sft_with_audio" /
+    records = {r["id"]: r for r in read_lines(tmp_path / "out" / "tts_sft_with_audio" /
                                                   "results.jsonl")}
     assert records["short"]["exit_code"] == EXIT_INPUT and records["good"]["status"] == "ok"
 

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from mimo_tts.errors import EXIT_CHECKPOINT
+from tests.helpers import error_line
 
 
 def _edit(**changes):
@@ -51,10 +52,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_impossible_config_exits_3_naming_the_field(synth_broken, rel, case):
+def test_impossible_config_exits_3_naming_the_field(synth_broken, case):
     kind, build, message = CASES[case]
     result, _ = synth_broken(kind, build)
     assert result.exit_code == EXIT_CHECKPOINT, result.stderr
-    line = rel.error_line(result.stderr)
+    line = error_line(result.stderr)
     assert message in line, line
     assert "Traceback" not in result.stderr

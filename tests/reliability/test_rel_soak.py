@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SOAK = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
 
 
+@pytest.mark.slow
 def test_soak_smoke(base_env, tmp_path):
     proc = subprocess.run([sys.executable, str(SOAK), "--items", "10", "--faults", "1",
                            "--seed", "3", "--workdir", str(tmp_path / "soak")],

@@ -62,6 +62,7 @@ def test_a_raw_without_stream_writes_each_items_pcm(invoke, tmp_path):
 # --- 2: data lines on stdout while the bar is on a terminal -------------------------------------
 
 
+@pytest.mark.slow
 def test_2_paths_go_to_stdout_while_the_bar_is_on_a_terminal(base_env, entry_point, tmp_path):
     lines = tmp_path / "lines.txt"
     lines.write_text("One line.\nTwo lines.\nThree lines.\n")

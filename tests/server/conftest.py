@@ -2,7 +2,8 @@
 
 `start_server(*args, env=...)` runs the installed entry point on a free port, waits for
 `/health` and returns its base URL; the process is stopped with SIGTERM at the module's end
-(and must exit 0). The modules skip without the serve extra or httpx.
+(and must exit 0). The modules skip without the serve extra or httpx; CI installs both and
+sets MIMO_TTS_REQUIRE_EXTRAS=serve, which makes such a skip a failure (tests/conftest.py).
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ from mimo_tts.synthesis.preflight import (
     tokenizer_need,
     weights_bytes,
 )
-from tests.conftest import FULL_SIZE
 from tests.full_size import write_full_size_lm, write_full_size_tokenizer
+from tests.helpers import FULL_SIZE
 
 GIB = 2**30
 
@@ -180,6 +180,7 @@ def test_bad_stated_memory_is_a_usage_error(tmp_path):
         assert f"invalid memory size 'plenty' (from env {memory.AVAILABLE_ENV})" in run.stderr
 
 
+@pytest.mark.slow
 def test_no_memory_check_still_runs(tmp_path):
     args = ["synth", "--model", "tiny", "--text", "Hello", "-o", str(tmp_path / "a.wav")]
     refused = _cli(args, {memory.AVAILABLE_ENV: "64M"}, tmp_path)

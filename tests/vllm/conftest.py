@@ -1,5 +1,7 @@
 """vLLM engine test fixtures: the tiny preset (backbone head_dim 32, which vLLM's CPU attention
 accepts; tiny-a's 16 it rejects), the native engine as the reference, and prompt builders.
+The preset's fixtures are named `preset_*` (`preset_lm_dir`, `preset_special`): tests/lm's
+`lm_dir` and `special` are tiny-a's. `greedy_options` comes from tests/conftest.py.
 
 Nothing here imports vLLM: each test module skips itself when vLLM is not installed (the main
 venv); `scripts/setup_vllm_venv.sh` makes the venv these tests run in (`.ci/run-vllm`).
@@ -10,10 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mimo_tts.lm.generate import GenerationOptions
 from mimo_tts.lm.load import load_lm
 from mimo_tts.lm.prompts import build_prompt
-from mimo_tts.lm.sampling import GREEDY
 from mimo_tts.lm.text import TextTokenizer
 from mimo_tts.presets.write import write_tiny_preset
 
@@ -26,25 +26,25 @@ def _one_thread(one_thread):
 
 
 @pytest.fixture(scope="session")
-def lm_dir(tmp_path_factory):
+def preset_lm_dir(tmp_path_factory):
     lm, _ = write_tiny_preset(tmp_path_factory.mktemp("tiny-preset"), seed=0)
     return lm
 
 
 @pytest.fixture(scope="session")
-def text_tokenizer(lm_dir):
-    return TextTokenizer.from_dir(lm_dir)
+def preset_text_tokenizer(preset_lm_dir):
+    return TextTokenizer.from_dir(preset_lm_dir)
 
 
 @pytest.fixture(scope="session")
-def special(text_tokenizer):
-    return text_tokenizer.special
+def preset_special(preset_text_tokenizer):
+    return preset_text_tokenizer.special
 
 
 @pytest.fixture(scope="session")
-def native(lm_dir):
+def native(preset_lm_dir):
     """The native engine's LM in float32: the reference the vLLM engine must equal."""
-    return load_lm(lm_dir, device="cpu", dtype=torch.float32)
+    return load_lm(preset_lm_dir, device="cpu", dtype=torch.float32)
 
 
 @pytest.fixture(scope="session")
@@ -54,12 +54,12 @@ def voice_codes(case_tensors):
 
 
 @pytest.fixture(scope="session")
-def prompts(text_tokenizer, native, voice_codes):
+def prompts(preset_text_tokenizer, native, voice_codes):
     """Prompts of several lengths and layouts: plain EN / ZH, instruct, voice prompt."""
     empty = native.cfg.speech_empty_ids
 
     def build(task, text, **kw):
-        return build_prompt(task, text, text_tokenizer, empty, template=0, **kw).input_ids
+        return build_prompt(task, text, preset_text_tokenizer, empty, template=0, **kw).input_ids
 
     return {
         "short": build("tts_sft", "hello world"),
@@ -71,11 +71,3 @@ def prompts(text_tokenizer, native, voice_codes):
         "voice": build("tts_sft_with_audio", "我很高兴认识你，欢迎来到这里。",
                        instruct="开心，语速稍快", prompt_codes=voice_codes),
     }
-
-
-@pytest.fixture(scope="session")
-def greedy():
-    """greedy(**kw) -> GenerationOptions with greedy text and audio samplers."""
-    return lambda **kw: GenerationOptions(text_sampler=GREEDY, audio_sampler=GREEDY, **kw)
-
-

@@ -20,11 +20,11 @@ from .conftest import KV_BYTES  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def engine(lm_dir):
+def engine(preset_lm_dir):
     from mimo_tts.lm.vllm.engine import VLLMEngine, VLLMOptions
 
-    eng = VLLMEngine(lm_dir, VLLMOptions(dtype="float32", kv_cache_memory_bytes=KV_BYTES,
-                                         max_num_seqs=8))
+    eng = VLLMEngine(preset_lm_dir, VLLMOptions(dtype="float32", kv_cache_memory_bytes=KV_BYTES,
+                                                max_num_seqs=8))
     yield eng
     eng.close()
 
@@ -35,32 +35,32 @@ def _assert_same(native_results, vllm_results):
         assert torch.equal(got.new_ids, want.new_ids)
 
 
-def test_greedy_batch_of_different_lengths_equals_native(engine, native, special, prompts,
-                                                         greedy, text_tokenizer):
+def test_greedy_batch_of_different_lengths_equals_native(engine, native, preset_special, prompts,
+                                                         greedy_options, preset_text_tokenizer):
     batch = [prompts[k] for k in ("short", "long", "zh", "instruct")]
     assert len({p.shape[1] for p in batch}) == 4  # four prompt lengths in one batch
-    options = greedy()
-    want = generate(native, batch, options, special)
+    options = greedy_options()
+    want = generate(native, batch, options, preset_special)
     got = engine.generate(batch, options)
     _assert_same(want, got)
     cfg = native.cfg
     for result in got:  # real speech came out: audio groups, then <|eostm|>
-        out = extract(result.new_ids, text_tokenizer, cfg.speech_empty_ids, cfg.group_size)
-        assert out.n_frames >= 16 and result.text_tokens[-1] == special.eostm
+        out = extract(result.new_ids, preset_text_tokenizer, cfg.speech_empty_ids, cfg.group_size)
+        assert out.n_frames >= 16 and result.text_tokens[-1] == preset_special.eostm
 
 
-def test_voice_prompt_task_equals_native(engine, native, special, prompts, greedy):
+def test_voice_prompt_task_equals_native(engine, native, preset_special, prompts, greedy_options):
     # The voice prompt's audio groups go through the patch encoder from the request's codes,
     # next to a plain prompt in the same batch.
     batch = [prompts["voice"], prompts["short"]]
-    options = greedy()
-    _assert_same(generate(native, batch, options, special), engine.generate(batch, options))
+    options = greedy_options()
+    _assert_same(generate(native, batch, options, preset_special), engine.generate(batch, options))
 
 
-def test_stream_yields_each_rows_groups_in_order_with_their_codes(engine, special, prompts,
-                                                                  greedy):
+def test_stream_yields_each_rows_groups_in_order_with_their_codes(engine, preset_special, prompts,
+                                                                  greedy_options):
     batch = [prompts["short"], prompts["voice"]]
-    options = greedy()
+    options = greedy_options()
     steps = list(engine.stream(batch, options))
     results = engine.generate(batch, options)
     for row, result in enumerate(results):
@@ -70,26 +70,28 @@ def test_stream_yields_each_rows_groups_in_order_with_their_codes(engine, specia
         assert [s.finished for s in mine] == [False] * (len(mine) - 1) + [True]
         for s in mine:
             block = result.new_ids[:, 4 * s.step : 4 * s.step + 4]
-            if s.text_token == special.empty:
+            if s.text_token == preset_special.empty:
                 assert s.codes.shape == (4, 8) and torch.equal(s.codes, block[1:].T)
             else:
                 assert s.codes is None
 
 
-def test_group_cap_decides_the_last_audio_group(engine, native, special, prompts, greedy):
+def test_group_cap_decides_the_last_audio_group(engine, native, preset_special, prompts,
+                                                greedy_options):
     # Capped while speaking: the last group is <|empty|> and no forward pass follows it, so
     # its codes are decided when the request finishes.
-    options = greedy(max_new_groups=5)
+    options = greedy_options(max_new_groups=5)
     got = engine.generate([prompts["long"]], options)
-    assert got[0].text_tokens == [special.empty] * 5
-    _assert_same(generate(native, [prompts["long"]], options, special), got)
+    assert got[0].text_tokens == [preset_special.empty] * 5
+    _assert_same(generate(native, [prompts["long"]], options, preset_special), got)
 
 
-def test_min_new_groups_hold_off_the_stop_like_native(engine, native, special, prompts, greedy):
-    options = greedy(min_new_groups=30, max_new_groups=34)
+def test_min_new_groups_hold_off_the_stop_like_native(engine, native, preset_special, prompts,
+                                                      greedy_options):
+    options = greedy_options(min_new_groups=30, max_new_groups=34)
     got = engine.generate([prompts["short"]], options)
     assert len(got[0].text_tokens) >= 30
-    _assert_same(generate(native, [prompts["short"]], options, special), got)
+    _assert_same(generate(native, [prompts["short"]], options, preset_special), got)
 
 
 def test_seeded_sampling_repeats_and_seeds_matter(engine, prompts):
@@ -104,8 +106,8 @@ def test_seeded_sampling_repeats_and_seeds_matter(engine, prompts):
                                                                        strict=True))
 
 
-def test_codes_follow_the_sampled_text_token(engine, native, special, prompts, greedy,
-                                             forcing):
+def test_codes_follow_the_sampled_text_token(engine, native, preset_special, prompts,
+                                             greedy_options, forcing):
     # Hot text sampling (<|eostm|> not a stop here) draws many tokens that are not the argmax
     # (<|empty|> is, by far, on this checkpoint). Replaying the drawn tokens through the native
     # engine (forced, greedy audio) must give the same codes: audio exactly where <|empty|>
@@ -115,29 +117,32 @@ def test_codes_follow_the_sampled_text_token(engine, native, special, prompts, g
     batch = [prompts["short"], prompts["zh"], prompts["instruct"]]
     got = engine.generate(batch, options)
     drawn = [token for r in got for token in r.text_tokens]
-    assert drawn.count(special.empty) >= 5 and len(drawn) - drawn.count(special.empty) >= 5
+    empty = drawn.count(preset_special.empty)
+    assert empty >= 5 and len(drawn) - empty >= 5
     scripts = [r.text_tokens for r in got]
     for prompt, script, result in zip(batch, scripts, got, strict=True):
-        replay = greedy(max_new_groups=len(script), stop_tokens=("im_end",),
-                        text_logits_processor=forcing([script]))
-        _assert_same(generate(native, [prompt], replay, special), [result])
+        replay = greedy_options(max_new_groups=len(script), stop_tokens=("im_end",),
+                                text_logits_processor=forcing([script]))
+        _assert_same(generate(native, [prompt], replay, preset_special), [result])
 
 
-def test_unsupported_options_and_bad_prompts_are_refused(engine, prompts, greedy):
+def test_unsupported_options_and_bad_prompts_are_refused(engine, prompts, greedy_options):
     with pytest.raises(UsageError, match="text_logits_processor"):
-        list(engine.stream([prompts["short"]], greedy(text_logits_processor=lambda s, x: x)))
+        list(engine.stream([prompts["short"]],
+                           greedy_options(text_logits_processor=lambda s, x: x)))
     with pytest.raises(UsageError, match="step logits"):
-        engine.generate([prompts["short"]], greedy(keep_logits=True))
+        engine.generate([prompts["short"]], greedy_options(keep_logits=True))
     with pytest.raises(UsageError, match="temperature"):  # vLLM's range is [0, 2]
         engine.generate([prompts["short"]], GenerationOptions(text_sampler=SamplerConfig(3.0),
                                                               audio_sampler=GREEDY))
     with pytest.raises(InputError):
-        engine.generate([prompts["short"][:, :6]], greedy())  # not whole groups
+        engine.generate([prompts["short"][:, :6]], greedy_options())  # not whole groups
     with pytest.raises(InputError, match="no prompts"):
-        engine.generate([], greedy())
-    first = engine.stream([prompts["short"]], greedy())
+        engine.generate([], greedy_options())
+    first = engine.stream([prompts["short"]], greedy_options())
     next(first)
     with pytest.raises(UsageError, match="already streaming"):
-        engine.generate([prompts["short"]], greedy())
+        engine.generate([prompts["short"]], greedy_options())
     first.close()  # an abandoned stream aborts its requests and frees the engine
-    assert len(engine.generate([prompts["short"]], greedy(max_new_groups=2))[0].text_tokens) == 2
+    (capped,) = engine.generate([prompts["short"]], greedy_options(max_new_groups=2))
+    assert len(capped.text_tokens) == 2

@@ -25,14 +25,15 @@ def test_entry_point_registers_the_architecture():
     assert ARCHITECTURE in ModelRegistry.get_supported_archs()
 
 
-def test_spawned_engine_core_generates_like_native(lm_dir, native, special, prompts, greedy):
+def test_spawned_engine_core_generates_like_native(preset_lm_dir, native, preset_special, prompts,
+                                                   greedy_options):
     from mimo_tts.lm.vllm.engine import VLLMEngine, VLLMOptions
 
     batch = [prompts["voice"], prompts["zh"]]
-    options = greedy()
-    with VLLMEngine(lm_dir, VLLMOptions(dtype="float32", kv_cache_memory_bytes=KV_BYTES,
-                                        max_num_seqs=4, in_process=False)) as engine:
+    options = greedy_options()
+    with VLLMEngine(preset_lm_dir, VLLMOptions(dtype="float32", kv_cache_memory_bytes=KV_BYTES,
+                                               max_num_seqs=4, in_process=False)) as engine:
         got = engine.generate(batch, options)
-    for want, result in zip(generate(native, batch, options, special), got, strict=True):
+    for want, result in zip(generate(native, batch, options, preset_special), got, strict=True):
         assert result.text_tokens == want.text_tokens
         assert torch.equal(result.new_ids, want.new_ids)

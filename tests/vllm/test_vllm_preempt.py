@@ -18,28 +18,28 @@ CHUNK = 16  # prefill tokens per step: every prompt here is longer
 
 
 @pytest.fixture(scope="module")
-def tight_engine(lm_dir, native):
+def tight_engine(preset_lm_dir, native):
     from mimo_tts.lm.vllm.engine import VLLMEngine, VLLMOptions
 
     backbone = native.cfg.backbone
     per_group = 2 * backbone.layers * backbone.kv_heads * backbone.head_dim * 4  # K+V, float32
-    eng = VLLMEngine(lm_dir, VLLMOptions(
+    eng = VLLMEngine(preset_lm_dir, VLLMOptions(
         dtype="float32", max_num_seqs=8, max_model_len=MAX_LEN, block_size=BLOCK,
         kv_cache_memory_bytes=KV_BLOCKS * BLOCK * per_group, max_num_batched_tokens=CHUNK))
     yield eng
     eng.close()
 
 
-def test_preempted_and_chunked_requests_equal_native(tight_engine, native, special, prompts,
-                                                     greedy):
+def test_preempted_and_chunked_requests_equal_native(tight_engine, native, preset_special, prompts,
+                                                     greedy_options):
     batch = [prompts[k] for k in ("voice", "long", "instruct", "zh", "short", "voice", "long",
                                   "zh")]
     assert min(p.shape[1] // 4 for p in batch) > CHUNK  # every prefill is chunked
-    options = greedy()
+    options = greedy_options()
     got = tight_engine.generate(batch, options)
     # Requests were preempted (left the batch and joined again), mid-speech.
     assert max(tight_engine.last_joins.values()) > 1
-    want = generate(native, batch, options, special)
+    want = generate(native, batch, options, preset_special)
     for w, g in zip(want, got, strict=True):
         assert g.text_tokens == w.text_tokens
         assert torch.equal(g.new_ids, w.new_ids)
