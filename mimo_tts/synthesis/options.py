@@ -25,6 +25,7 @@ from mimo_tts.lm.config import LM_QUANTS, MAX_GROUPS, SamplerConfig
 from mimo_tts.lm.engine import DEFAULT_ENGINE
 from mimo_tts.lm.engine import ENGINES as ENGINE_SPECS
 from mimo_tts.lm.tasks import TASKS, TTS_EN_TEMPLATES, TTS_ZH_TEMPLATES
+from mimo_tts.lm.vllm import VLLM_BOUNDS, setting_problem
 from mimo_tts.presets import TINY, checkpoint_dtype
 from mimo_tts.runtime.checkpoints import DEFAULT_MODEL, DEFAULT_TOKENIZER, TOKENIZER_PATH_ENV
 from mimo_tts.runtime.devices import Placement, resolve_placement
@@ -161,13 +162,9 @@ class EngineOptions:
             _check(self.engine == spec.name or not given,
                    f"--{given[0].replace('_', '-') if given else ''} applies to --engine "
                    f"{spec.name} only")
-        value = self.gpu_memory_utilization
-        _check(value is None or 0 < value <= 1, "--gpu-memory-utilization must be in (0, 1]")
-        for name in ("max_num_seqs", "tensor_parallel_size", "kv_cache_mib"):
-            value = getattr(self, name)
-            _check(value is None or value >= 1, f"--{name.replace('_', '-')} must be >= 1")
-        _check(self.max_model_len is None or 2 <= self.max_model_len <= MAX_GROUPS,
-               f"--max-model-len must be in [2, {MAX_GROUPS}] groups")
+        for name in VLLM_BOUNDS:  # the engine's own bounds, checked before it starts
+            problem = setting_problem(name, getattr(self, name))
+            _check(problem is None, f"--{name.replace('_', '-')} {problem}")
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,8 @@ from mimo_tts.lm.vllm import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_TENSOR_PARALLEL_SIZE,
+    VLLM_BOUNDS,
+    setting_problem,
 )
 from mimo_tts.lm.vllm.launch import vllm_options
 
@@ -66,16 +68,10 @@ class VLLMOptions:
     seed: int = 0  # vLLM's engine seed; requests carry their own
 
     def __post_init__(self):
-        if self.max_num_seqs < 1:
-            raise UsageError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.tensor_parallel_size < 1:
-            raise UsageError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise UsageError("gpu_memory_utilization must be in (0, 1], got "
-                             f"{self.gpu_memory_utilization}")
-        if self.max_model_len is not None and not 2 <= self.max_model_len <= MAX_GROUPS:
-            raise UsageError(f"max_model_len must be in [2, {MAX_GROUPS}], got "
-                             f"{self.max_model_len}")
+        for name in VLLM_BOUNDS:
+            problem = setting_problem(name, getattr(self, name, None))
+            if problem:
+                raise UsageError(f"{name} {problem}, got {getattr(self, name)}")
 
 
 @dataclass
