@@ -2,17 +2,18 @@
 
 Three callable classes for `Dataset.map_batches`, each a thin shell around the CLI's own code:
 
-- `Stage0`: loads the models once per actor (`BatchRunner.load`: native or vLLM engine, the
+- `GenerateCodes`: loads the models once per actor (`BatchRunner.load`: native or vLLM engine, the
   tokenizer too, since voice prompts are encoded there) and runs `BatchRunner.codes`: prompts,
   then one generate call per seed. A GPU actor when the LM device is CUDA.
-- `Stage1`: loads the audio tokenizer alone on the tokenizer device (CPU actors by default)
+- `DecodeAudio`: loads the audio tokenizer alone on the tokenizer device (CPU actors by default)
   and runs `batch.finish_item`: decode, join, check, resample, sidecar record.
-- `Writer`: writes through the CLI's `DirectorySink` (layout, sidecars, manifest, lock, shard).
+- `WriteResults`: writes through the CLI's `DirectorySink` (layout, sidecars, manifest, lock,
+  shard).
 
 `run` is the driver: `planned` plans a `SynthRequest` as `mimo-tts synth` does (`plan_synth`:
 settings, shard, items), opens the sink, drops the items already done (the resume keys, before
 Stage-0) and records bad items; `pipeline` runs the two stages on Ray; each result is written
-through `Writer` in the driver, so one process holds the output folder. Rows carry one pickled
+through `WriteResults` in the driver, so one process holds the output folder. Rows carry one pickled
 payload each (`ItemResult`, pieces, codes, samples). Seeds and code paths are the CLI's, so the
 wavs are byte-identical to `mimo-tts synth`'s at batch size 1.
 """
@@ -44,7 +45,7 @@ def _payloads(batch: Mapping) -> list:
     return [pickle.loads(p) for p in batch[PAYLOAD]]
 
 
-class Stage0:
+class GenerateCodes:
     """Codes for pending `ItemResult`s: prompts and generation, as `mimo-tts synth` runs them."""
 
     def __init__(self, settings, argv: list[str] | None = None):
@@ -58,14 +59,14 @@ class Stage0:
         return _rows([(r, pieces.get(id(r)), self.context) for r in results])
 
 
-class Stage1:
+class DecodeAudio:
     """Audio for Stage-0's pieces on the tokenizer device: decode, join, check, resample."""
 
     def __init__(self, settings):
-        from mimo_tts.synthesis.stage1 import Stage1 as Tokenizer
+        from mimo_tts.synthesis.stage1 import Stage1
 
         self.settings = settings
-        self.stage1 = Tokenizer.from_settings(settings)
+        self.stage1 = Stage1.from_settings(settings)
 
     def __call__(self, batch: Mapping) -> dict:
         out = []
@@ -78,7 +79,7 @@ class Stage1:
         return _rows(out)
 
 
-class Writer:
+class WriteResults:
     """Each result through the CLI's sink: codes, sidecar, audio, then the manifest line.
 
     Give it the opened sink (`run` does), or the plan's settings and shard to open one (a
@@ -103,8 +104,8 @@ class Writer:
 def pipeline(settings, pending: list[ItemResult], *, stage0_actors: int = 1,
              stage1_actors: int = 1, stage0_gpus: float | None = None, stage0_cpus: float = 1,
              stage1_cpus: float = 1, batch_size: int | None = None):
-    """The Ray Dataset of pending results through `Stage0` then `Stage1` actors; its rows are
-    ready for `Writer` (in the driver, or mapped as a third stage with one actor).
+    """The Ray Dataset of pending results through `GenerateCodes` then `DecodeAudio` actors; its
+    rows are ready for `WriteResults` (in the driver, or mapped as a third stage with one actor).
 
     `stage0_gpus` defaults to 1 per actor when the LM device is CUDA; `batch_size` (rows per
     Stage-0 call) to the run's `--batch-size`.
@@ -116,10 +117,11 @@ def pipeline(settings, pending: list[ItemResult], *, stage0_actors: int = 1,
     return (
         ray.data.from_items([{PAYLOAD: p} for p in _rows(pending)[PAYLOAD]],
                             override_num_blocks=max(len(pending), 1))
-        .map_batches(Stage0, fn_constructor_kwargs={"settings": settings, "argv": sys.argv[1:]},
+        .map_batches(GenerateCodes,
+                     fn_constructor_kwargs={"settings": settings, "argv": sys.argv[1:]},
                      batch_size=batch_size or settings.run.batch_size, num_gpus=gpus,
                      num_cpus=stage0_cpus, compute=ray.data.ActorPoolStrategy(size=stage0_actors))
-        .map_batches(Stage1, fn_constructor_kwargs={"settings": settings}, batch_size=1,
+        .map_batches(DecodeAudio, fn_constructor_kwargs={"settings": settings}, batch_size=1,
                      num_cpus=stage1_cpus, compute=ray.data.ActorPoolStrategy(size=stage1_actors)))
 
 
@@ -159,7 +161,7 @@ def run(request: SynthRequest, *, log=None, stdin=None, **actors) -> Iterator[It
         yield from others
         if not pending:
             return
-        writer = Writer(plan.settings, sink)
+        writer = WriteResults(plan.settings, sink)
         batches = pipeline(plan.settings, pending, **actors).iter_batches(batch_size=1,
                                                                           batch_format="numpy")
         for batch in batches:

@@ -96,12 +96,13 @@ def test_ray_resumes_done_items_before_stage0_and_records_bad_ones(local_ray, tm
 
 
 def test_writer_as_a_third_stage_writes_the_same_folder(local_ray, tmp_path, manifest):
-    """The classes compose by hand: `Writer` mapped on one actor (every node sees the folder)."""
+    """The classes compose by hand: `WriteResults` mapped on one actor (every node sees the
+    folder)."""
     batch = _batch(tmp_path, ITEMS[:2])
     with mray.planned(_request(batch, tmp_path / "a")) as (plan, _, pending, _):
         pass  # the driver lets go of the folder: the writer actor takes it
     rows = mray.pipeline(plan.settings, pending).map_batches(
-        mray.Writer, fn_constructor_kwargs={"settings": plan.settings, "shard": plan.shard},
+        mray.WriteResults, fn_constructor_kwargs={"settings": plan.settings, "shard": plan.shard},
         num_cpus=0,
         compute=ray.data.ActorPoolStrategy(size=1)).take_all()
     written = sorted(pickle.loads(r["payload"]).item.id for r in rows)
