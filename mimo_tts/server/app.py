@@ -25,6 +25,7 @@ from mimo_tts.server.engine import (
     Ticket,
 )
 from mimo_tts.server.protocol import (
+    CLIENT_GONE,
     STREAMED,
     ApiError,
     RequestParser,
@@ -51,7 +52,6 @@ if TYPE_CHECKING:
 API_KEY_ENV = "MIMO_TTS_API_KEY"
 EXTRA_HINT = "mimo-tts serve needs the serve extra: pip install 'mimo-tts[serve]'"
 RETRY_AFTER_S = 1
-CLIENT_GONE = 499  # the status nginx logs for a client that closed its request
 POLL_S = 0.25  # how often a request waiting for its first audio checks for a disconnect
 
 
@@ -76,21 +76,25 @@ class SpeechServer:
 
     # -- the request's life --
     async def speech(self, request):
+        """Checked (400s), admitted (503), tokenised, then answered as its audio comes."""
         from fastapi.responses import Response, StreamingResponse
         from starlette.background import BackgroundTask
         from starlette.concurrency import run_in_threadpool
 
         params = self.parser.parse(await read_body(request))
-        try:
-            prompts = await run_in_threadpool(self.tts.prompts, params.text, params.options,
-                                              params.options.seed)
-        except MimoTTSError as exc:
-            raise ApiError.of(exc) from None
         ticket = Ticket()
         if not self.requests.admit(ticket):
             self.counts["rejected"] += 1
             raise ApiError(503, "the server is busy (queue full); retry later", code="busy",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
+        try:
+            prompts = await run_in_threadpool(self.tts.prompts, params.text, params.options,
+                                              params.options.seed)
+        except BaseException as exc:
+            self.requests.release(ticket)
+            if isinstance(exc, MimoTTSError):
+                raise ApiError.of(exc) from None
+            raise
         self.serial += 1
         speech = Speech(self, params, prompts, ticket, self.serial)
         body = speech.body(request)
