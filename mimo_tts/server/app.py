@@ -26,14 +26,18 @@ from mimo_tts.server.engine import (
 )
 from mimo_tts.server.protocol import (
     CLIENT_GONE,
+    SERVE_KEYS,
     STREAMED,
     ApiError,
     RequestParser,
     ServeConfig,
     SpeechParams,
+    encode_voices,
     media_type,
-    parse_voices,
+    public_model_name,
     read_body,
+    read_voices,
+    serve_config,
     served_formats,
     sse,
 )
@@ -49,7 +53,6 @@ from mimo_tts.synthesis.audio import (
 if TYPE_CHECKING:
     from mimo_tts.synthesis.options import SynthesisOptions
 
-API_KEY_ENV = "MIMO_TTS_API_KEY"
 EXTRA_HINT = "mimo-tts serve needs the serve extra: pip install 'mimo-tts[serve]'"
 RETRY_AFTER_S = 1
 POLL_S = 0.25  # how often a request waiting for its first audio checks for a disconnect
@@ -63,7 +66,7 @@ class SpeechServer:
     """The HTTP face over one loaded `MiMoTTS` and its `SpeechWorker`."""
 
     def __init__(self, tts, cfg: ServeConfig, base: "SynthesisOptions", model: str, log=None):
-        self.tts, self.cfg, self.model = tts, cfg, model
+        self.tts, self.cfg, self.model = tts, cfg, model  # model: the public name
         self.log = log or (lambda message: None)
         self.formats = served_formats()
         self.parser = RequestParser(cfg, base, model, tuple(self.formats))
@@ -286,7 +289,7 @@ def _zeros(n: int):
 
 
 def main(flags: dict, config: str | None, reporter) -> int:
-    """`mimo-tts serve`: resolve the options, load once, serve until interrupted."""
+    """`mimo-tts serve`: check the options and voices, load once, serve until interrupted."""
     try:
         import fastapi  # noqa: F401
         import uvicorn
@@ -297,23 +300,17 @@ def main(flags: dict, config: str | None, reporter) -> int:
     from mimo_tts.synthesis.profiles import load_profile
     from mimo_tts.synthesis.synthesizer import MiMoTTS
 
-    serve_keys = ("host", "port", "api_key", "batch_size", "max_queue", "max_concurrent",
-                  "max_input_chars", "timeout")
-    given = {k: flags[k] for k in serve_keys if flags.get(k) is not None}
-    given.setdefault("api_key", os.environ.get(API_KEY_ENV) or None)
-    cfg = ServeConfig(**given, voices=parse_voices(flags.get("voice") or []))
-    model_flags = {k: v for k, v in flags.items() if k not in (*serve_keys, "voice")}
+    cfg = serve_config(flags, os.environ)
+    model_flags = {k: v for k, v in flags.items() if k not in (*SERVE_KEYS, "voice")}
     # Stage-0 and Stage-1 run side by side, as with --stream (thread budgets split the CPU)
     settings = resolve({**model_flags, "stream": True}, load_profile(config), os.environ)
+    read_voices(cfg.voices)  # before anything loads
     with MiMoTTS.from_settings(settings, lengths_for(settings, [], cfg.batch_size),
                                reporter.log) as tts:
-        for path in cfg.voices.values():
-            tts.stage1.prompt_codes(path)  # encoded once, before the first request
-        server = SpeechServer(tts, cfg, settings.synthesis, settings.checkpoints.lm[0],
-                              reporter.info)
-        reporter.info(f"serving {server.model} on http://{cfg.host}:{cfg.port} "
-                      f"(batch {cfg.batch_size}; formats {', '.join(server.formats)}; voices "
-                      f"{', '.join(['default', 'natural', *cfg.voices])})")
+        encode_voices(tts, cfg.voices, settings.synthesis)
+        server = SpeechServer(tts, cfg, settings.synthesis,
+                              public_model_name(settings.checkpoints.lm[0]), reporter.info)
+        reporter.info(serving_line(server, cfg.port, tts))
         try:
             uvicorn.Server(uvicorn.Config(
                 server.app(), host=cfg.host, port=cfg.port, access_log=reporter.verbose,
@@ -323,3 +320,16 @@ def main(flags: dict, config: str | None, reporter) -> int:
         finally:
             server.worker.close()
     return 0
+
+
+def serving_line(server: SpeechServer, port: int, tts) -> str:
+    """The start-up line: the model (its directory here, in the server's own log), the
+    address, whether /v1 needs a key, batching, formats, voices."""
+    path = getattr(getattr(tts, "lm_ref", None), "path", None)
+    source = f" (from {path})" if path is not None else ""
+    auth = "API key required on /v1" if server.cfg.api_key is not None else \
+        "no API key: /v1 is open"
+    voices = ", ".join(["default", "natural", *server.cfg.voices])
+    return (f"serving {server.model}{source} on http://{server.cfg.host}:{port} ({auth}; "
+            f"batch {server.cfg.batch_size}; formats {', '.join(server.formats)}; "
+            f"voices {voices})")

@@ -3,13 +3,15 @@
 A `POST /v1/audio/speech` body is read up to `MAX_BODY_BYTES`, then `RequestParser.parse` turns
 its fields into `SpeechParams` (what to say, the synthesis options, the format, SSE or not).
 Every bad value is an `ApiError`: a status and the CLI's message, sent as an OpenAI-style JSON
-error. No torch and no FastAPI at import.
+error. Clients see the model's public name (`public_model_name`), never a checkpoint path. No
+torch and no FastAPI at import.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -35,6 +37,9 @@ PCM_MEDIA_TYPE = "audio/pcm"
 STREAMED = (PCM, "wav")  # formats whose bytes go out as Stage-1 decodes them
 MAX_BODY_BYTES = 1 << 20
 CLIENT_GONE = 499  # the status nginx logs for a client that closed its request
+API_KEY_ENV = "MIMO_TTS_API_KEY"
+SERVE_KEYS = ("host", "port", "api_key", "batch_size", "max_queue", "max_concurrent",
+              "max_input_chars", "timeout")  # the serve command's own flags
 SHOWN_NAMES = 5  # unknown field names quoted in a refusal
 
 
@@ -60,23 +65,117 @@ class ServeConfig:
             raise UsageError("--port must be in [0, 65535]")
         if not self.timeout > 0:
             raise UsageError("--timeout must be > 0 seconds")
-        if self.api_key == "":
-            raise UsageError("--api-key is empty")
+        if self.api_key is not None:
+            check_api_key(self.api_key, "--api-key")
+
+
+def serve_config(flags: dict, environ) -> ServeConfig:
+    """The server's options from the command's flags; the key may come from the environment."""
+    given = {k: flags[k] for k in SERVE_KEYS if flags.get(k) is not None and k != "api_key"}
+    return ServeConfig(**given, api_key=api_key_from(flags.get("api_key"), environ),
+                       voices=parse_voices(flags.get("voice") or []))
+
+
+def api_key_from(flag: str | None, environ) -> str | None:
+    """The bearer token: `--api-key`, else `MIMO_TTS_API_KEY` when it is set at all (set but
+    empty is refused, not read as "no key"), checked as `check_api_key` does."""
+    if flag is not None:
+        return check_api_key(flag, "--api-key")
+    if API_KEY_ENV in environ:
+        return check_api_key(environ[API_KEY_ENV], API_KEY_ENV)
+    return None
+
+
+def check_api_key(key: str, source: str) -> str:
+    """A key a client can send in `Authorization: Bearer KEY`: printable ASCII, nothing around
+    it (HTTP strips a header value's surrounding spaces, so such a key could never match)."""
+    if key == "":
+        raise UsageError(f"{source} is empty; give a key, or unset it to serve without one")
+    if not key.strip():
+        raise UsageError(f"{source} is only whitespace; no client could send it")
+    if key != key.strip():
+        raise UsageError(f"{source} starts or ends with whitespace; no client could send it")
+    bad = next((c for c in key if not " " <= c <= "~"), None)
+    if bad is not None:
+        kind = "non-ASCII" if ord(bad) > 127 else "a control"
+        raise UsageError(f"{source} has {kind} character U+{ord(bad):04X}; an HTTP header "
+                         "carries printable ASCII only")
+    return key
+
+
+def public_model_name(name: str) -> str:
+    """What clients see of the model (`/health`, `/v1/models`, errors): an HF id or a preset as
+    given, a checkpoint directory by its own name only (its path stays in the server's log)."""
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):  # a directory, as `runtime.checkpoints.resolve` takes it
+        return os.path.basename(os.path.abspath(path)) or "mimo-tts"
+    return name
 
 
 def parse_voices(values: list[str]) -> dict:
-    """`--voice NAME=PATH` options -> {name: path}; each file must exist."""
+    """`--voice NAME=PATH` options -> {name: path}; each path must be a regular file."""
     voices = {}
     for value in values:
         name, sep, path = value.partition("=")
-        if not sep or not name.strip() or not path:
+        name = name.strip()
+        if not sep or not name or not path:
             raise UsageError(f"--voice takes NAME=PATH.wav, got {value!r}")
         if name in voices or name in ("default", "natural"):
             raise UsageError(f"--voice {name}: the name is already taken")
-        if not os.path.isfile(path):
-            raise InputError(f"--voice {name}: prompt audio not found: {path}")
-        voices[name.strip()] = path
+        voices[name] = voice_file(name, path)
     return voices
+
+
+def voice_file(name: str, path: str) -> str:
+    """The prompt audio of `--voice NAME=PATH`, refused unless it is a regular file: a
+    directory or a FIFO is named as such (a FIFO would block the start-up read)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise InputError(f"--voice {name}: prompt audio not found: {path}") from None
+    except OSError as exc:
+        raise InputError(f"--voice {name}: prompt audio {path} cannot be read: "
+                         f"{exc.strerror or exc}") from None
+    if stat.S_ISDIR(mode):
+        raise InputError(f"--voice {name}: prompt audio {path} is a directory, not an audio "
+                         "file")
+    if not stat.S_ISREG(mode):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) \
+            else "a device"
+        raise InputError(f"--voice {name}: prompt audio {path} is {kind}, not a regular file")
+    return path
+
+
+def read_voices(voices: dict) -> None:
+    """Each voice's prompt audio decoded once before the model loads (readable, with finite
+    samples), a refusal naming the voice and the file."""
+    from mimo_tts.synthesis.audio import read_audio
+
+    for name, path in voices.items():
+        _voice_step(name, path, lambda p=path: read_audio(p))
+
+
+def encode_voices(tts, voices: dict, base: SynthesisOptions) -> None:
+    """Each voice encoded once (the codes are kept) and built into a prompt, before the first
+    request: a voice no request could use stops the start-up, naming the voice and its file."""
+    options = replace(base, task="tts_sft_with_audio", instruct=None)
+    for name, path in voices.items():
+        _voice_step(name, path, lambda p=path: tts.prompts(
+            "Hello.", replace(options, prompt_audio=p), options.seed))
+
+
+def _voice_step(name: str, path: str, step) -> None:
+    try:
+        step()
+    except MimoTTSError as exc:
+        raise voice_error(name, path, exc) from None
+
+
+def voice_error(name: str, path: str, exc: MimoTTSError) -> MimoTTSError:
+    """`exc` (reading or encoding a voice's prompt audio at start-up) naming the voice and
+    its file, with the same type and exit code."""
+    message = str(exc) if path in str(exc) else f"{exc} ({path})"
+    return type(exc)(f"--voice {name}: {message}")
 
 
 def served_formats() -> list[str]:
