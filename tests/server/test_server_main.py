@@ -1,8 +1,8 @@
 """`mimo-tts serve` start-up errors: one `Error:` line and the exit code, before serving.
 
-Options, keys and voice files are checked before the model loads (`--model` names no checkpoint
-where that shows it: the check's exit code comes first, not 3); a voice prompt the model refuses
-stops the start-up after the load, before anything is served.
+Options, keys, voice files and the address are checked before the model loads (`--model` names
+no checkpoint where that shows it: the check's exit code comes first, not 3); a voice prompt the
+model refuses stops the start-up after the load, before anything is served.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from mimo_tts.errors import EXIT_INPUT, EXIT_USAGE
+from mimo_tts.errors import EXIT_INPUT, EXIT_IO, EXIT_USAGE
 
 NO_MODEL = "/no/such/checkpoint"
 
@@ -77,6 +77,24 @@ def test_keys_no_client_can_send_exit_2_before_loading(mimo, env, args, message)
     result = mimo("serve", "--model", NO_MODEL, *args, env=env, timeout=60)
     assert result.returncode == EXIT_USAGE
     assert message in one_error_line(result)
+
+
+def test_a_taken_port_is_exit_5_before_loading(mimo):
+    """Before: the model loaded, "serving on ..." was printed, then uvicorn exited 3."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for model in ("tiny", NO_MODEL):
+            result = mimo("serve", "--model", model, "--port", port, timeout=120)
+            assert result.returncode == EXIT_IO, result.stderr
+            assert one_error_line(result) == \
+                f"Error: cannot serve on http://127.0.0.1:{port}: Address already in use"
+    result = mimo("serve", "--model", NO_MODEL, "--host", "no-such-host.invalid", timeout=60)
+    assert result.returncode == EXIT_IO
+    assert "cannot serve on http://no-such-host.invalid:8000" in one_error_line(result)
 
 
 def test_voice_files_are_checked_before_serving(mimo, tmp_path):
