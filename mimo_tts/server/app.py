@@ -5,12 +5,14 @@ and uvicorn (the optional `serve` extra). The status of a request is decided whe
 bytes are ready, so every failure before them is an OpenAI-style JSON error with the CLI's
 message; `pcm` and `wav` stream as Stage-1 decodes them (a WAV header of unknown length), the
 other formats come whole, decoded one-shot as `synth` does. Loopback by default, an optional
-bearer token, bounded input, queue and concurrency (503 with Retry-After), a per-request timeout;
-a client that goes away cancels its jobs.
+bearer token, bounded input, queue and concurrency (503 with Retry-After), a per-request timeout
+that bounds every send too (a client that stops reading loses its place); a client that goes
+away cancels its jobs. Binding, signals and the bounded shutdown are `server/lifecycle.py`'s.
 """
 
 import asyncio
 import base64
+import functools
 import hmac
 import os
 from typing import TYPE_CHECKING
@@ -24,15 +26,21 @@ from mimo_tts.server.engine import (
     StaticBatcher,
     Ticket,
 )
+from mimo_tts.server.lifecycle import SHUTDOWN_GRACE_S, bind, serve, url_of
 from mimo_tts.server.protocol import (
+    CLIENT_GONE,
+    SERVE_KEYS,
     STREAMED,
     ApiError,
     RequestParser,
     ServeConfig,
     SpeechParams,
+    encode_voices,
     media_type,
-    parse_voices,
+    public_model_name,
     read_body,
+    read_voices,
+    serve_config,
     served_formats,
     sse,
 )
@@ -48,10 +56,8 @@ from mimo_tts.synthesis.audio import (
 if TYPE_CHECKING:
     from mimo_tts.synthesis.options import SynthesisOptions
 
-API_KEY_ENV = "MIMO_TTS_API_KEY"
 EXTRA_HINT = "mimo-tts serve needs the serve extra: pip install 'mimo-tts[serve]'"
 RETRY_AFTER_S = 1
-CLIENT_GONE = 499  # the status nginx logs for a client that closed its request
 POLL_S = 0.25  # how often a request waiting for its first audio checks for a disconnect
 
 
@@ -63,7 +69,7 @@ class SpeechServer:
     """The HTTP face over one loaded `MiMoTTS` and its `SpeechWorker`."""
 
     def __init__(self, tts, cfg: ServeConfig, base: "SynthesisOptions", model: str, log=None):
-        self.tts, self.cfg, self.model = tts, cfg, model
+        self.tts, self.cfg, self.model = tts, cfg, model  # model: the public name
         self.log = log or (lambda message: None)
         self.formats = served_formats()
         self.parser = RequestParser(cfg, base, model, tuple(self.formats))
@@ -73,46 +79,52 @@ class SpeechServer:
                                    base, self.log)
         self.counts = {"ok": 0, "failed": 0, "cancelled": 0, "rejected": 0}
         self.serial = 0
+        self.live: set[Speech] = set()
 
     # -- the request's life --
     async def speech(self, request):
-        from fastapi.responses import Response, StreamingResponse
-        from starlette.background import BackgroundTask
+        """Checked (400s), admitted (503), tokenised, then answered as its audio comes."""
+        from fastapi.responses import Response
         from starlette.concurrency import run_in_threadpool
 
         params = self.parser.parse(await read_body(request))
-        try:
-            prompts = await run_in_threadpool(self.tts.prompts, params.text, params.options,
-                                              params.options.seed)
-        except MimoTTSError as exc:
-            raise ApiError.of(exc) from None
         ticket = Ticket()
         if not self.requests.admit(ticket):
             self.counts["rejected"] += 1
             raise ApiError(503, "the server is busy (queue full); retry later", code="busy",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
+        try:
+            prompts = await run_in_threadpool(self.tts.prompts, params.text, params.options,
+                                              params.options.seed)
+        except BaseException as exc:
+            self.requests.release(ticket)
+            if isinstance(exc, MimoTTSError):
+                raise ApiError.of(exc) from None
+            raise
         self.serial += 1
         speech = Speech(self, params, prompts, ticket, self.serial)
         body = speech.body(request)
         try:
             first = await anext(body)
         except BaseException as exc:  # the JSON error (or a bug's 500) follows; the place goes
-            speech.release("cancelled" if getattr(exc, "status", None) == CLIENT_GONE
-                           else "failed")
+            gone = getattr(exc, "status", None) == CLIENT_GONE or \
+                isinstance(exc, asyncio.CancelledError)  # the client, or the server's stop
+            speech.release("cancelled" if gone else "failed")
             raise
         headers = {"X-MiMo-Batch-Rows": str(speech.jobs[0].rows)}
-        # The body's own `finally` releases the request; the background task does it when the
-        # client went away before the body started (release is idempotent).
-        done = BackgroundTask(speech.settle)
-        if params.sse:
-            return StreamingResponse(speech.events(first, body), media_type="text/event-stream",
-                                     headers=headers, background=done)
-        if params.fmt not in STREAMED:
+        if params.fmt not in STREAMED and not params.sse:
             await body.aclose()
             speech.release("ok")
             return Response(first, media_type=media_type(params.fmt), headers=headers)
-        return StreamingResponse(speech.rest(first, body), media_type=media_type(params.fmt),
-                                 headers=headers, background=done)
+        content, kind = (speech.events(first, body), "text/event-stream") if params.sse \
+            else (speech.rest(first, body), media_type(params.fmt))
+        return _bounded_stream()(speech, content, media_type=kind, headers=headers)
+
+    def close(self) -> None:
+        """The server stops: requests still here are cancelled, the worker's threads end."""
+        for speech in list(self.live):
+            speech.release("cancelled")
+        self.worker.close(timeout=SHUTDOWN_GRACE_S)
 
     def health(self) -> dict:
         return {"status": "ok", "model": self.model, **self.requests.counts(),
@@ -171,17 +183,33 @@ class Speech:
                      for i, (prompt, q) in enumerate(zip(prompts, self.queues, strict=True))]
         self.usage = {"input_tokens": sum(p.n_groups for p in prompts), "output_tokens": 0}
         self.released = False
+        server.live.add(self)
         server.worker.submit(self.jobs)
 
     def release(self, outcome: str) -> None:
+        """The request is over: its jobs are cancelled, its place freed (once)."""
         if not self.released:
             self.released = True
             self.server.worker.cancel(self.jobs)
             self.server.requests.release(self.ticket)
             self.server.counts[outcome] += 1
+            self.server.live.discard(self)
 
-    async def settle(self) -> None:
-        self.release("cancelled")
+    def bounded(self, send):
+        """The response's `send`, each call cut off at the request's deadline: a client that
+        stops reading blocks it (the socket is full), and would keep its place for good."""
+        async def send_by_deadline(message) -> None:
+            left = self.deadline - asyncio.get_running_loop().time()
+            try:
+                async with asyncio.timeout(max(left, 0)):
+                    await send(message)
+            except TimeoutError:
+                self.server.log(f"{self.jobs[0].label}: the client stopped reading; closed "
+                                f"at --timeout ({self.server.cfg.timeout:g} s)")
+                self.release("failed")
+                raise StreamAborted from None
+
+        return send_by_deadline
 
     async def next_event(self, index: int, request=None) -> tuple:
         """The job's next event; before the response starts (`request` given), a client that
@@ -251,6 +279,28 @@ class Speech:
             self.release("cancelled")
 
 
+@functools.cache
+def _bounded_stream():
+    """The response class of streamed bodies (built on first use: FastAPI is optional)."""
+    from starlette.responses import StreamingResponse
+
+    class BoundedStream(StreamingResponse):
+        """A `StreamingResponse` of one `Speech`: every send bounded by its deadline, and the
+        request released however the response ends (done, aborted, cut off, cancelled)."""
+
+        def __init__(self, speech: Speech, content, **kwargs):
+            super().__init__(content, **kwargs)
+            self.speech = speech
+
+        async def __call__(self, scope, receive, send) -> None:
+            try:
+                await super().__call__(scope, receive, self.speech.bounded(send))
+            finally:
+                self.speech.release("cancelled")
+
+    return BoundedStream
+
+
 class _Aborts:
     """ASGI wrapper: a stream aborted mid-body ends the connection quietly (no traceback)."""
 
@@ -282,10 +332,10 @@ def _zeros(n: int):
 
 
 def main(flags: dict, config: str | None, reporter) -> int:
-    """`mimo-tts serve`: resolve the options, load once, serve until interrupted."""
+    """`mimo-tts serve`: check the options and voices, bind, load once, serve until a signal."""
     try:
         import fastapi  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError:
         raise UsageError(EXTRA_HINT) from None
     from mimo_tts.synthesis.options import resolve
@@ -293,29 +343,35 @@ def main(flags: dict, config: str | None, reporter) -> int:
     from mimo_tts.synthesis.profiles import load_profile
     from mimo_tts.synthesis.synthesizer import MiMoTTS
 
-    serve_keys = ("host", "port", "api_key", "batch_size", "max_queue", "max_concurrent",
-                  "max_input_chars", "timeout")
-    given = {k: flags[k] for k in serve_keys if flags.get(k) is not None}
-    given.setdefault("api_key", os.environ.get(API_KEY_ENV) or None)
-    cfg = ServeConfig(**given, voices=parse_voices(flags.get("voice") or []))
-    model_flags = {k: v for k, v in flags.items() if k not in (*serve_keys, "voice")}
+    cfg = serve_config(flags, os.environ)
+    model_flags = {k: v for k, v in flags.items() if k not in (*SERVE_KEYS, "voice")}
     # Stage-0 and Stage-1 run side by side, as with --stream (thread budgets split the CPU)
     settings = resolve({**model_flags, "stream": True}, load_profile(config), os.environ)
-    with MiMoTTS.from_settings(settings, lengths_for(settings, [], cfg.batch_size),
-                               reporter.log) as tts:
-        for path in cfg.voices.values():
-            tts.stage1.prompt_codes(path)  # encoded once, before the first request
-        server = SpeechServer(tts, cfg, settings.synthesis, settings.checkpoints.lm[0],
-                              reporter.info)
-        reporter.info(f"serving {server.model} on http://{cfg.host}:{cfg.port} "
-                      f"(batch {cfg.batch_size}; formats {', '.join(server.formats)}; voices "
-                      f"{', '.join(['default', 'natural', *cfg.voices])})")
+    read_voices(cfg.voices)  # before anything loads
+    sock = bind(cfg.host, cfg.port)
+    with sock, MiMoTTS.from_settings(settings, lengths_for(settings, [], cfg.batch_size),
+                                     reporter.log) as tts:
+        encode_voices(tts, cfg.voices, settings.synthesis)
+        server = SpeechServer(tts, cfg, settings.synthesis,
+                              public_model_name(settings.checkpoints.lm[0]), reporter.info)
+        reporter.info(serving_line(server, sock, tts))
         try:
-            uvicorn.Server(uvicorn.Config(
-                server.app(), host=cfg.host, port=cfg.port, access_log=reporter.verbose,
-                log_level="info" if reporter.verbose else "warning")).run()
-        except KeyboardInterrupt:  # uvicorn re-raises the SIGINT/SIGTERM it shut down on
-            reporter.info("server stopped")
+            stopped_by = serve(server.app(), sock, reporter.verbose)
         finally:
-            server.worker.close()
+            server.close()
+    reporter.info(f"server stopped ({stopped_by})")
     return 0
+
+
+def serving_line(server: SpeechServer, sock, tts) -> str:
+    """The start-up line: the model (its directory here, in the server's own log), the real
+    address (`--port 0` too), whether /v1 needs a key, batching, formats, voices."""
+    port = sock.getsockname()[1]
+    path = getattr(getattr(tts, "lm_ref", None), "path", None)
+    source = f" (from {path})" if path is not None else ""
+    auth = "API key required on /v1" if server.cfg.api_key is not None else \
+        "no API key: /v1 is open"
+    voices = ", ".join(["default", "natural", *server.cfg.voices])
+    return (f"serving {server.model}{source} on {url_of(server.cfg.host, port)} ({auth}; "
+            f"batch {server.cfg.batch_size}; formats {', '.join(server.formats)}; "
+            f"voices {voices})")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -301,11 +302,14 @@ class SpeechWorker:
         for job in jobs:
             job.cancelled.set()
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30) -> None:
+        """No more jobs; the threads end (waited for up to `timeout` s in all: a Stage-0 step
+        in progress finishes first, and the threads are daemons, so the process can exit)."""
         self.requests.close()
         self.decodes.put(((float("inf"),), next(self.seq), None))
+        deadline = time.monotonic() + timeout
         for thread in self.threads:
-            thread.join(timeout=30)
+            thread.join(timeout=max(deadline - time.monotonic(), 0))
 
     def _stage0(self) -> None:
         with thread_budget(self.tts.lm_threads):

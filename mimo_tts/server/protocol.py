@@ -3,17 +3,20 @@
 A `POST /v1/audio/speech` body is read up to `MAX_BODY_BYTES`, then `RequestParser.parse` turns
 its fields into `SpeechParams` (what to say, the synthesis options, the format, SSE or not).
 Every bad value is an `ApiError`: a status and the CLI's message, sent as an OpenAI-style JSON
-error. No torch and no FastAPI at import.
+error. Clients see the model's public name (`public_model_name`), never a checkpoint path. No
+torch and no FastAPI at import.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
+import sys
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from mimo_tts.errors import DeviceError, InputError, MimoTTSError, UsageError
+from mimo_tts.errors import DeviceError, InputError, MimoTTSError, UsageError, short_repr
 from mimo_tts.synthesis.audio import FORMATS, LOSSY_FORMATS, lossy_formats
 from mimo_tts.synthesis.options import MAX_SEED
 from mimo_tts.synthesis.text import clean_text
@@ -33,6 +36,11 @@ PCM = "pcm"  # raw PCM16 samples: the server's stream, not a file format of `FOR
 PCM_MEDIA_TYPE = "audio/pcm"
 STREAMED = (PCM, "wav")  # formats whose bytes go out as Stage-1 decodes them
 MAX_BODY_BYTES = 1 << 20
+CLIENT_GONE = 499  # the status nginx logs for a client that closed its request
+API_KEY_ENV = "MIMO_TTS_API_KEY"
+SERVE_KEYS = ("host", "port", "api_key", "batch_size", "max_queue", "max_concurrent",
+              "max_input_chars", "timeout")  # the serve command's own flags
+SHOWN_NAMES = 5  # unknown field names quoted in a refusal
 
 
 @dataclass(frozen=True)
@@ -57,23 +65,117 @@ class ServeConfig:
             raise UsageError("--port must be in [0, 65535]")
         if not self.timeout > 0:
             raise UsageError("--timeout must be > 0 seconds")
-        if self.api_key == "":
-            raise UsageError("--api-key is empty")
+        if self.api_key is not None:
+            check_api_key(self.api_key, "--api-key")
+
+
+def serve_config(flags: dict, environ) -> ServeConfig:
+    """The server's options from the command's flags; the key may come from the environment."""
+    given = {k: flags[k] for k in SERVE_KEYS if flags.get(k) is not None and k != "api_key"}
+    return ServeConfig(**given, api_key=api_key_from(flags.get("api_key"), environ),
+                       voices=parse_voices(flags.get("voice") or []))
+
+
+def api_key_from(flag: str | None, environ) -> str | None:
+    """The bearer token: `--api-key`, else `MIMO_TTS_API_KEY` when it is set at all (set but
+    empty is refused, not read as "no key"), checked as `check_api_key` does."""
+    if flag is not None:
+        return check_api_key(flag, "--api-key")
+    if API_KEY_ENV in environ:
+        return check_api_key(environ[API_KEY_ENV], API_KEY_ENV)
+    return None
+
+
+def check_api_key(key: str, source: str) -> str:
+    """A key a client can send in `Authorization: Bearer KEY`: printable ASCII, nothing around
+    it (HTTP strips a header value's surrounding spaces, so such a key could never match)."""
+    if key == "":
+        raise UsageError(f"{source} is empty; give a key, or unset it to serve without one")
+    if not key.strip():
+        raise UsageError(f"{source} is only whitespace; no client could send it")
+    if key != key.strip():
+        raise UsageError(f"{source} starts or ends with whitespace; no client could send it")
+    bad = next((c for c in key if not " " <= c <= "~"), None)
+    if bad is not None:
+        kind = "non-ASCII" if ord(bad) > 127 else "a control"
+        raise UsageError(f"{source} has {kind} character U+{ord(bad):04X}; an HTTP header "
+                         "carries printable ASCII only")
+    return key
+
+
+def public_model_name(name: str) -> str:
+    """What clients see of the model (`/health`, `/v1/models`, errors): an HF id or a preset as
+    given, a checkpoint directory by its own name only (its path stays in the server's log)."""
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):  # a directory, as `runtime.checkpoints.resolve` takes it
+        return os.path.basename(os.path.abspath(path)) or "mimo-tts"
+    return name
 
 
 def parse_voices(values: list[str]) -> dict:
-    """`--voice NAME=PATH` options -> {name: path}; each file must exist."""
+    """`--voice NAME=PATH` options -> {name: path}; each path must be a regular file."""
     voices = {}
     for value in values:
         name, sep, path = value.partition("=")
-        if not sep or not name.strip() or not path:
+        name = name.strip()
+        if not sep or not name or not path:
             raise UsageError(f"--voice takes NAME=PATH.wav, got {value!r}")
         if name in voices or name in ("default", "natural"):
             raise UsageError(f"--voice {name}: the name is already taken")
-        if not os.path.isfile(path):
-            raise InputError(f"--voice {name}: prompt audio not found: {path}")
-        voices[name.strip()] = path
+        voices[name] = voice_file(name, path)
     return voices
+
+
+def voice_file(name: str, path: str) -> str:
+    """The prompt audio of `--voice NAME=PATH`, refused unless it is a regular file: a
+    directory or a FIFO is named as such (a FIFO would block the start-up read)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise InputError(f"--voice {name}: prompt audio not found: {path}") from None
+    except OSError as exc:
+        raise InputError(f"--voice {name}: prompt audio {path} cannot be read: "
+                         f"{exc.strerror or exc}") from None
+    if stat.S_ISDIR(mode):
+        raise InputError(f"--voice {name}: prompt audio {path} is a directory, not an audio "
+                         "file")
+    if not stat.S_ISREG(mode):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) \
+            else "a device"
+        raise InputError(f"--voice {name}: prompt audio {path} is {kind}, not a regular file")
+    return path
+
+
+def read_voices(voices: dict) -> None:
+    """Each voice's prompt audio decoded once before the model loads (readable, with finite
+    samples), a refusal naming the voice and the file."""
+    from mimo_tts.synthesis.audio import read_audio
+
+    for name, path in voices.items():
+        _voice_step(name, path, lambda p=path: read_audio(p))
+
+
+def encode_voices(tts, voices: dict, base: SynthesisOptions) -> None:
+    """Each voice encoded once (the codes are kept) and built into a prompt, before the first
+    request: a voice no request could use stops the start-up, naming the voice and its file."""
+    options = replace(base, task="tts_sft_with_audio", instruct=None)
+    for name, path in voices.items():
+        _voice_step(name, path, lambda p=path: tts.prompts(
+            "Hello.", replace(options, prompt_audio=p), options.seed))
+
+
+def _voice_step(name: str, path: str, step) -> None:
+    try:
+        step()
+    except MimoTTSError as exc:
+        raise voice_error(name, path, exc) from None
+
+
+def voice_error(name: str, path: str, exc: MimoTTSError) -> MimoTTSError:
+    """`exc` (reading or encoding a voice's prompt audio at start-up) naming the voice and
+    its file, with the same type and exit code."""
+    message = str(exc) if path in str(exc) else f"{exc} ({path})"
+    return type(exc)(f"--voice {name}: {message}")
 
 
 def served_formats() -> list[str]:
@@ -105,12 +207,14 @@ class ApiError(Exception):
         return cls(status, str(exc))
 
     def response(self):
-        from fastapi.responses import JSONResponse
+        from fastapi.responses import Response
 
         kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return JSONResponse({"error": {"message": self.message, "type": kind,
-                                       "param": self.param, "code": self.code}},
-                            self.status, self.headers)
+        body = {"error": {"message": self.message, "type": kind, "param": self.param,
+                          "code": self.code}}
+        # ASCII JSON: whatever a message quotes, the body encodes (a lone surrogate too)
+        return Response(json.dumps(body), self.status, self.headers,
+                        media_type="application/json")
 
 
 @dataclass
@@ -138,26 +242,24 @@ class RequestParser:
         return "mp3" if "mp3" in self.formats else "wav"
 
     def parse(self, body: bytes) -> SpeechParams:
-        """The request body -> what to say and how; bad values are 400s with the CLI's words."""
-        try:
-            data = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise ApiError(400, "request body must be a JSON object")
-        unknown = sorted(set(data) - set(FIELDS))
+        """The request body -> what to say and how; bad values are 400s with the CLI's words.
+        Everything is checked here, before the request is admitted or tokenised."""
+        data = _json_object(body)
+        unknown = sorted(_shown(name) for name in set(data) - set(FIELDS))
         if unknown:
-            raise ApiError(400, f"unknown field(s): {', '.join(unknown)}", unknown[0])
+            more = len(unknown) - SHOWN_NAMES
+            listed = ", ".join(unknown[:SHOWN_NAMES]) + (f" and {more} more" if more > 0 else "")
+            raise ApiError(400, f"unknown field(s): {listed}", unknown[0])
         model = _field(data, "model", str, required=True)
         if model not in (self.model, "mimo-tts", *OPENAI_MODELS):
-            raise ApiError(404, f"model {model!r} is not served; use {self.model!r}", "model",
-                           "model_not_found")
-        text = _field(data, "input", str, required=True)
-        if len(text) > self.cfg.max_input_chars:
-            raise ApiError(400, f"input is {len(text)} characters; the limit is "
-                           f"{self.cfg.max_input_chars} (--max-input-chars)", "input",
-                           "string_above_max_length")
+            raise ApiError(404, f"model {short_repr(model)} is not served; use "
+                           f"{self.model!r}", "model", "model_not_found")
+        text = self.bounded(_field(data, "input", str, required=True), "input")
         instruct = _field(data, "instructions", str)
+        if instruct is not None:
+            self.bounded(instruct, "instructions")
+            _require(bool(instruct.strip()), "instruct is empty (instructions holds no text)",
+                     "instructions")
         fmt = _field(data, "response_format", str) or self.default_format
         stream_format = _field(data, "stream_format", str) or "audio"
         seed = _field(data, "seed", int)
@@ -169,14 +271,24 @@ class RequestParser:
         _require(speed is None or speed == 1, "speed is not supported (only 1.0)", "speed")
         _require(seed is None or 0 <= seed <= MAX_SEED, "--seed must be in [0, 2**64 - 1]",
                  "seed")
+        text = _cleaned(text, "input")
+        if instruct is not None:  # the rules of `input`, as a batch item's instruct follows
+            instruct = _cleaned(instruct, "instructions")
         task, prompt_audio = self.voice(_field(data, "voice", str) or "default", instruct)
         try:
-            text = clean_text(text, "input")
             options = replace(self.base, task=task, instruct=instruct, prompt_audio=prompt_audio,
                               seed=self.base.seed if seed is None else seed)
         except MimoTTSError as exc:
             raise ApiError.of(exc) from None
         return SpeechParams(text, options, fmt, stream_format == "sse")
+
+    def bounded(self, text: str, name: str) -> str:
+        """`input` or `instructions`, refused past `--max-input-chars`."""
+        if len(text) > self.cfg.max_input_chars:
+            raise ApiError(400, f"{name} is {len(text)} characters; the limit is "
+                           f"{self.cfg.max_input_chars} (--max-input-chars)", name,
+                           "string_above_max_length")
+        return text
 
     def voice(self, name: str, instruct: str | None) -> tuple[str, str | None]:
         """A voice -> (task, prompt audio): a registered voice clones its prompt audio."""
@@ -187,22 +299,60 @@ class RequestParser:
         if name == "default" or name in OPENAI_VOICES:
             return ("tts_sft" if instruct is None else "tts_sft_with_instruct"), None
         choices = ", ".join(["default", "natural", *self.cfg.voices])
-        raise ApiError(400, f"unknown voice {name!r}; choose one of {choices}", "voice")
+        raise ApiError(400, f"unknown voice {short_repr(name)}; choose one of {choices}",
+                       "voice")
 
 
 async def read_body(request) -> bytes:
-    """The request body, refused (413) once it passes `MAX_BODY_BYTES`."""
+    """The request body, refused (413) once it passes `MAX_BODY_BYTES`; a client that goes
+    away during the upload is `CLIENT_GONE` (answered to nobody, no traceback)."""
+    from starlette.requests import ClientDisconnect
+
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
+    except ClientDisconnect:
+        raise ApiError(CLIENT_GONE, "client closed the request during the upload") from None
     return bytes(body)
 
 
 def sse(event: dict) -> str:
     """One server-sent event carrying `event` as JSON."""
     return f"data: {json.dumps(event)}\n\n"
+
+
+def _json_object(body: bytes) -> dict:
+    """The body as a JSON object; anything `json.loads` refuses is a 400: bad UTF-8 or syntax,
+    nesting too deep (RecursionError), an integer past Python's digit limit (ValueError)."""
+    try:
+        data = json.loads(body)
+    except RecursionError:
+        raise ApiError(400, "request body is not valid JSON: nested too deeply") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    except ValueError:  # an integer past the interpreter's digit limit
+        raise ApiError(400, "request body is not valid JSON here: a number has more than "
+                       f"{sys.get_int_max_str_digits()} digits") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    return data
+
+
+def _shown(name: str) -> str:
+    """A client's field name as an error message quotes it: as is when printable, else
+    escaped (a lone surrogate cannot be encoded in the response), cut when long."""
+    return name if name.isprintable() and len(name) <= 40 else short_repr(name)
+
+
+def _cleaned(text: str, name: str) -> str:
+    """`clean_text` on a request field: its refusal is a 400 naming the field."""
+    try:
+        return clean_text(text, name)
+    except MimoTTSError as exc:
+        raise ApiError(400, str(exc), name) from None
 
 
 def _field(data: dict, name: str, kind, required: bool = False):

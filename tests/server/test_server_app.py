@@ -225,6 +225,9 @@ def test_voices_and_instructions(client):
     ({"seed": "3"}, 400, "seed must be an integer"),
     ({"speed": 1.5}, 400, "speed is not supported"),
     ({"instructions": " "}, 400, "instruct is empty"),
+    ({"instructions": "x" * 4097}, 400, "instructions is 4097 characters; the limit is 4096"),
+    ({"instructions": "x" * 900_000}, 400, "instructions is 900000 characters"),
+    ({"instructions": "a\x01b"}, 400, "instructions: text has control character U+0001"),
     ({"voice": "natural", "instructions": "calm"}, 400,
      "task tts_sft_with_natural_instruction takes no instruction"),
     ({"temperature": 0.5}, 400, "unknown field(s): temperature"),
@@ -248,3 +251,25 @@ def test_malformed_bodies_and_routes(client):
     assert client.get("/v1/nothing").json()["error"]["message"] == "Not Found"
     assert client.get("/v1/audio/speech").status_code == 405
     assert health(client)["status"] == "ok"  # still serving after every failure
+
+
+def test_bodies_json_refuses_and_odd_field_names_are_400s(client):
+    """Before: these were 500s with tracebacks (RecursionError, the integer digit limit, a
+    message with a lone surrogate the JSON response could not encode, the tokenizer on a lone
+    surrogate in `instructions`)."""
+    for body, message in ((b"[" * 200_000 + b"]" * 200_000, "nested too deeply"),
+                          (b'{"model": "tiny", "input": "Hi.", "seed": ' + b"7" * 5000 + b"}",
+                           "a number has more than"),
+                          (b'{"model": "tiny", "input": "Hi.", "\\ud800": 1}',
+                           "unknown field(s): '\\ud800'"),
+                          (b'{"model": "tiny", "input": "Hi.", "instructions": "calm\\ud800"}',
+                           "instructions: text is not valid Unicode (lone surrogate U+D800")):
+        response = client.post("/v1/audio/speech", content=body)
+        assert response.status_code == 400, response.text
+        assert message in response.json()["error"]["message"]
+    assert health(client)["status"] == "ok"
+
+
+def test_the_serving_line_says_v1_is_open(url):
+    assert "(no API key: /v1 is open;" in url.stderr().splitlines()[0]
+    assert "Traceback" not in url.stderr()

@@ -127,3 +127,110 @@ def test_the_body_reader_stops_past_the_limit():
 
 def test_sse_frames_one_json_event():
     assert sse({"type": "speech.audio.done"}) == 'data: {"type": "speech.audio.done"}\n\n'
+
+
+# -- hostile bodies, instructions, keys, names, voices --------------------------------------------
+
+def test_any_body_json_refuses_is_a_400_and_field_names_are_escaped():
+    """Before: RecursionError, the digit-limit ValueError and a lone-surrogate field name
+    (unencodable in the response) were 500s with tracebacks."""
+    p = parser()
+    for body, words in ((b"[" * 200_000 + b"]" * 200_000, "nested too deeply"),
+                        (b'{"seed": ' + b"1" * 5000 + b"}", "a number has more than"),
+                        (b'"\\ud800', "not valid JSON")):
+        with pytest.raises(ApiError) as info:
+            p.parse(body)
+        assert info.value.status == 400 and words in info.value.message
+    with pytest.raises(ApiError) as info:
+        p.parse(b'{"model": "tiny", "input": "Hi.", "\\ud800": 1}')
+    error = info.value
+    assert (error.status, error.message, error.param) == \
+        (400, "unknown field(s): '\\ud800'", "'\\ud800'")
+    error.message.encode("utf-8")  # what the response body carries
+    many = {f"field{i:02d}": 0 for i in range(12)}
+    assert refused(p, **many).message == \
+        "unknown field(s): field00, field01, field02, field03, field04 and 7 more"
+
+
+def test_a_response_body_encodes_whatever_a_message_quotes():
+    pytest.importorskip("fastapi")
+    response = ApiError(400, "bad \ud800 name", "\udcff").response()
+    assert json.loads(response.body)["error"]["message"] == "bad \ud800 name"
+
+
+def test_instructions_are_checked_like_input_before_tokenising():
+    """Before: no bound, no clean_text (a lone surrogate was a 500 in the tokenizer)."""
+    p = parser(max_input_chars=20)
+    error = refused(p, instructions="x" * 21)
+    assert (error.status, error.param, error.code) == \
+        (400, "instructions", "string_above_max_length")
+    assert error.message == "instructions is 21 characters; the limit is 20 (--max-input-chars)"
+    error = refused(p, instructions="calm\ud800")
+    assert error.param == "instructions" and "lone surrogate U+D800 at 4" in error.message
+    error = refused(p, instructions="a\x01b")
+    assert error.message == "instructions: text has control character U+0001 at 1"
+    assert "instruct is empty" in refused(p, instructions=" \n ").message
+    assert parse(p, instructions="calm,   low").options.instruct == "calm, low"
+
+
+@pytest.mark.parametrize(("key", "words"), [
+    ("", "is empty"), ("   ", "is only whitespace"), (" key", "starts or ends with whitespace"),
+    ("key\t", "starts or ends with whitespace"), ("kéy", "non-ASCII character U+00E9"),
+    ("k\x01y", "a control character U+0001"), ("k\x7fy", "a control character U+007F"),
+])
+def test_keys_no_client_can_send_are_refused(key, words):
+    for flag, environ, source in ((key, {}, "--api-key"),
+                                  (None, {protocol.API_KEY_ENV: key}, protocol.API_KEY_ENV)):
+        with pytest.raises(UsageError) as info:
+            protocol.api_key_from(flag, environ)
+        assert str(info.value).startswith(f"{source} ") and words in str(info.value)
+
+
+def test_the_key_comes_from_the_flag_then_the_environment():
+    env = {protocol.API_KEY_ENV: "from-env"}
+    assert protocol.api_key_from("a b", env) == "a b"  # an inner space is sent as is
+    assert protocol.api_key_from(None, env) == "from-env"
+    assert protocol.api_key_from(None, {}) is None
+
+
+def test_clients_see_a_checkpoint_directory_by_its_name(tmp_path, monkeypatch):
+    checkpoint = tmp_path / "MiMo-Audio-7B"
+    checkpoint.mkdir()
+    assert protocol.public_model_name(str(checkpoint)) == "MiMo-Audio-7B"
+    assert protocol.public_model_name(f"{checkpoint}/") == "MiMo-Audio-7B"
+    monkeypatch.chdir(tmp_path)
+    assert protocol.public_model_name("./MiMo-Audio-7B") == "MiMo-Audio-7B"
+    for name in ("XiaomiMiMo/MiMo-Audio-7B-Instruct", "tiny"):
+        assert protocol.public_model_name(name) == name
+
+
+def test_voice_files_must_be_regular_files(tmp_path):
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path, words in ((tmp_path, "is a directory"), (fifo, "is a FIFO"),
+                        (tmp_path / "none.wav", "prompt audio not found")):
+        with pytest.raises(InputError) as info:
+            protocol.parse_voices([f"me={path}"])
+        assert str(info.value).startswith("--voice me: ") and words in str(info.value)
+        assert str(path) in str(info.value)
+    error = protocol.voice_error("me", "x.wav", InputError("prompt audio is 6 ms long"))
+    assert isinstance(error, InputError) and str(error) == \
+        "--voice me: prompt audio is 6 ms long (x.wav)"
+
+
+class GoneBody:
+    async def stream(self):
+        from starlette.requests import ClientDisconnect
+
+        yield b"{"
+        raise ClientDisconnect()
+
+
+def test_a_client_gone_during_the_upload_is_no_error():
+    """Before: starlette's ClientDisconnect escaped as a 500 and a traceback."""
+    pytest.importorskip("starlette")
+    with pytest.raises(ApiError) as info:
+        asyncio.run(read_body(GoneBody()))
+    assert info.value.status == protocol.CLIENT_GONE
