@@ -12,6 +12,7 @@ SAMPLE_RATE = 24000
 
 
 PAUSE_FRAMES = 8  # silence between split text pieces: 8 frames = 0.32 s, whole frames
+MAX_PAUSE_FRAMES = 250  # 10 s: the most a codes file's pause_frames (or decode's) may ask
 
 
 SILENCE_PEAK = 1e-4  # peak |sample| below this is "all silent"
@@ -177,3 +178,4 @@ def read_audio(path: str | Path, where: str = "prompt audio"):
     if not torch.isfinite(audio).all():
         raise InputError(f"{where} {path} contains NaN or infinite samples")
     return audio, int(rate)
+

@@ -122,3 +122,85 @@ def test_load_refuses_a_misspelled_keyword():
 
     with pytest.raises(TypeError, match="lm_thread"):
         mimo_tts.load("tiny", lm_thread=2)
+
+
+# --- issue 9: the library runs the CLI's checks -------------------------------------------------
+
+
+def test_control_characters_are_refused_as_on_the_cli(tts):
+    """`clean_text`, as the CLI's items: exit 9 naming the code point (it was synthesised)."""
+    import mimo_tts
+
+    with pytest.raises(mimo_tts.InputError, match="text: .*U\\+0007 at 1") as refused:
+        tts.synthesize("a\x07b")
+    assert refused.value.exit_code == 9
+    with pytest.raises(mimo_tts.InputError, match="texts\\[1\\]: .*U\\+001B"):
+        tts.synthesize_batch(["fine.", "esc\x1b[31m"])
+    with pytest.raises(mimo_tts.InputError, match="empty text"):
+        list(tts.stream("   "))
+
+
+def test_a_str_for_texts_is_a_type_error_naming_texts(tts):
+    """`synthesize_batch("abc")` made three items, one per character."""
+    for texts in ("abc", b"abc", 5):
+        with pytest.raises(TypeError, match="^texts must be a list of strings"):
+            tts.synthesize_batch(texts)
+    with pytest.raises(TypeError, match="^texts\\[0\\] must be a string"):
+        tts.synthesize_batch([3])
+    assert tts.synthesize_batch([]) == []
+
+
+def test_decode_checks_codes_as_the_clis_decode(tts):
+    """The codebook count and the code ranges, as `mimo-tts decode` checks a codes file
+    (`batch.files.load_codes`, then the codec): 7 codebooks were decoded."""
+    import torch
+
+    import mimo_tts
+
+    good = torch.zeros(8, 4, dtype=torch.long)
+    cases = [(torch.zeros(7, 4, dtype=torch.long), mimo_tts.InputError, "shape \\[7, 4\\]"),
+             (torch.zeros(8, 0, dtype=torch.long), mimo_tts.InputError, "shape \\[8, 0\\]"),
+             (torch.zeros(8, 4), mimo_tts.InputError, "float32 values"),
+             ([good, torch.zeros(9, 4, dtype=torch.int32)], mimo_tts.InputError, "codes\\[1\\]"),
+             (torch.full((8, 4), 10**6), mimo_tts.AudioCheckError, "out of range"),
+             ([], mimo_tts.InputError, "no code"), ("codes", TypeError, "^codes must be")]
+    for codes, error, match in cases:
+        with pytest.raises(error, match=match):
+            tts.decode(codes)
+    with pytest.raises(TypeError, match="^pause_frames"):
+        tts.decode(good, pause_frames=1.5)
+    with pytest.raises(mimo_tts.UsageError, match="pause_frames must be in \\[0, 250\\]"):
+        tts.decode(good, pause_frames=-1)
+    assert tts.decode(good.numpy()).samples.size == 4 * 960  # numpy integers are codes too
+
+
+@pytest.mark.parametrize("call", ["synthesize", "stream", "synthesize_batch"])
+def test_a_misspelled_keyword_is_a_type_error_naming_it(tts, call):
+    """Every name that is no SynthesisOptions field, as `load()` refuses its own."""
+    text = ["Hi."] if call == "synthesize_batch" else "Hi."
+    for value in (0.5, None):  # None was dropped unread: a misspelling went unnoticed
+        with pytest.raises(TypeError, match=f"{call}\\(\\).*'temprature'"):
+            result = getattr(tts, call)(text, temprature=value)
+            list(result) if call == "stream" else None
+    with pytest.raises(TypeError, match="^options must be a SynthesisOptions"):
+        result = getattr(tts, call)(text, options={"seed": 1})
+        list(result) if call == "stream" else None
+
+
+def test_wrong_types_in_calls_name_the_parameter(tts):
+    """Issue 12: a typed error naming the parameter, never torch's or Python's internals."""
+    import mimo_tts
+
+    cases = [({"seed": "1"}, "^seed must be an integer"),
+             ({"temperature": "hot"}, "^temperature must be a real number"),
+             ({"max_chars": None, "max_new_groups": True}, "^max_new_groups"),
+             ({"prompt_audio": 5}, "^prompt_audio must be")]
+    for given, match in cases:
+        with pytest.raises(mimo_tts.OptionTypeError, match=match):
+            tts.synthesize("Hi.", **given)
+    with pytest.raises(TypeError, match="^text must be a string"):
+        tts.synthesize(b"Hi.")
+    for size, error in ((0, mimo_tts.UsageError), (True, TypeError), ("3", TypeError)):
+        with pytest.raises(error, match="batch.size"):  # `range() arg 3 must not be zero`
+            tts.synthesize_batch(["Hi."], batch_size=size)
+
