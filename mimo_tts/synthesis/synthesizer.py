@@ -250,7 +250,10 @@ class MiMoTTS:
 
     def synthesize_batch(self, texts: Sequence[str], *, batch_size: int = 1,
                          **given) -> list[Audio]:
-        """Speech for several texts with one seed; their prompts run `batch_size` at a time."""
+        """Speech for several texts with one seed, each text's audio its `synthesize` call's:
+        on a continuous engine the text pieces are jobs of one continuous batch of
+        `batch_size` rows, each sampling from its own generator (as `--batch-size` on the
+        CLI); a static engine (vLLM) runs them together on one seed stream."""
         batch_size = RunOptions(batch_size=batch_size).batch_size  # typed, >= 1
         texts = _texts(texts)
         o = self._options("synthesize_batch", given.pop("options", None), **given)
@@ -284,12 +287,35 @@ class MiMoTTS:
     def _synthesize(self, texts: list[str], o: SynthesisOptions, rows: int) -> list[Audio]:
         prompts = [self.prompts(t, o, o.seed) for t in texts]
         flat = [p for ps in prompts for p in ps]
-        made = self.generate(flat, o.generation_options(o.seed), o.seed, rows)
+        if self.engine.continuous and rows > 1:
+            made = self._run_jobs(flat, o, rows)
+        else:
+            made = self.generate(flat, o.generation_options(o.seed), o.seed, rows)
         results = []
         for n, ps in enumerate(prompts):
             pieces, made = made[:len(ps)], made[len(ps):]
             results.append(self._audio(self.finish(pieces, f"text {n + 1}"), o, pieces))
         return results
+
+    def _run_jobs(self, prompts: list, o: SynthesisOptions, rows: int) -> list[Piece]:
+        """Each prompt a job of one continuous batch (`run_batch`), sampling from its own
+        generator seeded with `o.seed`: its codes are its single run's."""
+        from mimo_tts.lm.batching import Job, JobDone, Jobs, StepFailed
+
+        if not prompts:
+            return []
+        options = o.generation_options(o.seed)
+        made: list[Piece | None] = [None] * len(prompts)
+        jobs = Jobs(Job(p.input_ids, options, key=i) for i, p in enumerate(prompts))
+        for event in self.run_batch(jobs, min(rows, len(prompts))):
+            if isinstance(event, StepFailed):
+                raise event.error
+            if isinstance(event, JobDone):
+                if event.error is not None:
+                    raise event.error
+                index = event.job.key
+                made[index] = self.piece(prompts[index], event.generation, o.seed)
+        return made
 
     def _options(self, call: str, options, **given) -> SynthesisOptions:
         """`options` (default `self.options`) with this call's keywords; a keyword that is no

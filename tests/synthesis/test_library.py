@@ -204,3 +204,18 @@ def test_wrong_types_in_calls_name_the_parameter(tts):
         with pytest.raises(error, match="batch.size"):  # `range() arg 3 must not be zero`
             tts.synthesize_batch(["Hi."], batch_size=size)
 
+
+# --- a batch gives each text its single run's audio ------------------------------------------
+
+
+def test_batch_of_3_equals_batch_of_1_byte_for_byte(tts):
+    """Each text's audio is its own run's at any batch_size (continuous batch: a generator per
+    job), as the CLI's --batch-size; before, the rows shared one seed stream (0 of 3 equal)."""
+    assert tts.engine.continuous
+    texts = ["One.", "Two, a bit longer.", "And the third text."]
+    one = tts.synthesize_batch(texts, batch_size=1, seed=3, max_new_groups=6)
+    three = tts.synthesize_batch(texts, batch_size=3, seed=3, max_new_groups=6)
+    assert [a.samples.tobytes() for a in three] == [a.samples.tobytes() for a in one]
+    alone = tts.synthesize(texts[2], seed=3, max_new_groups=6)
+    assert alone.samples.tobytes() == three[2].samples.tobytes()
+
