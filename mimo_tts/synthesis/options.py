@@ -24,6 +24,7 @@ from typing import get_args, get_type_hints
 from mimo_tts.codec.config import STREAM_MODES
 from mimo_tts.errors import (
     CheckpointError,
+    InputError,
     MimoTTSError,
     OptionTypeError,
     UsageError,
@@ -53,6 +54,7 @@ ENGINES = tuple(ENGINE_SPECS)
 PLACEMENT_FIELDS = ("lm_device", "tokenizer_device", "dtype", "tokenizer_dtype", "cuda_graph")
 
 
+DEFAULT_TASK = "tts_sft"
 # os.PathLike values of these fields are kept as str
 PATH_FIELDS = frozenset({"output_dir", "output", "prompt_audio", "model", "tokenizer"})
 _KIND_WORDS = {bool: "true or false", int: "an integer", float: "a real number",
@@ -109,11 +111,19 @@ def _real(value) -> float:
         return float("inf") if value > 0 else float("-inf")
 
 
+def task_for(instruct, prompt_audio) -> str:
+    """The task a run takes when none is named: a voice prompt clones (tts_sft_with_audio,
+    with or without an instruction), an instruction alone styles (tts_sft_with_instruct)."""
+    if prompt_audio is not None:
+        return "tts_sft_with_audio"
+    return "tts_sft_with_instruct" if instruct is not None else DEFAULT_TASK
+
+
 @dataclass(frozen=True)
 class SynthesisOptions:
     """What to say and how to sample it: the library's options (`MiMoTTS.synthesize`)."""
 
-    task: str = "tts_sft"
+    task: str = DEFAULT_TASK  # resolve: the inputs' task (`task_for`) when not given
     instruct: str | None = None
     prompt_audio: str | None = None
     template: int | None = None
@@ -165,6 +175,17 @@ class SynthesisOptions:
                f"--prompt-audio: task {spec.name} takes no voice prompt; use tts_sft_with_audio")
         _check(not (self.instruct and spec.instruct == "none"),
                f"--instruct: task {spec.name} takes no instruction; use tts_sft_with_instruct")
+
+    def check_item(self, instruct=None, prompt_audio=None, where: str | None = None) -> None:
+        """An item's inputs (its own, else these options') against the task, before anything
+        is read or generated: a missing one is an InputError naming the flag that gives it."""
+        spec, at = TASKS[self.task], f"{where}: " if where else ""
+        if spec.prompt_audio == "required" and not (prompt_audio or self.prompt_audio):
+            raise InputError(f"{at}task {spec.name} needs a voice prompt: give --prompt-audio "
+                             "FILE (or prompt_audio in a JSONL item)")
+        if spec.instruct == "required" and not (instruct or self.instruct):
+            raise InputError(f"{at}task {spec.name} needs a style instruction: give --instruct "
+                             "TEXT (or instruct in a JSONL item)")
 
     def sampler_settings(self) -> dict:
         """The sampler values as given (None: the task's default)."""
@@ -263,6 +284,9 @@ class RunOptions:
                "--stream generates one prompt at a time; drop --batch-size")
         _check(not (self.raw and self.sample_rate != SAMPLE_RATE),
                "--raw streams 24 kHz PCM; --sample-rate cannot be used with it")
+        _check(not (self.raw and self.format != "wav"),
+               f"--raw streams PCM16 without a container; --format {self.format} cannot be "
+               "used with it")
         return self
 
     @property
@@ -415,6 +439,8 @@ def resolve_options(given: OptionValues | Mapping[str, object],
                 if value is not None:
                     values[spec.name] = value
                 sources[spec.name] = source
+            if cls is SynthesisOptions and "task" not in values:  # no --task: the inputs say
+                values["task"] = task_for(values.get("instruct"), values.get("prompt_audio"))
             groups[name] = _build(cls, values, [k for k in values if sources[k] == "config"],
                                   profile)
     except OptionTypeError:

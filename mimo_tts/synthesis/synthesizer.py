@@ -33,11 +33,13 @@ from mimo_tts.runtime.guards import oom_advice, thread_budget
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, to_numpy
 from mimo_tts.synthesis.loader import check_fits, resolve_checkpoints, thread_budgets
 from mimo_tts.synthesis.options import (
+    DEFAULT_TASK,
     EngineOptions,
     RunOptions,
     Settings,
     SynthesisOptions,
     resolve,
+    task_for,
 )
 from mimo_tts.synthesis.pieces import Piece
 from mimo_tts.synthesis.preflight import Lengths, weights_bytes
@@ -177,6 +179,7 @@ class MiMoTTS:
         instruct, prompt_audio = instruct or o.instruct, prompt_audio or o.prompt_audio
         if prompt_audio and TASKS[o.task].prompt_audio == "none":  # refuse before reading it
             raise InputError(f"task {o.task} takes no prompt audio; use tts_sft_with_audio")
+        o.check_item(instruct, prompt_audio)
         codes = self.stage1.prompt_codes(prompt_audio) if prompt_audio else None
         return [build_prompt(o.task, piece, self.text, self.empty_ids, instruct=instruct,
                              prompt_codes=codes, template=o.template, seed=seed,
@@ -319,7 +322,9 @@ class MiMoTTS:
 
     def _options(self, call: str, options, **given) -> SynthesisOptions:
         """`options` (default `self.options`) with this call's keywords; a keyword that is no
-        `SynthesisOptions` field is a TypeError naming it."""
+        `SynthesisOptions` field is a TypeError naming it. No task named (the options' is
+        the default, which takes neither input): a prompt_audio or instruct picks its task,
+        as on the CLI without --task."""
         unknown = sorted(set(given) - SYNTHESIS_FIELDS)
         if unknown:
             raise TypeError(f"{call}() got unexpected keyword argument(s) "
@@ -330,6 +335,9 @@ class MiMoTTS:
             raise OptionTypeError(f"options must be a SynthesisOptions, not "
                                   f"{type(options).__name__}")
         changes = {k: v for k, v in given.items() if v is not None}
+        if "task" not in changes and options.task == DEFAULT_TASK:
+            changes["task"] = task_for(changes.get("instruct", options.instruct),
+                                       changes.get("prompt_audio", options.prompt_audio))
         return replace(options, **changes)
 
     def _audio(self, audio: torch.Tensor, o: SynthesisOptions, pieces: list[Piece]) -> Audio:

@@ -219,3 +219,21 @@ def test_batch_of_3_equals_batch_of_1_byte_for_byte(tts):
     alone = tts.synthesize(texts[2], seed=3, max_new_groups=6)
     assert alone.samples.tobytes() == three[2].samples.tobytes()
 
+
+# --- the task from the inputs, prompt audio in memory ------------------------------------------
+
+
+def test_the_task_follows_the_inputs_and_a_missing_one_names_the_flag(tts):
+    """No task named: `instruct` alone styles, `prompt_audio` clones (below), as on the
+    CLI without --task; a named task that takes no such input is still refused."""
+    import mimo_tts
+
+    styled = tts.synthesize("Calm.", instruct="calmly", seed=0, max_new_groups=4)
+    assert styled.provenance["task"] == "tts_sft_with_instruct"
+    with pytest.raises(mimo_tts.UsageError, match="takes no voice prompt"):  # never read
+        tts.synthesize("Hi.", task="tts_sft", prompt_audio="voice.wav")
+    with pytest.raises(mimo_tts.InputError, match="needs a voice prompt: give --prompt-audio"):
+        tts.synthesize("Hi.", task="tts_sft_with_audio")
+    with pytest.raises(mimo_tts.InputError, match="needs a style instruction: give --instruct"):
+        tts.synthesize("Hi.", task="tts_sft_with_instruct")
+
