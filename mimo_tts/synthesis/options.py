@@ -41,8 +41,10 @@ from mimo_tts.runtime.devices import Placement, resolve_placement
 from mimo_tts.synthesis.audio import (
     FORMATS,
     SAMPLE_RATE,
+    PromptAudio,
     check_format_rate,
     output_format,
+    prompt_audio_of,
 )
 
 MAX_SEED = 2**64 - 1  # torch generators take seeds in [0, 2**64)
@@ -125,7 +127,9 @@ class SynthesisOptions:
 
     task: str = DEFAULT_TASK  # resolve: the inputs' task (`task_for`) when not given
     instruct: str | None = None
-    prompt_audio: str | None = None
+    # A file path, or in the library samples in memory: `(samples, sample_rate)` (numpy or
+    # torch, [S] or [C, S], floats) is stored as a read-only `PromptAudio`.
+    prompt_audio: str | PromptAudio | None = None
     template: int | None = None
     seed: int = 0
     temperature: float | None = None  # None: the task's default (spec §4.6)
@@ -146,6 +150,7 @@ class SynthesisOptions:
     stream_mode: str = "incremental"
 
     def __post_init__(self):
+        object.__setattr__(self, "prompt_audio", prompt_audio_of(self.prompt_audio))
         check_types(self)
         _check(self.max_chars >= 0, "--max-chars must be >= 0 (0 disables splitting)")
         _check(0 <= self.seed <= MAX_SEED, "--seed must be in [0, 2**64 - 1]")

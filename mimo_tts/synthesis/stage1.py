@@ -4,6 +4,7 @@ advice and voice-prompt cache."""
 from __future__ import annotations
 
 import numbers
+import weakref
 from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +24,7 @@ from mimo_tts.runtime.guards import oom_advice, thread_budget
 from mimo_tts.synthesis.audio import (
     MAX_PAUSE_FRAMES,
     PAUSE_FRAMES,
+    PromptAudio,
     check_audio,
     join_pieces,
     read_audio,
@@ -92,6 +94,8 @@ class Stage1:
         self.samples_per_frame = codec.samples_per_frame
         self.sample_rate = codec.config.sampling_rate  # the checkpoint's (24000 for MiMo-Audio)
         self._prompt_codes: dict[str, torch.Tensor] = {}
+        # A prompt in memory: its codes live as long as the PromptAudio (one per options).
+        self._memory_codes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @classmethod
     def from_settings(cls, settings, ref=None, log=None, env=None, lengths=None) -> Stage1:
@@ -127,15 +131,20 @@ class Stage1:
             log(f"tokenizer float32 GEMM: {'on' if choice.active else 'off'}, {choice.reason}")
         return cls(codec, threads)
 
-    def prompt_codes(self, path: str) -> torch.Tensor:
-        """Voice-prompt codes [K, T] (encoded on the tokenizer device once per file); the
-        prompt builder cuts them to the LM's channels and pads them (`lm.prompts`)."""
-        if path not in self._prompt_codes:
-            audio, rate = read_audio(path)
+    def prompt_codes(self, prompt: str | PromptAudio) -> torch.Tensor:
+        """Voice-prompt codes [K, T] (encoded on the tokenizer device once per file or
+        `PromptAudio`); the prompt builder cuts them to the LM's channels and pads them
+        (`lm.prompts`)."""
+        cache = self._memory_codes if isinstance(prompt, PromptAudio) else self._prompt_codes
+        if prompt not in cache:
+            if isinstance(prompt, PromptAudio):
+                audio, rate = torch.tensor(prompt.samples), prompt.sample_rate  # [S] or [C, S]
+            else:
+                audio, rate = read_audio(prompt)
             with thread_budget(self.threads), \
                     oom_advice("prompt-audio encode", str(self.codec.device)):
-                self._prompt_codes[path] = self.codec.encode_prompt(audio, rate).cpu()
-        return self._prompt_codes[path]
+                cache[prompt] = self.codec.encode_prompt(audio, rate).cpu()
+        return cache[prompt]
 
     def decode(self, codes_list: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """[8, T] codes -> [960 T] float32 audio each, decoded together."""

@@ -240,12 +240,13 @@ class MiMoTTS:
 
     # -- the library face --
     def synthesize(self, text: str, *, task: str | None = None, instruct: str | None = None,
-                   prompt_audio: str | None = None, seed: int | None = None,
+                   prompt_audio=None, seed: int | None = None,
                    options: SynthesisOptions | None = None, **overrides) -> Audio:
         """Speech for `text` (split on sentence ends past `max_chars`, pieces joined).
 
         `options` (default `self.options`) holds every sampling and task option; the keywords,
         and any other `SynthesisOptions` field given by name, override it for this call.
+        `prompt_audio` is a file path or `(samples, sample_rate)` in memory.
         """
         o = self._options("synthesize", options, task=task, instruct=instruct,
                           prompt_audio=prompt_audio, seed=seed, **overrides)
@@ -341,8 +342,9 @@ class MiMoTTS:
         return replace(options, **changes)
 
     def _audio(self, audio: torch.Tensor, o: SynthesisOptions, pieces: list[Piece]) -> Audio:
+        prompt_audio = getattr(o.prompt_audio, "describe", lambda: o.prompt_audio)()
         record = {"runner": runner_record(), **self.describe(o),
-                  "task": o.task, "instruct": o.instruct, "prompt_audio": o.prompt_audio,
+                  "task": o.task, "instruct": o.instruct, "prompt_audio": prompt_audio,
                   "seed": o.seed, "pieces": [p.record() for p in pieces]}
         return Audio(to_numpy(audio), self.stage1.sample_rate, record)
 

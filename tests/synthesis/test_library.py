@@ -237,3 +237,43 @@ def test_the_task_follows_the_inputs_and_a_missing_one_names_the_flag(tts):
     with pytest.raises(mimo_tts.InputError, match="needs a style instruction: give --instruct"):
         tts.synthesize("Hi.", task="tts_sft_with_instruct")
 
+
+def _voice(rate: int = 16000) -> np.ndarray:
+    return (0.3 * np.sin(np.arange(rate // 2) * 2 * np.pi * 220 / rate)).astype(np.float32)
+
+
+def test_prompt_audio_in_memory_clones_as_its_file_does(tts, tmp_path):
+    """`prompt_audio=(samples, rate)` (numpy or torch, [S] or [C, S]) is the file's voice;
+    without a task it selects the clone task, as --prompt-audio does on the CLI."""
+    import soundfile as sf
+    import torch
+
+    wave = _voice()
+    sf.write(tmp_path / "voice.wav", wave, 16000, subtype="FLOAT")
+    kwargs = {"seed": 1, "max_new_groups": 6}
+    from_file = tts.synthesize("Clone me.", prompt_audio=str(tmp_path / "voice.wav"), **kwargs)
+    in_memory = tts.synthesize("Clone me.", prompt_audio=(wave, 16000), **kwargs)
+    stereo = tts.synthesize("Clone me.", prompt_audio=(torch.tensor(np.stack([wave, wave])),
+                                                       16000), **kwargs)
+    assert in_memory.provenance["task"] == "tts_sft_with_audio"
+    assert in_memory.provenance["prompt_audio"] == {"samples": [8000], "sample_rate": 16000}
+    assert in_memory.samples.tobytes() == from_file.samples.tobytes()
+    assert stereo.samples.tobytes() == from_file.samples.tobytes()
+
+
+def test_unusable_prompt_audio_in_memory_is_refused_before_any_work(tts):
+    import mimo_tts
+
+    wave = _voice()
+    cases = [((wave, 16000.0), TypeError, "sample rate must be an integer"),
+             (([0.1] * 800, 16000), TypeError, "numpy array or a torch tensor"),
+             ((wave.astype(np.int16), 16000), mimo_tts.InputError, "floating point"),
+             ((wave[:0], 16000), mimo_tts.InputError, "at least one sample"),
+             ((np.stack([wave, wave]).T, 16000), mimo_tts.InputError, "channels first"),
+             ((np.full(800, np.nan, np.float32), 16000), mimo_tts.InputError, "NaN"),
+             ((wave, 100), mimo_tts.InputError, "sample rate must be in")]
+    for prompt, error, match in cases:
+        with pytest.raises(error, match=match):
+            tts.synthesize("Clone me.", prompt_audio=prompt)
+    with pytest.raises(mimo_tts.InputError, match="40 ms"):  # the codec's own minimum
+        tts.synthesize("Clone me.", prompt_audio=(wave[:100], 16000))
