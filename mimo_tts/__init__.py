@@ -20,6 +20,7 @@ from mimo_tts.errors import (
     MimoTTSError,
     NoAudioError,
     NotEnoughMemoryError,
+    OptionTypeError,
     OutputError,
     UsageError,
 )
@@ -27,7 +28,7 @@ from mimo_tts.errors import (
 __version__ = "0.1.0"
 __all__ = ["Audio", "AudioChunk", "MiMoTTS", "SynthesisOptions", "load", "AudioCheckError",
            "CheckpointError", "DeviceError", "InputError", "MimoTTSError", "NoAudioError",
-           "NotEnoughMemoryError", "OutputError", "UsageError"]
+           "NotEnoughMemoryError", "OptionTypeError", "OutputError", "UsageError"]
 
 _LIBRARY = "mimo_tts.synthesis.synthesizer"
 _FACE = {"load": _LIBRARY, "MiMoTTS": _LIBRARY, "Audio": _LIBRARY, "AudioChunk": _LIBRARY,

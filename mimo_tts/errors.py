@@ -29,6 +29,11 @@ class UsageError(MimoTTSError):
     exit_code = EXIT_USAGE
 
 
+class OptionTypeError(UsageError, TypeError):
+    """An option or parameter of the wrong type (a str seed, a bool batch size): a UsageError
+    (exit 2) as every bad option is, and a TypeError as Python's convention has it."""
+
+
 class CheckpointError(MimoTTSError):
     """A model or tokenizer checkpoint is missing, incomplete or inconsistent."""
 

@@ -4,14 +4,25 @@ reading prompt audio."""
 from __future__ import annotations
 
 import io as _io
+import numbers
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
-from mimo_tts.errors import AudioCheckError, InputError, NoAudioError, UsageError
+from mimo_tts.errors import (
+    AudioCheckError,
+    InputError,
+    NoAudioError,
+    OptionTypeError,
+    UsageError,
+    short_repr,
+)
 
 SAMPLE_RATE = 24000
 
 
 PAUSE_FRAMES = 8  # silence between split text pieces: 8 frames = 0.32 s, whole frames
+MAX_PAUSE_FRAMES = 250  # 10 s: the most a codes file's pause_frames (or decode's) may ask
 
 
 SILENCE_PEAK = 1e-4  # peak |sample| below this is "all silent"
@@ -177,3 +188,75 @@ def read_audio(path: str | Path, where: str = "prompt audio"):
     if not torch.isfinite(audio).all():
         raise InputError(f"{where} {path} contains NaN or infinite samples")
     return audio, int(rate)
+
+
+PROMPT_RATES = (1000, 768000)  # sample rates a voice prompt in memory may have, in Hz
+
+
+@dataclass(frozen=True, eq=False)
+class PromptAudio:
+    """A voice prompt in memory: float32 samples [S] or [C, S] (channels first, read-only) at
+    `sample_rate`, mixed down and resampled to 24 kHz as a file's are. Compared by identity,
+    so Stage-1 encodes one object once."""
+
+    samples: object  # numpy float32 [S] or [C, S]
+    sample_rate: int
+
+    def __repr__(self) -> str:
+        return f"PromptAudio({list(self.samples.shape)} at {self.sample_rate} Hz)"
+
+    def describe(self) -> dict:
+        """What provenance records of it (not the samples)."""
+        return {"samples": list(self.samples.shape), "sample_rate": self.sample_rate}
+
+
+def prompt_audio_of(value, where: str = "prompt_audio"):
+    """A voice prompt as the options hold it: a path (str or os.PathLike) as str, or
+    `(samples, sample_rate)` as a checked `PromptAudio`. A wrong Python type is an
+    OptionTypeError; samples that cannot be a voice (not floats, empty, NaN, [S, C], a rate
+    past PROMPT_RATES) an InputError, as an unusable file is."""
+    if value is None or isinstance(value, str | PromptAudio):
+        return value
+    if isinstance(value, os.PathLike) and isinstance(os.fspath(value), str):
+        return os.fspath(value)
+    if not (isinstance(value, tuple) and len(value) == 2):
+        raise OptionTypeError(f"{where} must be a file path or a (samples, sample_rate) tuple, "
+                              f"not {type(value).__name__} {short_repr(value)}")
+    samples, rate = value
+    if isinstance(rate, bool) or not isinstance(rate, numbers.Integral):
+        raise OptionTypeError(f"{where} sample rate must be an integer, not "
+                              f"{type(rate).__name__} {short_repr(rate)}")
+    samples = _float_samples(samples, where)
+    low, high = PROMPT_RATES
+    if not low <= rate <= high:
+        raise InputError(f"{where} sample rate must be in [{low}, {high}] Hz, got {rate}")
+    if samples.ndim not in (1, 2) or samples.shape[-1] == 0:
+        raise InputError(f"{where} samples must be [samples] or [channels, samples] with at "
+                         f"least one sample, got shape {list(samples.shape)}")
+    if samples.ndim == 2 and samples.shape[0] > samples.shape[1]:
+        raise InputError(f"{where} samples of shape {list(samples.shape)} look like "
+                         "[samples, channels]; pass channels first (samples.T)")
+    import numpy as np
+
+    if not np.isfinite(samples).all():
+        raise InputError(f"{where} samples contain NaN or infinite values")
+    samples.setflags(write=False)  # the codes Stage-1 caches stay those of these samples
+    return PromptAudio(samples, int(rate))
+
+
+def _float_samples(samples, where: str):
+    """A float32 numpy copy of floating-point samples (a numpy array or a torch tensor)."""
+    import numpy as np
+
+    if hasattr(samples, "detach") and hasattr(samples, "is_floating_point"):  # torch
+        if not samples.is_floating_point():
+            raise InputError(f"{where} samples must be floating point in [-1, 1], not "
+                             f"{samples.dtype}")
+        samples = samples.detach().float().cpu().numpy()
+    if not isinstance(samples, np.ndarray):
+        raise OptionTypeError(f"{where} samples must be a numpy array or a torch tensor, not "
+                              f"{type(samples).__name__}")
+    if not np.issubdtype(samples.dtype, np.floating):
+        raise InputError(f"{where} samples must be floating point in [-1, 1], not "
+                         f"{samples.dtype}")
+    return np.array(samples, dtype=np.float32)

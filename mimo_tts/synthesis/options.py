@@ -13,14 +13,23 @@ torch here.
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
+from functools import cache
 from pathlib import Path
 from typing import get_args, get_type_hints
 
 from mimo_tts.codec.config import STREAM_MODES
-from mimo_tts.errors import CheckpointError, MimoTTSError, UsageError, short_repr
+from mimo_tts.errors import (
+    CheckpointError,
+    InputError,
+    MimoTTSError,
+    OptionTypeError,
+    UsageError,
+    short_repr,
+)
 from mimo_tts.lm.config import LM_QUANTS, MAX_GROUPS, SamplerConfig
 from mimo_tts.lm.engine import DEFAULT_ENGINE
 from mimo_tts.lm.engine import ENGINES as ENGINE_SPECS
@@ -29,7 +38,14 @@ from mimo_tts.lm.vllm import VLLM_BOUNDS, setting_problem
 from mimo_tts.presets import TINY, checkpoint_dtype
 from mimo_tts.runtime.checkpoints import DEFAULT_MODEL, DEFAULT_TOKENIZER, TOKENIZER_PATH_ENV
 from mimo_tts.runtime.devices import Placement, resolve_placement
-from mimo_tts.synthesis.audio import FORMATS, SAMPLE_RATE, check_format_rate, output_format
+from mimo_tts.synthesis.audio import (
+    FORMATS,
+    SAMPLE_RATE,
+    PromptAudio,
+    check_format_rate,
+    output_format,
+    prompt_audio_of,
+)
 
 MAX_SEED = 2**64 - 1  # torch generators take seeds in [0, 2**64)
 MAX_TEMPERATURE = 100.0  # finite: inf/NaN would turn the softmax into NaN
@@ -40,18 +56,80 @@ ENGINES = tuple(ENGINE_SPECS)
 PLACEMENT_FIELDS = ("lm_device", "tokenizer_device", "dtype", "tokenizer_dtype", "cuda_graph")
 
 
+DEFAULT_TASK = "tts_sft"
+# os.PathLike values of these fields are kept as str
+PATH_FIELDS = frozenset({"output_dir", "output", "prompt_audio", "model", "tokenizer"})
+_KIND_WORDS = {bool: "true or false", int: "an integer", float: "a real number",
+               str: "a string"}
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise UsageError(message)
+
+
+@cache
+def _field_kinds(cls) -> dict[str, tuple[tuple[type, ...], bool]]:
+    """Field name -> (the types it holds when set, whether None is allowed)."""
+    hints = {name: get_args(hint) or (hint,) for name, hint in get_type_hints(cls).items()}
+    return {f.name: (tuple(t for t in hints[f.name] if t is not type(None)),
+                     type(None) in hints[f.name]) for f in fields(cls)}
+
+
+def check_types(options) -> None:
+    """Each field of an options dataclass holds its annotated type, or an OptionTypeError
+    names it: bools are not numbers and numbers not bools; integral numbers are stored as int
+    and real ones as float (numpy scalars included), path fields' `os.PathLike` as str."""
+    for name, (kinds, optional) in _field_kinds(type(options)).items():
+        value = getattr(options, name)
+        if value is None and optional:
+            continue
+        fixed = _of_kind(name, value, kinds)
+        if fixed is not value:
+            object.__setattr__(options, name, fixed)  # frozen: normalised once, when built
+
+
+def _of_kind(name: str, value, kinds: tuple[type, ...]):
+    kind = kinds[0]
+    if kind is bool and isinstance(value, bool):
+        return value
+    if kind in (int, float) and not isinstance(value, bool):
+        if isinstance(value, numbers.Integral):
+            return int(value) if kind is int else _real(value)
+        if kind is float and isinstance(value, numbers.Real):
+            return _real(value)
+    if kind is str and name in PATH_FIELDS and isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if kind not in (bool, int, float) and isinstance(value, kinds):
+        return value
+    raise OptionTypeError(f"{name} must be {_KIND_WORDS.get(kind, kind.__name__)}, not "
+                          f"{type(value).__name__} {short_repr(value)}")
+
+
+def _real(value) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an int past float's range: out of every option's range too
+        return float("inf") if value > 0 else float("-inf")
+
+
+def task_for(instruct, prompt_audio) -> str:
+    """The task a run takes when none is named: a voice prompt clones (tts_sft_with_audio,
+    with or without an instruction), an instruction alone styles (tts_sft_with_instruct)."""
+    if prompt_audio is not None:
+        return "tts_sft_with_audio"
+    return "tts_sft_with_instruct" if instruct is not None else DEFAULT_TASK
 
 
 @dataclass(frozen=True)
 class SynthesisOptions:
     """What to say and how to sample it: the library's options (`MiMoTTS.synthesize`)."""
 
-    task: str = "tts_sft"
+    task: str = DEFAULT_TASK  # resolve: the inputs' task (`task_for`) when not given
     instruct: str | None = None
-    prompt_audio: str | None = None
+    # A file path, or in the library samples in memory: `(samples, sample_rate)` (numpy or
+    # torch, [S] or [C, S], floats) is stored as a read-only `PromptAudio`.
+    prompt_audio: str | PromptAudio | None = None
     template: int | None = None
     seed: int = 0
     temperature: float | None = None  # None: the task's default (spec §4.6)
@@ -72,6 +150,8 @@ class SynthesisOptions:
     stream_mode: str = "incremental"
 
     def __post_init__(self):
+        object.__setattr__(self, "prompt_audio", prompt_audio_of(self.prompt_audio))
+        check_types(self)
         _check(self.max_chars >= 0, "--max-chars must be >= 0 (0 disables splitting)")
         _check(0 <= self.seed <= MAX_SEED, "--seed must be in [0, 2**64 - 1]")
         _check(self.max_new_groups is None or self.max_new_groups >= 1,
@@ -100,6 +180,17 @@ class SynthesisOptions:
                f"--prompt-audio: task {spec.name} takes no voice prompt; use tts_sft_with_audio")
         _check(not (self.instruct and spec.instruct == "none"),
                f"--instruct: task {spec.name} takes no instruction; use tts_sft_with_instruct")
+
+    def check_item(self, instruct=None, prompt_audio=None, where: str | None = None) -> None:
+        """An item's inputs (its own, else these options') against the task, before anything
+        is read or generated: a missing one is an InputError naming the flag that gives it."""
+        spec, at = TASKS[self.task], f"{where}: " if where else ""
+        if spec.prompt_audio == "required" and not (prompt_audio or self.prompt_audio):
+            raise InputError(f"{at}task {spec.name} needs a voice prompt: give --prompt-audio "
+                             "FILE (or prompt_audio in a JSONL item)")
+        if spec.instruct == "required" and not (instruct or self.instruct):
+            raise InputError(f"{at}task {spec.name} needs a style instruction: give --instruct "
+                             "TEXT (or instruct in a JSONL item)")
 
     def sampler_settings(self) -> dict:
         """The sampler values as given (None: the task's default)."""
@@ -150,6 +241,7 @@ class EngineOptions:
     kv_cache_mib: int | None = None  # profile only; default 64 MiB on CPU, else the utilisation
 
     def __post_init__(self):
+        check_types(self)
         for name in ("lm_threads", "tokenizer_threads"):
             value = getattr(self, name)
             _check(value is None or 1 <= value <= MAX_THREADS,
@@ -182,6 +274,7 @@ class RunOptions:
     raw: bool = False
 
     def __post_init__(self):
+        check_types(self)
         _check(self.format in FORMATS, f"--format must be one of {', '.join(FORMATS)}")
         _check(8000 <= self.sample_rate <= MAX_SAMPLE_RATE,
                f"--sample-rate must be in [8000, {MAX_SAMPLE_RATE}]")
@@ -196,6 +289,9 @@ class RunOptions:
                "--stream generates one prompt at a time; drop --batch-size")
         _check(not (self.raw and self.sample_rate != SAMPLE_RATE),
                "--raw streams 24 kHz PCM; --sample-rate cannot be used with it")
+        _check(not (self.raw and self.format != "wav"),
+               f"--raw streams PCM16 without a container; --format {self.format} cannot be "
+               "used with it")
         return self
 
     @property
@@ -275,6 +371,9 @@ class OptionValues:
     tokenizer: str | None = None
     allow_download: bool | None = None
 
+    def __post_init__(self):
+        check_types(self)
+
     @classmethod
     def of(cls, values: OptionValues | Mapping[str, object]) -> OptionValues:
         """Option values from a mapping of option names (the library's and the server's)."""
@@ -345,8 +444,12 @@ def resolve_options(given: OptionValues | Mapping[str, object],
                 if value is not None:
                     values[spec.name] = value
                 sources[spec.name] = source
+            if cls is SynthesisOptions and "task" not in values:  # no --task: the inputs say
+                values["task"] = task_for(values.get("instruct"), values.get("prompt_audio"))
             groups[name] = _build(cls, values, [k for k in values if sources[k] == "config"],
                                   profile)
+    except OptionTypeError:
+        raise
     except TypeError as exc:
         raise UsageError(f"bad option value: {exc}") from None
     run = groups["run"]

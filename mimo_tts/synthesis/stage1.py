@@ -3,16 +3,32 @@ advice and voice-prompt cache."""
 
 from __future__ import annotations
 
+import numbers
+import weakref
 from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from mimo_tts.errors import CheckpointError, NoAudioError
+from mimo_tts.errors import (
+    CheckpointError,
+    InputError,
+    NoAudioError,
+    OptionTypeError,
+    UsageError,
+)
+from mimo_tts.lm.config import AUDIO_CHANNELS
 from mimo_tts.runtime.devices import torch_dtype
 from mimo_tts.runtime.guards import oom_advice, thread_budget
-from mimo_tts.synthesis.audio import PAUSE_FRAMES, check_audio, join_pieces, read_audio
+from mimo_tts.synthesis.audio import (
+    MAX_PAUSE_FRAMES,
+    PAUSE_FRAMES,
+    PromptAudio,
+    check_audio,
+    join_pieces,
+    read_audio,
+)
 from mimo_tts.synthesis.loader import check_fits, resolve_tokenizer
 from mimo_tts.synthesis.pieces import Piece
 
@@ -26,6 +42,38 @@ def _naming(path):
         if str(path) in str(exc):
             raise
         raise CheckpointError(f"{exc} (in {path})") from None
+
+
+def codes_tensor(codes, where: str = "codes") -> torch.Tensor:
+    """Codes to decode, checked as `mimo-tts decode` checks a codes file: an integer
+    [8, T] tensor (a numpy array is taken as one) with T >= 1 -> int64 [8, T]; a dtype or
+    shape that is not codes is an InputError naming `where` (a code out of its codebook's
+    range is the codec's AudioCheckError, when decoding)."""
+    import numpy as np
+
+    if isinstance(codes, np.ndarray):
+        if not np.issubdtype(codes.dtype, np.integer):
+            raise InputError(f"{where} holds {codes.dtype} values; codes are integers")
+        codes = torch.from_numpy(codes)
+    if not isinstance(codes, torch.Tensor):
+        raise OptionTypeError(f"{where} must be a torch.Tensor (or a numpy array) of codes, "
+                              f"not {type(codes).__name__}")
+    if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
+        raise InputError(f"{where} holds {codes.dtype} values; codes are integers")
+    if codes.dim() != 2 or codes.shape[0] != AUDIO_CHANNELS or codes.shape[1] < 1:
+        raise InputError(f"{where} has shape {list(codes.shape)}; codes are "
+                         f"[{AUDIO_CHANNELS}, T] with T >= 1")
+    return codes.long()
+
+
+def check_pause(pause_frames) -> int:
+    """Frames of silence between decoded pieces: an integer in [0, MAX_PAUSE_FRAMES]."""
+    if isinstance(pause_frames, bool) or not isinstance(pause_frames, numbers.Integral):
+        raise OptionTypeError(f"pause_frames must be an integer, not "
+                              f"{type(pause_frames).__name__}")
+    if not 0 <= pause_frames <= MAX_PAUSE_FRAMES:
+        raise UsageError(f"pause_frames must be in [0, {MAX_PAUSE_FRAMES}], got {pause_frames}")
+    return int(pause_frames)
 
 
 def check_pairing(lm_cfg, codec_cfg, lm_path, tok_path) -> None:
@@ -46,6 +94,8 @@ class Stage1:
         self.samples_per_frame = codec.samples_per_frame
         self.sample_rate = codec.config.sampling_rate  # the checkpoint's (24000 for MiMo-Audio)
         self._prompt_codes: dict[str, torch.Tensor] = {}
+        # A prompt in memory: its codes live as long as the PromptAudio (one per options).
+        self._memory_codes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @classmethod
     def from_settings(cls, settings, ref=None, log=None, env=None, lengths=None) -> Stage1:
@@ -81,15 +131,20 @@ class Stage1:
             log(f"tokenizer float32 GEMM: {'on' if choice.active else 'off'}, {choice.reason}")
         return cls(codec, threads)
 
-    def prompt_codes(self, path: str) -> torch.Tensor:
-        """Voice-prompt codes [K, T] (encoded on the tokenizer device once per file); the
-        prompt builder cuts them to the LM's channels and pads them (`lm.prompts`)."""
-        if path not in self._prompt_codes:
-            audio, rate = read_audio(path)
+    def prompt_codes(self, prompt: str | PromptAudio) -> torch.Tensor:
+        """Voice-prompt codes [K, T] (encoded on the tokenizer device once per file or
+        `PromptAudio`); the prompt builder cuts them to the LM's channels and pads them
+        (`lm.prompts`)."""
+        cache = self._memory_codes if isinstance(prompt, PromptAudio) else self._prompt_codes
+        if prompt not in cache:
+            if isinstance(prompt, PromptAudio):
+                audio, rate = torch.tensor(prompt.samples), prompt.sample_rate  # [S] or [C, S]
+            else:
+                audio, rate = read_audio(prompt)
             with thread_budget(self.threads), \
                     oom_advice("prompt-audio encode", str(self.codec.device)):
-                self._prompt_codes[path] = self.codec.encode_prompt(audio, rate).cpu()
-        return self._prompt_codes[path]
+                cache[prompt] = self.codec.encode_prompt(audio, rate).cpu()
+        return cache[prompt]
 
     def decode(self, codes_list: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """[8, T] codes -> [960 T] float32 audio each, decoded together."""

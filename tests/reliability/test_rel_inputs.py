@@ -120,9 +120,11 @@ def test_voice_prompt_audio_cases(invoke, tmp_path, manifest):
 
 def test_prompt_audio_with_a_task_that_takes_none_is_a_usage_error(invoke, tmp_path):
     (tmp_path / "v.wav").write_bytes(b"never read")
-    result = invoke("synth", "--model", "tiny", "--text", "hi", "--prompt-audio",
-                    tmp_path / "v.wav")
+    # a named --task (without one, --prompt-audio / --instruct pick the task that takes them)
+    result = invoke("synth", "--model", "tiny", "--text", "hi", "--task", "tts_sft",
+                    "--prompt-audio", tmp_path / "v.wav")
     assert result.exit_code == EXIT_USAGE
     assert "task tts_sft takes no voice prompt" in result.stderr
-    instruct = invoke("synth", "--model", "tiny", "--text", "hi", "--instruct", "calm")
+    instruct = invoke("synth", "--model", "tiny", "--text", "hi", "--task", "tts_sft",
+                      "--instruct", "calm")
     assert instruct.exit_code == EXIT_USAGE and "takes no instruction" in instruct.stderr
