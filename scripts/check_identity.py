@@ -119,6 +119,13 @@ def _tiny_tokenizer(python: str, cwd: Path) -> Path:
     return Path(json.loads(sidecar.read_text())["tokenizer"]["path"])
 
 
+def _hashes(entry) -> list | None:
+    """A case's audio hashes in file-name order (names may change, the bytes may not)."""
+    if isinstance(entry, dict):
+        return [entry[name] for name in sorted(entry)]
+    return entry
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--python", default=sys.executable)
@@ -128,8 +135,12 @@ def main() -> int:
     print(json.dumps(now, indent=1, sort_keys=True))
     if args.compare:
         before = json.loads(Path(args.compare).read_text())
-        differ = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
-        print(json.dumps({"identical": not differ, "differ": differ}), file=sys.stderr)
+        differ = sorted(k for k in set(before) | set(now)
+                        if _hashes(before.get(k)) != _hashes(now.get(k)))
+        renamed = sorted(k for k in set(before) & set(now) if k not in differ
+                         and before[k] != now[k])  # same bytes under other file names
+        print(json.dumps({"identical": not differ, "differ": differ, "renamed": renamed}),
+              file=sys.stderr)
         return 1 if differ else 0
     return 0
 
