@@ -120,9 +120,9 @@ def _tiny_tokenizer(python: str, cwd: Path) -> Path:
 
 
 def _hashes(entry) -> list | None:
-    """A case's audio hashes in file-name order (names may change, the bytes may not)."""
+    """A case's audio hashes, whatever the files are named (names may change, bytes may not)."""
     if isinstance(entry, dict):
-        return [entry[name] for name in sorted(entry)]
+        return sorted(entry.values())
     return entry
 
 
