@@ -35,6 +35,7 @@ from mimo_tts.synthesis.options import Settings
 from mimo_tts.synthesis.pieces import Piece
 from mimo_tts.synthesis.preflight import engine_record, lengths_for
 from mimo_tts.synthesis.streaming import chunk_cap
+from mimo_tts.synthesis.voices import VoiceStore
 
 # Per-item timings that are work (the rest describe the streaming overlap within them).
 BUSY_TIMINGS = ("prompt_s", "generate_s", "decode_s")
@@ -256,6 +257,7 @@ def sidecar_record(settings: Settings, context: dict, result: ItemResult,
         "id": item.id, "source": item.source, "text": item.text, "task": o.task,
         "instruct": item.instruct or o.instruct,
         "prompt_audio": item.prompt_audio or o.prompt_audio,
+        **_voice_fields(o.voice, item),
         "model": described["model"], "tokenizer": described["tokenizer"],
         "placement": described["placement"], "threads": context["threads"],
         "engine": engine_record(s, described["engine"]),
@@ -269,6 +271,16 @@ def sidecar_record(settings: Settings, context: dict, result: ItemResult,
         "timings": {**{k: round(v, 4) for k, v in context["timings"].items()},
                     **{k: round(v, 4) for k, v in result.timings.items()}},
     }
+
+
+def _voice_fields(voice: str | None, item: Item) -> dict:
+    """The stored voice of an item cloned from one (its record: source, tokenizer, codes)."""
+    if not voice or item.prompt_audio:
+        return {}
+    try:
+        return {"voice": VoiceStore().record(voice)}
+    except MimoTTSError:
+        return {"voice": {"name": voice}}
 
 
 def item_key(settings: Settings, refs, item: Item, seed: int) -> str:
@@ -291,8 +303,21 @@ def item_key(settings: Settings, refs, item: Item, seed: int) -> str:
             chunk_cap(o.stream_mode, o.stream_chunk_groups, o.stream_max_chunk_groups)]
     if settings.engine.engine != DEFAULT_ENGINE:  # likewise
         inputs["engine"] = settings.engine.engine
+    if o.voice and not item.prompt_audio:  # likewise; the stored codes, by their hash
+        inputs["voice"] = _voice_stamp(o.voice)
+    if o.captions:  # a piece per sentence: other audio
+        inputs["captions"] = True
     blob = json.dumps(inputs, sort_keys=True, ensure_ascii=False, default=str)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+def _voice_stamp(name: str) -> dict:
+    try:
+        record = VoiceStore().record(name)
+    except MimoTTSError:
+        return {"name": name}
+    return {"name": name, "codes": record["codes"].get("sha256"),
+            "tokenizer": record["tokenizer"].get("id")}
 
 
 def _file_stamp(path: str | None) -> dict | None:

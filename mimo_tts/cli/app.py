@@ -18,7 +18,7 @@ from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from mimo_tts import __version__
 from mimo_tts.batch.files import _broken_pipe
-from mimo_tts.cli import decode, synth, tools
+from mimo_tts.cli import decode, synth, tools, voices
 from mimo_tts.cli.params import EXAMPLES
 from mimo_tts.cli.report import Reporter
 from mimo_tts.errors import EXIT_IO, EXIT_USAGE
@@ -121,6 +121,10 @@ app.command(cls=Command)(decode.decode)
 app.command(cls=Command)(tools.download)
 app.command(cls=Command)(tools.selftest)
 app.command(cls=Command)(tools.serve)
+voices_app = typer.Typer(name="voices", no_args_is_help=True, cls=App, help=voices.HELP)
+for _name, _command in voices.COMMANDS.items():
+    voices_app.command(_name, cls=Command)(_command)
+app.add_typer(voices_app)
 
 
 def main() -> None:

@@ -69,6 +69,12 @@ def synth(
                                                  help="Style instruction.")] = None,
     prompt_audio: Annotated[str | None, typer.Option(rich_help_panel=IN, metavar="FILE",
                                                      help="Voice prompt audio file.")] = None,
+    voice: Annotated[str | None, typer.Option(rich_help_panel=IN, metavar="NAME",
+        help="A stored voice (mimo-tts voices add): clones it as --prompt-audio its file "
+             "would.")] = None,
+    captions: Annotated[str | None, typer.Option(rich_help_panel=OUT, metavar="FORMATS",
+        help="Write captions beside each output: srt, vtt or srt,vtt. Each sentence is then "
+             "synthesised as its own piece, so the audio differs from a run without.")] = None,
     template: Annotated[int | None, typer.Option(rich_help_panel=IN, metavar="N",
         help="Fix the instruction template index (default: drawn from the seed).")] = None,
     max_chars: Annotated[int | None, typer.Option(rich_help_panel=IN, metavar="N",
@@ -147,6 +153,7 @@ def synth(
 
     options = OptionValues(
         task=task, instruct=instruct, prompt_audio=prompt_audio, template=template,
+        voice=voice, caption_formats=captions,
         max_chars=max_chars, model=model, tokenizer=tokenizer, allow_download=allow_download,
         lm_device=lm_device, tokenizer_device=tokenizer_device, dtype=dtype,
         tokenizer_dtype=tokenizer_dtype, cuda_graph=cuda_graph, no_memory_check=no_memory_check,
@@ -172,6 +179,10 @@ def synth(
         from mimo_tts.batch.runner import BatchRunner
 
         plan = plan_synth(request, sys.stdin, reporter.log)
+        if plan.settings.synthesis.voice:  # an unknown or corrupt voice: before loading
+            from mimo_tts.synthesis.voices import VoiceStore
+
+            VoiceStore().load(plan.settings.synthesis.voice)
         runner = BatchRunner(plan.settings, log=reporter.log)
         start = time.perf_counter()
         with runner, reporter.bar(len(plan.items)) as advance:  # closes the engine (vLLM)

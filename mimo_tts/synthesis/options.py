@@ -46,12 +46,14 @@ from mimo_tts.synthesis.audio import (
     output_format,
     prompt_audio_of,
 )
+from mimo_tts.synthesis.voices import check_name
 
 MAX_SEED = 2**64 - 1  # torch generators take seeds in [0, 2**64)
 MAX_TEMPERATURE = 100.0  # finite: inf/NaN would turn the softmax into NaN
 MAX_THREADS = 256  # torch/OpenMP crash or abort on absurd thread counts
 MAX_SAMPLE_RATE = 192000  # the highest rate libsndfile's FLAC writer takes
 ENGINES = tuple(ENGINE_SPECS)
+CAPTION_FORMATS = ("srt", "vtt")
 # Options resolved with their env variables by devices.py, in resolve_placement's order.
 PLACEMENT_FIELDS = ("lm_device", "tokenizer_device", "dtype", "tokenizer_dtype", "cuda_graph")
 
@@ -113,10 +115,11 @@ def _real(value) -> float:
         return float("inf") if value > 0 else float("-inf")
 
 
-def task_for(instruct, prompt_audio) -> str:
-    """The task a run takes when none is named: a voice prompt clones (tts_sft_with_audio,
-    with or without an instruction), an instruction alone styles (tts_sft_with_instruct)."""
-    if prompt_audio is not None:
+def task_for(instruct, prompt_audio, voice=None) -> str:
+    """The task a run takes when none is named: a voice prompt or a stored voice clones
+    (tts_sft_with_audio, with or without an instruction), an instruction alone styles
+    (tts_sft_with_instruct)."""
+    if prompt_audio is not None or voice is not None:
         return "tts_sft_with_audio"
     return "tts_sft_with_instruct" if instruct is not None else DEFAULT_TASK
 
@@ -148,10 +151,20 @@ class SynthesisOptions:
     # the one-shot decode (codec/incremental.py); "official" re-decodes overlapping windows
     # (the official `streaming_decode`, spec §7.2).
     stream_mode: str = "incremental"
+    # A voice of the registry (`synthesis/voices.py`): its stored prompt codes, as the same
+    # file given as prompt_audio would be encoded.
+    voice: str | None = None
+    # One piece per sentence (long ones cut at clause punctuation), so that each gets a cue
+    # with exact times (`synthesis/captions.py`); the audio differs from a run without.
+    captions: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_audio", prompt_audio_of(self.prompt_audio))
         check_types(self)
+        if self.voice is not None:
+            check_name(self.voice)
+            _check(self.prompt_audio is None,
+                   "--voice and --prompt-audio both give the voice prompt; give one")
         _check(self.max_chars >= 0, "--max-chars must be >= 0 (0 disables splitting)")
         _check(0 <= self.seed <= MAX_SEED, "--seed must be in [0, 2**64 - 1]")
         _check(self.max_new_groups is None or self.max_new_groups >= 1,
@@ -178,6 +191,8 @@ class SynthesisOptions:
         _check(spec is not None, f"unknown --task {self.task!r}; choose one of {', '.join(TASKS)}")
         _check(not (self.prompt_audio and spec.prompt_audio == "none"),
                f"--prompt-audio: task {spec.name} takes no voice prompt; use tts_sft_with_audio")
+        _check(not (self.voice and spec.prompt_audio == "none"),
+               f"--voice: task {spec.name} takes no voice prompt; use tts_sft_with_audio")
         _check(not (self.instruct and spec.instruct == "none"),
                f"--instruct: task {spec.name} takes no instruction; use tts_sft_with_instruct")
 
@@ -185,7 +200,8 @@ class SynthesisOptions:
         """An item's inputs (its own, else these options') against the task, before anything
         is read or generated: a missing one is an InputError naming the flag that gives it."""
         spec, at = TASKS[self.task], f"{where}: " if where else ""
-        if spec.prompt_audio == "required" and not (prompt_audio or self.prompt_audio):
+        if spec.prompt_audio == "required" and not (prompt_audio or self.prompt_audio
+                                                     or self.voice):
             raise InputError(f"{at}task {spec.name} needs a voice prompt: give --prompt-audio "
                              "FILE (or prompt_audio in a JSONL item)")
         if spec.instruct == "required" and not (instruct or self.instruct):
@@ -272,9 +288,18 @@ class RunOptions:
     overwrite: bool = False
     stream: bool = False
     raw: bool = False
+    # Caption files beside each output ("srt", "vtt" or "srt,vtt"); sets `captions`.
+    caption_formats: str | None = None
 
     def __post_init__(self):
         check_types(self)
+        if self.caption_formats is not None:
+            names = [n.strip().lower() for n in self.caption_formats.split(",")]
+            _check(bool(names) and all(n in CAPTION_FORMATS for n in names)
+                   and len(set(names)) == len(names),
+                   f"--captions takes {', '.join(CAPTION_FORMATS)} or both, comma-separated; "
+                   f"got {self.caption_formats!r}")
+            object.__setattr__(self, "caption_formats", ",".join(names))
         _check(self.format in FORMATS, f"--format must be one of {', '.join(FORMATS)}")
         _check(8000 <= self.sample_rate <= MAX_SAMPLE_RATE,
                f"--sample-rate must be in [8000, {MAX_SAMPLE_RATE}]")
@@ -340,6 +365,8 @@ class OptionValues:
     stream_chunk_groups: int | None = None
     stream_max_chunk_groups: int | None = None
     stream_mode: str | None = None
+    voice: str | None = None
+    captions: bool | None = None
     # EngineOptions
     engine: str | None = None
     lm_threads: int | None = None
@@ -361,6 +388,7 @@ class OptionValues:
     overwrite: bool | None = None
     stream: bool | None = None
     raw: bool | None = None
+    caption_formats: str | None = None
     # the placement (PLACEMENT_FIELDS) and the checkpoints
     lm_device: str | None = None
     tokenizer_device: str | None = None
@@ -445,7 +473,11 @@ def resolve_options(given: OptionValues | Mapping[str, object],
                     values[spec.name] = value
                 sources[spec.name] = source
             if cls is SynthesisOptions and "task" not in values:  # no --task: the inputs say
-                values["task"] = task_for(values.get("instruct"), values.get("prompt_audio"))
+                values["task"] = task_for(values.get("instruct"), values.get("prompt_audio"),
+                                          values.get("voice"))
+            if cls is SynthesisOptions and groups["run"].caption_formats and not values.get(
+                    "captions"):  # caption files need a cue per sentence
+                values["captions"] = True
             groups[name] = _build(cls, values, [k for k in values if sources[k] == "config"],
                                   profile)
     except OptionTypeError:

@@ -31,6 +31,7 @@ from mimo_tts.runtime import runner_record
 from mimo_tts.runtime.checkpoints import DEFAULT_MODEL
 from mimo_tts.runtime.guards import oom_advice, thread_budget
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, to_numpy
+from mimo_tts.synthesis.captions import caption_pieces, cues, piece_samples
 from mimo_tts.synthesis.loader import check_fits, resolve_checkpoints, thread_budgets
 from mimo_tts.synthesis.options import (
     DEFAULT_TASK,
@@ -46,6 +47,7 @@ from mimo_tts.synthesis.preflight import Lengths, weights_bytes
 from mimo_tts.synthesis.stage1 import Stage1, _naming, check_pairing, check_pause, codes_tensor
 from mimo_tts.synthesis.streaming import stream_chunks, stream_piece
 from mimo_tts.synthesis.text import clean_text, split_text
+from mimo_tts.synthesis.voices import VoiceStore, add_voice, file_sha256, tokenizer_record
 
 SYNTHESIS_FIELDS = frozenset(f.name for f in fields(SynthesisOptions))
 
@@ -57,6 +59,7 @@ class Audio:
     samples: np.ndarray  # [S] float32 in [-1, 1]
     sample_rate: int  # 24000
     provenance: dict  # checkpoints, placement, task, seed, samplers, pieces
+    cues: tuple = ()  # captions.Cue per piece when `captions=True`: exact sample spans
 
     @property
     def seconds(self) -> float:
@@ -110,6 +113,8 @@ class MiMoTTS:
         self.options = SynthesisOptions()  # defaults of `synthesize` and `stream`
         self.timings: dict[str, float] = {}
         self.threads: dict = {}
+        self.log = lambda message: None  # from_settings: the loader's log
+        self.voices = VoiceStore()  # the registry (MIMO_TTS_VOICES_DIR, else the XDG data home)
 
     @classmethod
     def from_settings(cls, settings: Settings, lengths: Lengths | None = None, log=None,
@@ -123,6 +128,7 @@ class MiMoTTS:
         threads, start = thread_budgets(settings), time.perf_counter()
         tts = cls.load(*refs, settings.placement, settings.engine, log, threads)
         tts.threads, tts.timings["load_s"] = threads, time.perf_counter() - start
+        tts.log = log
         p = settings.placement
         log(f"loaded models in {tts.timings['load_s']:.2f} s (LM on {p.lm_device.value}, "
             f"tokenizer on {p.tokenizer_device.value}; threads {threads}; "
@@ -175,16 +181,53 @@ class MiMoTTS:
     # -- building blocks (the batch runner uses these too) --
     def prompts(self, text: str, o: SynthesisOptions, seed: int, instruct=None,
                 prompt_audio=None) -> list:
-        """The task prompts of one text, split into pieces of at most `o.max_chars`."""
+        """The task prompts of one text, split into pieces (`text_pieces`). The voice prompt
+        is the item's `prompt_audio`, else the options' prompt_audio or stored voice."""
         instruct, prompt_audio = instruct or o.instruct, prompt_audio or o.prompt_audio
         if prompt_audio and TASKS[o.task].prompt_audio == "none":  # refuse before reading it
             raise InputError(f"task {o.task} takes no prompt audio; use tts_sft_with_audio")
         o.check_item(instruct, prompt_audio)
-        codes = self.stage1.prompt_codes(prompt_audio) if prompt_audio else None
+        if prompt_audio:
+            codes = self.stage1.prompt_codes(prompt_audio)
+        else:
+            codes = self.voice_codes(o.voice) if o.voice else None
         return [build_prompt(o.task, piece, self.text, self.empty_ids, instruct=instruct,
                              prompt_codes=codes, template=o.template, seed=seed,
                              group_size=self.group_size)
-                for piece in split_text(text, o.max_chars)]
+                for piece in text_pieces(text, o)]
+
+    def voice_codes(self, name: str) -> torch.Tensor:
+        """A stored voice's prompt codes [K, T]. Codes another audio tokenizer encoded are
+        re-encoded from the voice's source file when it is still there unchanged (said in
+        the log); otherwise refused (InputError)."""
+        voice = self.voices.load(name)
+        mine = tokenizer_record(self.tok_ref)
+        if voice.record["tokenizer"].get("id") == mine["id"]:
+            return voice.codes
+        source = voice.record.get("source") or {}
+        path = source.get("path")
+        theirs = voice.record["tokenizer"].get("path") or voice.record["tokenizer"].get("id")
+        if path and _same_file(path, source.get("sha256")):
+            self.log(f"voice {name!r} was encoded by another audio tokenizer ({theirs}); "
+                     f"re-encoded from its source {path}")
+            return self.stage1.prompt_codes(path)
+        raise InputError(f"voice {name!r} was encoded by another audio tokenizer ({theirs}, "
+                         f"not {mine['path']}) and its source file is gone or changed; add it "
+                         "again with this tokenizer")
+
+    def add_voice(self, name: str, path, transcript: str | None = None,
+                  overwrite: bool = False) -> dict:
+        """Encode the recording at `path` once (as `prompt_audio=path` would be) and keep its
+        codes in the registry (`self.voices`) as `name`; returns the voice's record."""
+        return add_voice(self.voices, self.stage1, self.tok_ref, name, path, transcript,
+                         overwrite)
+
+    def list_voices(self) -> list[dict]:
+        """The registry's voices (their records)."""
+        return self.voices.list()
+
+    def remove_voice(self, name: str) -> None:
+        self.voices.remove(name)
 
     def generate(self, prompts: list, options, seed: int, batch_size: int = 1) -> list[Piece]:
         """Stage-0 for prompts, `batch_size` at a time (a static engine: all at once), then
@@ -298,8 +341,17 @@ class MiMoTTS:
         results = []
         for n, ps in enumerate(prompts):
             pieces, made = made[:len(ps)], made[len(ps):]
-            results.append(self._audio(self.finish(pieces, f"text {n + 1}"), o, pieces))
+            audio = self._audio(self.finish(pieces, f"text {n + 1}"), o, pieces)
+            if o.captions:
+                audio = replace(audio, cues=tuple(self.cues(texts[n], o, pieces)))
+            results.append(audio)
         return results
+
+    def cues(self, text: str, o: SynthesisOptions, pieces: list[Piece]) -> list:
+        """The captions of a text synthesised with `captions=True`: one cue per piece."""
+        spf = self.stage1.samples_per_frame
+        return cues(text_pieces(text, o), [piece_samples(p, spf) for p in pieces],
+                    self.stage1.sample_rate, spf)
 
     def _run_jobs(self, prompts: list, o: SynthesisOptions, rows: int) -> list[Piece]:
         """Each prompt a job of one continuous batch (`run_batch`), sampling from its own
@@ -338,15 +390,30 @@ class MiMoTTS:
         changes = {k: v for k, v in given.items() if v is not None}
         if "task" not in changes and options.task == DEFAULT_TASK:
             changes["task"] = task_for(changes.get("instruct", options.instruct),
-                                       changes.get("prompt_audio", options.prompt_audio))
+                                       changes.get("prompt_audio", options.prompt_audio),
+                                       changes.get("voice", options.voice))
         return replace(options, **changes)
 
     def _audio(self, audio: torch.Tensor, o: SynthesisOptions, pieces: list[Piece]) -> Audio:
         prompt_audio = getattr(o.prompt_audio, "describe", lambda: o.prompt_audio)()
         record = {"runner": runner_record(), **self.describe(o),
                   "task": o.task, "instruct": o.instruct, "prompt_audio": prompt_audio,
+                  "voice": o.voice,
                   "seed": o.seed, "pieces": [p.record() for p in pieces]}
         return Audio(to_numpy(audio), self.stage1.sample_rate, record)
+
+
+def text_pieces(text: str, o: SynthesisOptions) -> list[str]:
+    """A text's pieces: one per sentence with captions (`captions.caption_pieces`), else
+    split on sentence ends past `o.max_chars`."""
+    return caption_pieces(text, o.max_chars) if o.captions else split_text(text, o.max_chars)
+
+
+def _same_file(path: str, sha256: str | None) -> bool:
+    try:
+        return sha256 is not None and file_sha256(path) == sha256
+    except OSError:
+        return False
 
 
 def _text(text, where: str) -> str:

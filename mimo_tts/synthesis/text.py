@@ -74,6 +74,11 @@ def _sentence_ends(text: str) -> list[int]:
     return sorted(set(ends))
 
 
+def sentences(text: str) -> list[str]:
+    """The sentences of `text` (as `split_text` finds their ends), each a slice of it."""
+    return [text[a:b] for a, b in _sentences(text)]
+
+
 def _sentences(text: str) -> list[tuple[int, int]]:
     """(start, end) of each sentence, whitespace around it excluded."""
     out, start = [], 0

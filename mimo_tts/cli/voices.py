@@ -1,0 +1,111 @@
+"""`mimo-tts voices`: the voice registry (`synthesis/voices.py`) on the command line.
+
+`add` encodes a recording once with the audio tokenizer (Stage-1 alone) and keeps its codes by
+name; `synth --voice NAME` then clones it without reading the recording again. `list`, `show`
+and `rm` touch no model and never import torch.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from mimo_tts.cli.params import AsJson, Debug, Model, TokDevice, TokDtype, Tokenizer, Verbose
+from mimo_tts.cli.report import Reporter, run_command
+from mimo_tts.errors import EXIT_OK
+
+HELP = "Voices kept by name: add, list, show, rm."
+Name = Annotated[str, typer.Argument(metavar="NAME", help="The voice's name.", show_default=False)]
+
+
+def _store():
+    from mimo_tts.synthesis.voices import VoiceStore
+
+    return VoiceStore()
+
+
+def add(
+    name: Name,
+    file: Annotated[str, typer.Argument(metavar="FILE", help="The voice recording (any rate).",
+                                        show_default=False)],
+    transcript: Annotated[str | None, typer.Option(metavar="TEXT",
+        help="What the recording says (kept in the record).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite",
+        help="Replace a voice of the same name.")] = False,
+    model: Model = None, tokenizer: Tokenizer = None, tokenizer_device: TokDevice = None,
+    tokenizer_dtype: TokDtype = None, as_json: AsJson = False, verbose: Verbose = False,
+    debug: Debug = False,
+) -> None:
+    """Encode FILE once and keep its voice-prompt codes as NAME."""
+    reporter = Reporter(verbose=verbose, as_json=as_json, debug=debug)
+
+    def body() -> int:
+        from mimo_tts.synthesis.loader import resolve_tokenizer
+        from mimo_tts.synthesis.options import OptionValues, resolve
+        from mimo_tts.synthesis.stage1 import Stage1
+        from mimo_tts.synthesis.voices import add_voice, check_name, source_record
+
+        check_name(name)
+        source_record(file)  # an unreadable recording fails before the tokenizer loads
+        settings = resolve(OptionValues(model=model, tokenizer=tokenizer,
+                                        tokenizer_device=tokenizer_device,
+                                        tokenizer_dtype=tokenizer_dtype))
+        ref = resolve_tokenizer(settings)
+        stage1 = Stage1.from_settings(settings, ref, reporter.log)
+        store = _store()
+        record = add_voice(store, stage1, ref, name, file, transcript, overwrite)
+        reporter.data(record if as_json else str(store.paths(name)[1]))
+        reporter.info(f"voice {name!r}: {record['codes']['shape'][1]} frames from "
+                      f"{record['source']['seconds']:.2f} s of {file}")
+        return EXIT_OK
+
+    run_command(reporter, body)
+
+
+def list_(as_json: AsJson = False, debug: Debug = False) -> None:
+    """The stored voices: name, seconds, tokenizer, created-at (one JSON line each with --json)."""
+    reporter = Reporter(as_json=as_json, debug=debug)
+
+    def body() -> int:
+        records = _store().list()
+        for record in records:
+            if as_json:
+                reporter.data(record)
+            elif "error" in record:
+                reporter.data(f"{record['name']}\tcorrupt: {record['error']}")
+            else:
+                reporter.data(f"{record['name']}\t{record['source']['seconds']:.2f} s\t"
+                              f"{record['tokenizer'].get('name')}\t{record['created_at']}")
+        if not records:
+            reporter.info(f"no voices in {_store().root}")
+        return EXIT_OK
+
+    run_command(reporter, body)
+
+
+def show(name: Name, debug: Debug = False) -> None:
+    """A voice's record as JSON (its source, tokenizer, codes, transcript)."""
+    reporter = Reporter(debug=debug)
+
+    def body() -> int:
+        reporter.data(json.dumps(_store().record(name), ensure_ascii=False, indent=2))
+        return EXIT_OK
+
+    run_command(reporter, body)
+
+
+def rm(name: Name, debug: Debug = False) -> None:
+    """Remove a voice (its codes and record)."""
+    reporter = Reporter(debug=debug)
+
+    def body() -> int:
+        _store().remove(name)
+        reporter.info(f"removed voice {name!r}")
+        return EXIT_OK
+
+    run_command(reporter, body)
+
+
+COMMANDS = {"add": add, "list": list_, "show": show, "rm": rm}  # registered by `app.py`

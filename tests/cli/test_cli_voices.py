@@ -1,0 +1,96 @@
+"""`mimo-tts voices add/list/show/rm` and `synth --voice` on the tiny preset."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from mimo_tts.errors import EXIT_INPUT, EXIT_USAGE
+
+TINY = ("--model", "tiny")
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    root = tmp_path / "voices"
+    monkeypatch.setenv("MIMO_TTS_VOICES_DIR", str(root))
+    rng = np.random.default_rng(0)
+    sf.write(str(tmp_path / "voice.wav"), (0.1 * rng.standard_normal(16000)).astype("float32"),
+             16000)
+    return root
+
+
+def test_add_list_show_rm(invoke, store, tmp_path):
+    added = invoke("voices", "add", "me", "voice.wav", *TINY, "--transcript", "a test")
+    assert added.exit_code == 0, added.stderr
+    assert added.stdout.strip() == str(store / "me.json")
+    assert sorted(p.name for p in store.iterdir()) == [".voices.lock", "me.json",
+                                                       "me.safetensors"]
+    listed = invoke("voices", "list", "--json")
+    (record,) = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert record["name"] == "me" and record["transcript"] == "a test"
+    assert record["source"]["seconds"] == 1.0 and record["tokenizer"]["name"] == "tiny"
+    shown = json.loads(invoke("voices", "show", "me").stdout)
+    assert shown == record
+    again = invoke("voices", "add", "me", "voice.wav", *TINY)
+    assert again.exit_code == EXIT_USAGE and "--overwrite" in again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1
+    assert invoke("voices", "add", "me", "voice.wav", *TINY, "--overwrite").exit_code == 0
+    assert invoke("voices", "rm", "me").exit_code == 0
+    assert sorted(p.name for p in store.iterdir()) == [".voices.lock"]
+    gone = invoke("voices", "show", "me")
+    assert gone.exit_code == EXIT_INPUT and "unknown voice 'me'" in gone.stderr
+
+
+def test_synth_voice_is_byte_identical_to_prompt_audio(invoke, store, tmp_path):
+    assert invoke("voices", "add", "me", "voice.wav", *TINY).exit_code == 0
+    by_name = invoke("synth", *TINY, "-t", "Hello there.", "--voice", "me", "-o", "a.wav",
+                     "--seed", "3")
+    assert by_name.exit_code == 0, by_name.stderr
+    by_file = invoke("synth", *TINY, "-t", "Hello there.", "--task", "tts_sft_with_audio",
+                     "--prompt-audio", "voice.wav", "-o", "b.wav", "--seed", "3")
+    assert by_file.exit_code == 0, by_file.stderr
+    assert (tmp_path / "a.wav").read_bytes() == (tmp_path / "b.wav").read_bytes()
+    sidecar = json.loads((tmp_path / "a.json").read_text())
+    assert sidecar["task"] == "tts_sft_with_audio" and sidecar["voice"]["name"] == "me"
+
+
+def test_codes_of_another_tokenizer(invoke, store, tmp_path):
+    assert invoke("voices", "add", "me", "voice.wav", *TINY).exit_code == 0
+    record_path = store / "me.json"
+    record = json.loads(record_path.read_text())
+    record["tokenizer"] = {"id": "another", "path": "/elsewhere/tokenizer", "name": "other"}
+    record_path.write_text(json.dumps(record))
+    redone = invoke("synth", *TINY, "-t", "Hi.", "--voice", "me", "-o", "a.wav", "-v")
+    assert redone.exit_code == 0, redone.stderr
+    assert "re-encoded from its source" in redone.stderr
+    (tmp_path / "voice.wav").unlink()
+    refused = invoke("synth", *TINY, "-t", "Hi.", "--voice", "me", "-o", "b.wav")
+    assert refused.exit_code == EXIT_INPUT
+    assert "encoded by another audio tokenizer" in refused.stderr
+    assert not (tmp_path / "b.wav").exists()
+
+
+def test_bad_voice_inputs_are_one_line_errors(invoke, store, tmp_path):
+    unknown = invoke("synth", *TINY, "-t", "Hi.", "--voice", "nobody")
+    assert unknown.exit_code == EXIT_INPUT and "unknown voice 'nobody'" in unknown.stderr
+    assert not (tmp_path / "output_audio").exists()
+    for name in ("../x", "a/b", "", ".hidden", "x" * 65, "default"):
+        bad = invoke("voices", "add", name, "voice.wav", *TINY)
+        assert bad.exit_code == EXIT_USAGE, (name, bad.stderr)
+        assert bad.stderr.startswith("Error:") and len(bad.stderr.strip().splitlines()) == 1
+    (tmp_path / "broken.wav").write_bytes(b"RIFF\x00\x00")
+    unreadable = invoke("voices", "add", "b", "broken.wav", *TINY)
+    assert unreadable.exit_code == EXIT_INPUT and "unreadable" in unreadable.stderr
+    assert not store.exists() or not list(store.glob("b.*"))
+    assert invoke("voices", "add", "me", "voice.wav", *TINY).exit_code == 0
+    (store / "me.json").write_text("{not json")
+    corrupt = invoke("synth", *TINY, "-t", "Hi.", "--voice", "me")
+    assert corrupt.exit_code == EXIT_INPUT and "voice 'me' is corrupt" in corrupt.stderr
+    listed = invoke("voices", "list")
+    assert listed.exit_code == 0 and "corrupt" in listed.stdout
+    clash = invoke("synth", *TINY, "-t", "Hi.", "--voice", "me", "--prompt-audio", "voice.wav")
+    assert clash.exit_code == EXIT_USAGE and "give one" in clash.stderr
