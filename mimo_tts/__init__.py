@@ -6,6 +6,8 @@ and the CLI's `--help` stay torch-free:
     import mimo_tts
     tts = mimo_tts.load()               # the published 7B LM; or "tiny", a directory, an HF id
     audio = tts.synthesize("Hello.")    # Audio: .samples float32, .sample_rate
+    tts.add_voice("me", "me.wav")       # kept by name (mimo_tts.VoiceStore)
+    audio = tts.synthesize("Hi.", voice="me", captions=True)   # audio.cues: exact spans
 
 Every failure is a `MimoTTSError` subclass carrying the CLI's exit code; a run that cannot fit
 in memory raises `NotEnoughMemoryError` before anything is loaded.
@@ -26,12 +28,14 @@ from mimo_tts.errors import (
 )
 
 __version__ = "0.1.0"
-__all__ = ["Audio", "AudioChunk", "MiMoTTS", "SynthesisOptions", "load", "AudioCheckError",
-           "CheckpointError", "DeviceError", "InputError", "MimoTTSError", "NoAudioError",
+__all__ = ["Audio", "AudioChunk", "MiMoTTS", "SynthesisOptions", "VoiceStore", "load",
+           "AudioCheckError", "CheckpointError", "DeviceError", "InputError", "MimoTTSError",
+           "NoAudioError",
            "NotEnoughMemoryError", "OptionTypeError", "OutputError", "UsageError"]
 
 _LIBRARY = "mimo_tts.synthesis.synthesizer"
 _FACE = {"load": _LIBRARY, "MiMoTTS": _LIBRARY, "Audio": _LIBRARY, "AudioChunk": _LIBRARY,
-         "SynthesisOptions": "mimo_tts.synthesis.options"}
+         "SynthesisOptions": "mimo_tts.synthesis.options",
+         "VoiceStore": "mimo_tts.synthesis.voices"}
 
 __getattr__ = lazy_exports("mimo_tts", _FACE)
