@@ -201,3 +201,38 @@ def iter_jsonl(path: Path) -> Iterator[dict]:
                 continue
             if isinstance(record, dict):
                 yield record
+
+
+# --- captions -----------------------------------------------------------------------------------
+
+
+def caption_path(audio: Path, fmt: str) -> Path:
+    """`x.srt` beside `x.wav`, `x.flac.vtt` beside `x.flac` (as `companion_paths`)."""
+    base = audio.stem if audio.suffix.lower() in ("", ".wav") else audio.name
+    return audio.with_name(f"{base}.{fmt}")
+
+
+def _stamp(seconds: float, mark: str) -> str:
+    ms = round(seconds * 1000)
+    hours, ms = divmod(ms, 3_600_000)
+    minutes, ms = divmod(ms, 60_000)
+    secs, ms = divmod(ms, 1000)
+    return f"{hours:02d}:{minutes:02d}:{secs:02d}{mark}{ms:03d}"
+
+
+def caption_text(cues: list[dict], fmt: str) -> str:
+    """SubRip (`srt`) or WebVTT (`vtt`) text of cue records (`captions.Cue.record`)."""
+    mark = "," if fmt == "srt" else "."
+    blocks = [f"{c['index']}\n{_stamp(c['start'], mark)} --> {_stamp(c['end'], mark)}\n"
+              f"{c['text']}\n" for c in cues]
+    text = "\n".join(blocks)
+    return f"WEBVTT\n\n{text}" if fmt == "vtt" else text
+
+
+def write_captions(audio: Path, cues: list[dict], formats: list[str]) -> list[Path]:
+    """Each caption file beside `audio`, written atomically."""
+    paths = []
+    for fmt in formats:
+        payload = caption_text(cues, fmt).encode("utf-8")
+        paths.append(atomic_write(caption_path(audio, fmt), lambda f, p=payload: f.write(p)))
+    return paths

@@ -36,6 +36,7 @@ class ItemResult:
     text_out: list[str] = field(default_factory=list)
     template_index: int | None = None
     audio: object | None = None  # [S] float32 at the output rate, in-memory runs only
+    captions: list[str] | None = None  # the caption files written (--captions)
 
     def record(self, task: str) -> dict:
         """The manifest line / `--json` object of this item."""
@@ -49,6 +50,7 @@ class ItemResult:
             "template_index": self.template_index,
             "generated_text_ids": self.generated_text_ids, "generated_text": self.text_out,
             "timings": {k: round(v, 4) for k, v in self.timings.items()},
+            **({"captions": self.captions} if self.captions else {}),
         }
 
 

@@ -30,6 +30,7 @@ from mimo_tts.errors import MimoTTSError
 from mimo_tts.lm.engine import DEFAULT_ENGINE, engine_spec
 from mimo_tts.runtime import runner_record
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, resample
+from mimo_tts.synthesis.captions import cues, piece_samples, text_pieces
 from mimo_tts.synthesis.loader import resolve_checkpoints
 from mimo_tts.synthesis.options import Settings
 from mimo_tts.synthesis.pieces import Piece
@@ -244,7 +245,14 @@ def finish_item(stage1, settings: Settings, context: dict, result: ItemResult,
     codes = {"pieces": [p.codes for p in pieces],
              "metadata": {"pause_frames": PAUSE_FRAMES, "id": result.item.id,
                           "tokenizer": context["tokenizer"]}}
-    return samples, codes, sidecar_record(settings, context, result, pieces)
+    record = sidecar_record(settings, context, result, pieces)
+    if settings.synthesis.captions:  # cues from the pieces' samples, at 24 kHz
+        spf = stage1.samples_per_frame
+        found = cues(text_pieces(result.item.text, settings.synthesis),
+                     [piece_samples(p, spf) for p in pieces], stage1.sample_rate, spf)
+        formats = (run.caption_formats or "").split(",") if run.caption_formats else []
+        record["captions"] = {"formats": formats, "cues": [c.record() for c in found]}
+    return samples, codes, record
 
 
 def sidecar_record(settings: Settings, context: dict, result: ItemResult,

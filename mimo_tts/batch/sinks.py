@@ -283,11 +283,16 @@ class FileSink(Sink):
                 result.codes_path = mio.save_codes(codes_path, codes["pieces"],
                                                    codes["metadata"])
             result.path, result.sidecar = path, sidecar
+            captions = record.get("captions") or {}
+            caption_files = [mio.caption_path(path, f) for f in captions.get("formats", ())]
+            result.captions = [str(p) for p in caption_files] or None
             write_json(sidecar, {**record, "result": result.record(record["task"])})
+            mio.write_captions(path, captions.get("cues", []), captions.get("formats", []))
             mio.write_audio(path, samples, self.sample_rate, self.fmt)
         except BaseException:
-            remove_quietly(sidecar, result.codes_path)
-            result.path = result.sidecar = result.codes_path = None
+            remove_quietly(sidecar, result.codes_path,
+                           *(Path(p) for p in result.captions or ()))
+            result.path = result.sidecar = result.codes_path = result.captions = None
             raise
 
 

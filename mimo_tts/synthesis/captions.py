@@ -21,6 +21,12 @@ CUE_CHARS = 84  # two subtitle lines of 42 characters, the usual readable cue
 _CLAUSE_END = re.compile(r"(?:[,;:]|\s[—–-])(?=\s)|[，；：、]")
 
 
+def text_pieces(text: str, o) -> list[str]:
+    """A text's pieces under `SynthesisOptions` `o`: one per sentence with captions, else
+    split on sentence ends past `o.max_chars`."""
+    return caption_pieces(text, o.max_chars) if o.captions else split_text(text, o.max_chars)
+
+
 def caption_pieces(text: str, max_chars: int = 0) -> list[str]:
     """The pieces of a captioned text: its sentences, each cut at clause punctuation while
     longer than `CUE_CHARS` (or `max_chars` when smaller and not 0)."""

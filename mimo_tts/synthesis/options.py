@@ -314,6 +314,9 @@ class RunOptions:
                "--stream generates one prompt at a time; drop --batch-size")
         _check(not (self.raw and self.sample_rate != SAMPLE_RATE),
                "--raw streams 24 kHz PCM; --sample-rate cannot be used with it")
+        _check(not (self.caption_formats and self.to_stdout),
+               "--captions writes files beside each output; it cannot be used with stdout "
+               "(-o - or --raw)")
         _check(not (self.raw and self.format != "wav"),
                f"--raw streams PCM16 without a container; --format {self.format} cannot be "
                "used with it")

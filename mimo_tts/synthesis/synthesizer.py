@@ -31,7 +31,7 @@ from mimo_tts.runtime import runner_record
 from mimo_tts.runtime.checkpoints import DEFAULT_MODEL
 from mimo_tts.runtime.guards import oom_advice, thread_budget
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, to_numpy
-from mimo_tts.synthesis.captions import caption_pieces, cues, piece_samples
+from mimo_tts.synthesis.captions import cues, piece_samples, text_pieces
 from mimo_tts.synthesis.loader import check_fits, resolve_checkpoints, thread_budgets
 from mimo_tts.synthesis.options import (
     DEFAULT_TASK,
@@ -46,7 +46,7 @@ from mimo_tts.synthesis.pieces import Piece
 from mimo_tts.synthesis.preflight import Lengths, weights_bytes
 from mimo_tts.synthesis.stage1 import Stage1, _naming, check_pairing, check_pause, codes_tensor
 from mimo_tts.synthesis.streaming import stream_chunks, stream_piece
-from mimo_tts.synthesis.text import clean_text, split_text
+from mimo_tts.synthesis.text import clean_text
 from mimo_tts.synthesis.voices import VoiceStore, add_voice, file_sha256, tokenizer_record
 
 SYNTHESIS_FIELDS = frozenset(f.name for f in fields(SynthesisOptions))
@@ -401,12 +401,6 @@ class MiMoTTS:
                   "voice": o.voice,
                   "seed": o.seed, "pieces": [p.record() for p in pieces]}
         return Audio(to_numpy(audio), self.stage1.sample_rate, record)
-
-
-def text_pieces(text: str, o: SynthesisOptions) -> list[str]:
-    """A text's pieces: one per sentence with captions (`captions.caption_pieces`), else
-    split on sentence ends past `o.max_chars`."""
-    return caption_pieces(text, o.max_chars) if o.captions else split_text(text, o.max_chars)
 
 
 def _same_file(path: str, sha256: str | None) -> bool:

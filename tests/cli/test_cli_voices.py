@@ -94,3 +94,48 @@ def test_bad_voice_inputs_are_one_line_errors(invoke, store, tmp_path):
     assert listed.exit_code == 0 and "corrupt" in listed.stdout
     clash = invoke("synth", *TINY, "-t", "Hi.", "--voice", "me", "--prompt-audio", "voice.wav")
     assert clash.exit_code == EXIT_USAGE and "give one" in clash.stderr
+
+
+FIVE = ("The first sentence is short. A second one follows it. Then a third, with a comma. "
+        "The fourth asks why? And the fifth ends it!")
+
+
+def _times(line: str, mark: str) -> tuple[float, float]:
+    def seconds(stamp: str) -> float:
+        h, m, rest = stamp.split(":")
+        s, ms = rest.split(mark)
+        return int(h) * 3600 + int(m) * 60 + int(s) + int(ms) / 1000
+
+    start, end = line.split(" --> ")
+    return seconds(start), seconds(end)
+
+
+def test_captions_srt_and_vtt_for_five_sentences(invoke, tmp_path, manifest):
+    result = invoke("synth", *TINY, "-t", FIVE, "--captions", "srt,vtt")
+    assert result.exit_code == 0, result.stderr
+    task_dir = tmp_path / "output_audio" / "tts_sft"
+    (wav,) = task_dir.glob("*.wav")
+    srt, vtt = wav.with_suffix(".srt").read_text(), wav.with_suffix(".vtt").read_text()
+    assert vtt.startswith("WEBVTT\n\n")
+    duration = sf.info(str(wav)).frames / 24000
+    for text, mark in ((srt, ","), (vtt.removeprefix("WEBVTT\n\n"), ".")):
+        blocks = text.strip().split("\n\n")
+        assert [b.splitlines()[0] for b in blocks] == ["1", "2", "3", "4", "5"]
+        spans = [_times(b.splitlines()[1], mark) for b in blocks]
+        assert all(a < b for a, b in spans)
+        assert all(b[0] > a[1] for a, b in zip(spans, spans[1:], strict=False))
+        assert abs(spans[-1][1] - duration) <= 0.04
+    sidecar = json.loads(wav.with_suffix(".json").read_text())
+    cues = sidecar["captions"]["cues"]
+    assert len(cues) == 5 and cues[-1]["end_sample"] == sf.info(str(wav)).frames
+    (line,) = manifest(task_dir)
+    assert line["captions"] == [str(wav.with_suffix(s).relative_to(tmp_path))
+                                for s in (".srt", ".vtt")]
+
+
+def test_bad_caption_flags_are_usage_errors(invoke, tmp_path):
+    for args in (("--captions", "ass"), ("--captions", "srt,srt"),
+                 ("--captions", "srt", "-o", "-")):
+        result = invoke("synth", *TINY, "-t", "Hi.", *args)
+        assert result.exit_code == EXIT_USAGE and "--captions" in result.stderr, args
+    assert not (tmp_path / "output_audio").exists()
