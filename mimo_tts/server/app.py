@@ -14,10 +14,12 @@ import asyncio
 import base64
 import functools
 import hmac
+import json
 import os
 from typing import TYPE_CHECKING
 
 from mimo_tts.errors import MimoTTSError, UsageError
+from mimo_tts.server import voices
 from mimo_tts.server.engine import (
     ContinuousStrategy,
     RequestQueue,
@@ -28,6 +30,7 @@ from mimo_tts.server.engine import (
 )
 from mimo_tts.server.lifecycle import SHUTDOWN_GRACE_S, bind, serve, url_of
 from mimo_tts.server.protocol import (
+    CAPTIONS_HEADER,
     CLIENT_GONE,
     SERVE_KEYS,
     STREAMED,
@@ -52,6 +55,7 @@ from mimo_tts.synthesis.audio import (
     pcm16,
     wav_stream_header,
 )
+from mimo_tts.synthesis.captions import cues, text_pieces
 
 if TYPE_CHECKING:
     from mimo_tts.synthesis.options import SynthesisOptions
@@ -113,6 +117,8 @@ class SpeechServer:
             raise
         headers = {"X-MiMo-Batch-Rows": str(speech.jobs[0].rows)}
         if params.fmt not in STREAMED and not params.sse:
+            if params.captions:
+                headers[CAPTIONS_HEADER] = json.dumps(speech.cues(), separators=(",", ":"))
             await body.aclose()
             speech.release("ok")
             return Response(first, media_type=media_type(params.fmt), headers=headers)
@@ -141,6 +147,22 @@ class SpeechServer:
         given = request.headers.get("authorization", "")
         return hmac.compare_digest(given.encode(), f"Bearer {self.cfg.api_key}".encode())
 
+    def voice_routes(self, app, auth) -> None:
+        """`/v1/audio/voices`: GET lists, POST (multipart) adds, DELETE /{name} removes."""
+        from fastapi import Request
+        from fastapi.responses import JSONResponse
+
+        async def add(request: Request):
+            return JSONResponse(await voices.add_voice(self, request), 201)
+
+        async def delete(name: str):
+            return JSONResponse(voices.delete_voice(self, name))
+
+        app.get("/v1/audio/voices", dependencies=[auth])(
+            lambda: JSONResponse(voices.list_voices(self)))
+        app.post("/v1/audio/voices", dependencies=[auth])(add)
+        app.delete("/v1/audio/voices/{name}", dependencies=[auth])(delete)
+
     def app(self):
         """The FastAPI application: the three endpoints, errors as OpenAI-style JSON."""
         from fastapi import Depends, FastAPI, Request
@@ -164,6 +186,7 @@ class SpeechServer:
         app.post("/v1/audio/speech", dependencies=[Depends(auth)])(speech)
         app.get("/v1/models", dependencies=[Depends(auth)])(lambda: JSONResponse(self.models()))
         app.get("/health")(lambda: JSONResponse(self.health()))
+        self.voice_routes(app, Depends(auth))
         return _Aborts(app)
 
 
@@ -183,6 +206,7 @@ class Speech:
                      for i, (prompt, q) in enumerate(zip(prompts, self.queues, strict=True))]
         self.usage = {"input_tokens": sum(p.n_groups for p in prompts), "output_tokens": 0}
         self.released = False
+        self.lengths: list[int] = []  # each piece's samples, as they finish (captions)
         server.live.add(self)
         server.worker.submit(self.jobs)
 
@@ -194,6 +218,13 @@ class Speech:
             self.server.requests.release(self.ticket)
             self.server.counts[outcome] += 1
             self.server.live.discard(self)
+
+    def cues(self) -> list[dict]:
+        """The request's captions: a cue per piece from its samples and the pauses."""
+        stage1, o = self.server.tts.stage1, self.params.options
+        found = cues(text_pieces(self.params.text, o), self.lengths, stage1.sample_rate,
+                     stage1.samples_per_frame)
+        return [c.record() for c in found]
 
     def bounded(self, send):
         """The response's `send`, each call cut off at the request's deadline: a client that
@@ -239,6 +270,7 @@ class Speech:
             if event[0] == "error":
                 raise ApiError.of(event[1])
             audios.append(event[1]["audio"])
+            self.lengths.append(int(event[1]["audio"].shape[-1]))
             self.usage["output_tokens"] += event[1]["groups"]
         if fmt not in STREAMED:
             from starlette.concurrency import run_in_threadpool
@@ -269,8 +301,10 @@ class Speech:
                 yield sse({"type": "speech.audio.delta",
                             "audio": base64.b64encode(data).decode()})
             total = self.usage["input_tokens"] + self.usage["output_tokens"]
-            yield sse({"type": "speech.audio.done", "usage": {**self.usage,
-                                                               "total_tokens": total}})
+            done = {"type": "speech.audio.done", "usage": {**self.usage, "total_tokens": total}}
+            if self.params.captions:
+                done["captions"] = self.cues()
+            yield sse(done)
             self.release("ok")
         except ApiError as exc:
             self.release("failed")

@@ -20,12 +20,16 @@ from mimo_tts.errors import DeviceError, InputError, MimoTTSError, UsageError, s
 from mimo_tts.synthesis.audio import FORMATS, LOSSY_FORMATS, lossy_formats
 from mimo_tts.synthesis.options import MAX_SEED
 from mimo_tts.synthesis.text import clean_text
+from mimo_tts.synthesis.voices import VoiceStore
 
 if TYPE_CHECKING:
     from mimo_tts.synthesis.options import SynthesisOptions
 
 FIELDS = ("model", "input", "voice", "instructions", "response_format", "stream_format", "seed",
-          "speed")
+          "speed", "captions")
+MAX_VOICE_BYTES = 16 << 20  # an uploaded voice recording (POST /v1/audio/voices)
+MAX_VOICE_SECONDS = 60.0  # longer voice prompts are encoded in 60 s segments: not a voice
+CAPTIONS_HEADER = "X-MiMo-Captions"  # the cues of a whole-file response, as JSON
 # OpenAI's model, voice and response_format names, accepted so that existing clients work
 # unchanged (aac has no libsndfile encoder, so it is never offered).
 OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
@@ -225,6 +229,7 @@ class SpeechParams:
     options: SynthesisOptions
     fmt: str
     sse: bool
+    captions: bool = False  # cues in the X-MiMo-Captions header, or the SSE done event
 
 
 @dataclass(frozen=True)
@@ -264,23 +269,28 @@ class RequestParser:
         stream_format = _field(data, "stream_format", str) or "audio"
         seed = _field(data, "seed", int)
         speed = _field(data, "speed", int | float)
+        captions = bool(_field(data, "captions", bool))
         _require(fmt in self.formats, f"response_format must be one of {', '.join(self.formats)}",
                  "response_format")
         _require(stream_format in ("audio", "sse"), "stream_format must be audio or sse",
                  "stream_format")
         _require(speed is None or speed == 1, "speed is not supported (only 1.0)", "speed")
+        _require(not captions or stream_format == "sse" or fmt not in STREAMED,
+                 f"captions come with a whole file or stream_format sse, not a {fmt} stream",
+                 "captions")
         _require(seed is None or 0 <= seed <= MAX_SEED, "--seed must be in [0, 2**64 - 1]",
                  "seed")
         text = _cleaned(text, "input")
         if instruct is not None:  # the rules of `input`, as a batch item's instruct follows
             instruct = _cleaned(instruct, "instructions")
-        task, prompt_audio = self.voice(_field(data, "voice", str) or "default", instruct)
+        task, prompt_audio, voice = self.voice(_field(data, "voice", str) or "default", instruct)
         try:
             options = replace(self.base, task=task, instruct=instruct, prompt_audio=prompt_audio,
+                              voice=voice, captions=captions or self.base.captions,
                               seed=self.base.seed if seed is None else seed)
         except MimoTTSError as exc:
             raise ApiError.of(exc) from None
-        return SpeechParams(text, options, fmt, stream_format == "sse")
+        return SpeechParams(text, options, fmt, stream_format == "sse", captions)
 
     def bounded(self, text: str, name: str) -> str:
         """`input` or `instructions`, refused past `--max-input-chars`."""
@@ -290,20 +300,23 @@ class RequestParser:
                            "string_above_max_length")
         return text
 
-    def voice(self, name: str, instruct: str | None) -> tuple[str, str | None]:
-        """A voice -> (task, prompt audio): a registered voice clones its prompt audio."""
+    def voice(self, name: str, instruct: str | None) -> tuple[str, str | None, str | None]:
+        """A voice -> (task, prompt audio, stored voice): a start-up voice clones its prompt
+        audio, a registry voice its stored codes (read when the prompt is built)."""
         if name in self.cfg.voices:
-            return "tts_sft_with_audio", self.cfg.voices[name]
+            return "tts_sft_with_audio", self.cfg.voices[name], None
         if name == "natural":
-            return "tts_sft_with_natural_instruction", None
+            return "tts_sft_with_natural_instruction", None, None
         if name == "default" or name in OPENAI_VOICES:
-            return ("tts_sft" if instruct is None else "tts_sft_with_instruct"), None
-        choices = ", ".join(["default", "natural", *self.cfg.voices])
+            return ("tts_sft" if instruct is None else "tts_sft_with_instruct"), None, None
+        if name in VoiceStore().names():
+            return "tts_sft_with_audio", None, name
+        choices = ", ".join(["default", "natural", *self.cfg.voices, *VoiceStore().names()])
         raise ApiError(400, f"unknown voice {short_repr(name)}; choose one of {choices}",
                        "voice")
 
 
-async def read_body(request) -> bytes:
+async def read_body(request, limit: int = MAX_BODY_BYTES) -> bytes:
     """The request body, refused (413) once it passes `MAX_BODY_BYTES`; a client that goes
     away during the upload is `CLIENT_GONE` (answered to nobody, no traceback)."""
     from starlette.requests import ClientDisconnect
@@ -312,8 +325,8 @@ async def read_body(request) -> bytes:
     try:
         async for chunk in request.stream():
             body += chunk
-            if len(body) > MAX_BODY_BYTES:
-                raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
+            if len(body) > limit:
+                raise ApiError(413, f"request body over {limit} bytes")
     except ClientDisconnect:
         raise ApiError(CLIENT_GONE, "client closed the request during the upload") from None
     return bytes(body)
@@ -360,13 +373,14 @@ def _field(data: dict, name: str, kind, required: bool = False):
     if value is None:
         _require(not required, f"{name} is required", name)
         return None
-    _require(isinstance(value, kind) and not isinstance(value, bool),
+    _require(isinstance(value, bool) if kind is bool else
+             isinstance(value, kind) and not isinstance(value, bool),
              f"{name} must be {_kind_words(kind)}", name)
     return value
 
 
 def _kind_words(kind) -> str:
-    return {str: "a string", int: "an integer"}.get(kind, "a number")
+    return {str: "a string", int: "an integer", bool: "true or false"}.get(kind, "a number")
 
 
 def _require(ok: bool, message: str, param: str | None = None) -> None:

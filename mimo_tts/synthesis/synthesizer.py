@@ -216,11 +216,11 @@ class MiMoTTS:
                          "again with this tokenizer")
 
     def add_voice(self, name: str, path, transcript: str | None = None,
-                  overwrite: bool = False) -> dict:
+                  overwrite: bool = False, label: str | None = None) -> dict:
         """Encode the recording at `path` once (as `prompt_audio=path` would be) and keep its
         codes in the registry (`self.voices`) as `name`; returns the voice's record."""
         return add_voice(self.voices, self.stage1, self.tok_ref, name, path, transcript,
-                         overwrite)
+                         overwrite, label)
 
     def list_voices(self) -> list[dict]:
         """The registry's voices (their records)."""

@@ -250,12 +250,15 @@ def tokenizer_record(ref) -> dict:
 
 
 def add_voice(store: VoiceStore, stage1, tok_ref, name: str, path, transcript=None,
-              overwrite: bool = False) -> dict:
+              overwrite: bool = False, label: str | None = None) -> dict:
     """Encode the recording at `path` once with `stage1` (a `Stage1`, as `--prompt-audio
-    path` encodes it) and keep its codes in `store` as `name`; returns the voice's record."""
+    path` encodes it) and keep its codes in `store` as `name`; returns the voice's record.
+    `label` replaces the source path in the record (an upload's temporary file)."""
     check_name(name)
     path = str(path)
     record = source_record(path, transcript)  # an unusable file: InputError, nothing kept
+    if label is not None:
+        record["source"]["path"] = label
     codes = stage1.prompt_codes(path)
     return store.add(name, codes, {**record, "tokenizer": tokenizer_record(tok_ref)},
                      overwrite=overwrite)
