@@ -1,6 +1,6 @@
 """The wheel carries what a non-editable install needs at run time: the built-in profiles
-(`--config ci-smoke`, from the top-level configs/) and the C kernels' sources, as package data;
-installed from the wheel, `synth --config ci-smoke` runs in any folder."""
+(`--config ci-smoke`, from the top-level configs/), the C kernels' sources and the server's page,
+as package data; installed from the wheel, `synth --config ci-smoke` runs in any folder."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ def test_wheel_ships_profiles_and_kernel_source(tmp_path):
     assert profiles == {"ci-smoke.toml", "cpu-tokenizer.toml", "default.toml"}
     assert {f"mimo_tts/configs/{name}" for name in profiles} <= names
     assert {"mimo_tts/lm/cpu_kernel.c", "mimo_tts/codec/gemm.c"} <= names
+    assert "mimo_tts/server/page/index.html" in names  # the page at / of `mimo-tts serve`
     assert not any(n.startswith(("tests/", "configs/")) for n in names)
     # installed from the wheel (not editable), in a folder far from the checkout: the packaged
     # profile is found and a whole run works

@@ -20,6 +20,7 @@ from pathlib import Path
 from mimo_tts.errors import InputError, OutputError
 from mimo_tts.lm.config import AUDIO_CHANNELS
 from mimo_tts.runtime.paths import atomic_write
+from mimo_tts.synthesis import audio as audio_io
 from mimo_tts.synthesis.audio import encode_audio, pcm16
 
 
@@ -72,9 +73,7 @@ def companion_paths(audio: Path) -> tuple[Path, Path]:
 
 
 
-def write_audio(path: str | Path, audio, sample_rate: int, fmt: str = "wav") -> Path:
-    data = encode_audio(audio, sample_rate, fmt)
-    return atomic_write(path, lambda f: f.write(data))
+write_audio = audio_io.write_audio  # the one writer, shared with the library's `Audio.save`
 
 
 

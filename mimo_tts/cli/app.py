@@ -1,7 +1,8 @@
 """`mimo-tts`: the command line (Typer + rich). Thin: parse -> options -> batch runner -> report.
 
 One module per command (`synth.py`: synth, devices; `decode.py`; `tools.py`: status, download,
-selftest, serve), their shared options in `params.py`, messages and exit codes in `report.py`;
+selftest, serve; `wyoming.py`), their shared options in `params.py`, messages and exit codes
+in `report.py`;
 this module is the app: the group, its parse-error handling, the registration and `main`.
 torch is never imported at import: the command bodies import what they need, and `--help`,
 `devices`, `status` and `synth --dry-run` never import it.
@@ -18,7 +19,7 @@ from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from mimo_tts import __version__
 from mimo_tts.batch.files import _broken_pipe
-from mimo_tts.cli import decode, synth, tools, voices
+from mimo_tts.cli import decode, synth, tools, voices, wyoming
 from mimo_tts.cli.params import EXAMPLES
 from mimo_tts.cli.report import Reporter
 from mimo_tts.errors import EXIT_IO, EXIT_USAGE
@@ -125,6 +126,7 @@ voices_app = typer.Typer(name="voices", no_args_is_help=True, cls=App, help=voic
 for _name, _command in voices.COMMANDS.items():
     voices_app.command(_name, cls=Command)(_command)
 app.add_typer(voices_app)
+app.command(cls=Command)(wyoming.wyoming)
 
 
 def main() -> None:

@@ -29,6 +29,7 @@ from mimo_tts.server.engine import (
     Ticket,
 )
 from mimo_tts.server.lifecycle import SHUTDOWN_GRACE_S, bind, serve, url_of
+from mimo_tts.server.page import page_html, speech_openapi
 from mimo_tts.server.protocol import (
     CAPTIONS_HEADER,
     CLIENT_GONE,
@@ -141,6 +142,14 @@ class SpeechServer:
         return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
                                             "owned_by": "mimo-tts"}]}
 
+    def page(self):
+        """`/`: the page (open like /health; what it sends to /v1 needs the key, if any)."""
+        from fastapi.responses import HTMLResponse
+
+        voices = ["default", "natural", *self.cfg.voices]
+        return HTMLResponse(page_html(self.model, voices, self.formats,
+                                      self.cfg.api_key is not None))
+
     def authorized(self, request) -> bool:
         if self.cfg.api_key is None:
             return True
@@ -177,13 +186,15 @@ class SpeechServer:
         async def speech(request: Request):
             return await self.speech(request)
 
-        app = FastAPI(title="mimo-tts", docs_url=None, redoc_url=None, openapi_url=None)
+        app = FastAPI(title="mimo-tts", redoc_url=None)  # /docs: the interactive API page
         app.add_exception_handler(ApiError, lambda request, exc: exc.response())
         app.add_exception_handler(HTTPException, lambda request, exc: ApiError(
             exc.status_code, str(exc.detail)).response())
         app.add_exception_handler(Exception, lambda request, exc: ApiError(
             500, f"unexpected {type(exc).__name__}: {exc}").response())
-        app.post("/v1/audio/speech", dependencies=[Depends(auth)])(speech)
+        app.post("/v1/audio/speech", dependencies=[Depends(auth)],
+                 openapi_extra=speech_openapi(self.formats))(speech)
+        app.get("/", include_in_schema=False)(self.page)
         app.get("/v1/models", dependencies=[Depends(auth)])(lambda: JSONResponse(self.models()))
         app.get("/health")(lambda: JSONResponse(self.health()))
         self.voice_routes(app, Depends(auth))

@@ -1,5 +1,6 @@
-"""Audio in memory: output formats, checks, joins, resampling, encoding to bytes, and
-reading prompt audio."""
+"""Audio in memory: output formats, checks, joins, resampling, encoding to bytes, the one audio
+file writer (`write_audio`, atomic: the CLI's sinks and `Audio.save` both use it), and reading
+prompt audio."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from mimo_tts.errors import (
     UsageError,
     short_repr,
 )
+from mimo_tts.runtime.paths import atomic_write
 
 SAMPLE_RATE = 24000
 
@@ -166,7 +168,54 @@ def encode_audio(audio, sample_rate: int, fmt: str) -> bytes:
         samples = np.clip(samples, -1.0, 1.0)
     buffer = _io.BytesIO()
     sf.write(buffer, samples, sample_rate, format=container, subtype=subtype)
-    return buffer.getvalue()
+    data = buffer.getvalue()
+    return fixed_ogg_serial(data) if container == "OGG" else data
+
+
+OGG_SERIAL = 0x6D696D6F  # "mimo": the one logical stream of every Ogg file the package writes
+OGG_HEADER = 27  # a page's fixed header; then its segment table and the segments (RFC 3533 §6)
+
+
+def fixed_ogg_serial(data: bytes) -> bytes:
+    """An Ogg file with its stream serial number set to `OGG_SERIAL` and each page's CRC redone.
+
+    libsndfile picks the serial at random, so the same samples would give different bytes on
+    every run; with one serial, equal inputs give equal files (the CLI's and `Audio.save`'s)."""
+    out = bytearray(data)
+    at = 0
+    while at + OGG_HEADER <= len(out) and out[at:at + 4] == b"OggS":
+        segments = out[at + 26]
+        end = at + OGG_HEADER + segments + sum(out[at + OGG_HEADER:at + OGG_HEADER + segments])
+        out[at + 14:at + 18] = OGG_SERIAL.to_bytes(4, "little")
+        out[at + 22:at + 26] = bytes(4)  # the CRC is computed with its own field zeroed
+        out[at + 22:at + 26] = _ogg_crc(memoryview(out)[at:end]).to_bytes(4, "little")
+        at = end
+    return bytes(out)
+
+
+def _ogg_crc(page) -> int:
+    """Ogg's page checksum: CRC-32, polynomial 0x04C11DB7, not reflected, initial value 0."""
+    crc, table = 0, _ogg_crc_table()
+    for byte in page:
+        crc = ((crc << 8) & 0xFFFFFFFF) ^ table[(crc >> 24) ^ byte]
+    return crc
+
+
+def _ogg_crc_table(cache: list = []) -> list:  # noqa: B006 (built once, on first use)
+    if not cache:
+        for n in range(256):
+            r = n << 24
+            for _ in range(8):
+                r = ((r << 1) ^ 0x04C11DB7) & 0xFFFFFFFF if r & 0x80000000 else r << 1
+            cache.append(r)
+    return cache
+
+
+def write_audio(path: str | Path, audio, sample_rate: int, fmt: str = "wav") -> Path:
+    """`encode_audio`'s bytes as a file, atomically (a temp file beside it, then a rename): a
+    reader sees the old file or the new, never half of one."""
+    data = encode_audio(audio, sample_rate, fmt)
+    return atomic_write(path, lambda f: f.write(data))
 
 
 def read_audio(path: str | Path, where: str = "prompt audio"):

@@ -13,10 +13,12 @@ the sinks (`outputs.py`) do that for the CLI.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -30,7 +32,13 @@ from mimo_tts.lm.text import TextTokenizer
 from mimo_tts.runtime import runner_record
 from mimo_tts.runtime.checkpoints import DEFAULT_MODEL
 from mimo_tts.runtime.guards import oom_advice, thread_budget
-from mimo_tts.synthesis.audio import PAUSE_FRAMES, to_numpy
+from mimo_tts.synthesis.audio import (
+    PAUSE_FRAMES,
+    check_format_rate,
+    output_format,
+    to_numpy,
+    write_audio,
+)
 from mimo_tts.synthesis.captions import cues, piece_samples, text_pieces
 from mimo_tts.synthesis.loader import check_fits, resolve_checkpoints, thread_budgets
 from mimo_tts.synthesis.options import (
@@ -54,25 +62,52 @@ SYNTHESIS_FIELDS = frozenset(f.name for f in fields(SynthesisOptions))
 
 @dataclass(frozen=True)
 class Audio:
-    """Synthesised speech, in memory."""
+    """Synthesised speech, in memory: what `MiMoTTS.synthesize` and `decode` return."""
 
-    samples: np.ndarray  # [S] float32 in [-1, 1]
-    sample_rate: int  # 24000
-    provenance: dict  # checkpoints, placement, task, seed, samplers, pieces
-    cues: tuple = ()  # captions.Cue per piece when `captions=True`: exact sample spans
+    samples: np.ndarray
+    """Mono float32 samples [S] in [-1, 1]."""
+
+    sample_rate: int
+    """Samples per second: 24000, the audio tokenizer's rate."""
+
+    provenance: dict
+    """How it was made: checkpoints, placement, task, seed, samplers, text pieces (the CLI's
+    sidecar record)."""
+
+    cues: tuple = ()
+    """`captions.Cue` per text piece when `captions=True`: exact sample spans of the joined
+    audio, pauses between them."""
 
     @property
     def seconds(self) -> float:
+        """The length in seconds."""
         return len(self.samples) / self.sample_rate
+
+    def save(self, path: str | os.PathLike, format: str | None = None) -> Path:
+        """Write the audio to `path` as the CLI's `-o` does (same writer, same bytes), atomically.
+
+        `format` is one of `mimo_tts.synthesis.audio.FORMATS` (`wav`, `wav-float`, `flac`,
+        `mp3`, `opus`, `ogg`); None takes it from the extension. A name and a format that
+        disagree, or an unknown extension without `format`, is a `UsageError`; a file that
+        cannot be written an `OutputError`. Returns the path written.
+        """
+        fmt = output_format(os.fspath(path), format)
+        check_format_rate(fmt, self.sample_rate)
+        return write_audio(path, self.samples, self.sample_rate, fmt)
 
 
 @dataclass(frozen=True)
 class AudioChunk:
-    """A part of streamed speech, as soon as Stage-1 decoded it."""
+    """A part of streamed speech, handed out as soon as Stage-1 decoded it (`MiMoTTS.stream`)."""
 
-    samples: np.ndarray  # [S_i] float32
-    sample_rate: int  # 24000
-    index: int  # 0, 1, ... within one `stream` call
+    samples: np.ndarray
+    """Mono float32 samples [S_i] in [-1, 1]; the chunks of one call, joined, are its audio."""
+
+    sample_rate: int
+    """Samples per second: 24000."""
+
+    index: int
+    """The chunk's place in its `stream` call: 0, 1, ..."""
 
 
 def load(model: str = DEFAULT_MODEL, tokenizer: str | None = None, *,

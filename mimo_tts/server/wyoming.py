@@ -1,0 +1,306 @@
+"""`mimo-tts wyoming`: a Wyoming TTS server (Home Assistant's voice protocol) on the worker of
+`server/engine.py`, so it has the engine, limits and batching of `mimo-tts serve`.
+
+Events (the `wyoming` package, the optional `wyoming` extra): `describe` -> `info` (the model,
+its voices, languages); `synthesize` -> `audio-start`, `audio-chunk`s (24 kHz s16le mono, each
+as Stage-1 decodes it), `audio-stop`; the streaming form `synthesize-start`, `-chunk`s, `-stop`
+is spoken sentence by sentence as the text comes (one audio-start/stop per sentence), then
+`synthesize-stopped`. A failure is an `error` event and the connection stays. Each connection
+speaks its texts in order in its own task, so a client that disconnects is seen at once: its
+jobs are cancelled and its place in the queue freed. TCP, loopback by default; no key (Wyoming
+has none): bind another address only on a trusted network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import traceback
+from dataclasses import replace
+
+from mimo_tts import __version__
+from mimo_tts.errors import MimoTTSError, UsageError
+from mimo_tts.server.engine import (
+    ContinuousStrategy,
+    RequestQueue,
+    SpeechJob,
+    SpeechWorker,
+    StaticBatcher,
+    Ticket,
+)
+from mimo_tts.server.lifecycle import SHUTDOWN_GRACE_S, STOP_SIGNALS, bind
+from mimo_tts.server.protocol import (
+    SERVE_KEYS,
+    ApiError,
+    RequestParser,
+    encode_voices,
+    public_model_name,
+    read_voices,
+    serve_config,
+)
+from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, pcm16
+from mimo_tts.synthesis.text import clean_text
+
+EXTRA_HINT = "mimo-tts wyoming needs the wyoming extra: pip install 'mimo-tts[wyoming]'"
+DEFAULT_PORT = 10200  # the port Home Assistant's Wyoming integration suggests for TTS
+LANGUAGES = ["en", "zh"]  # what MiMo-Audio was trained to speak
+SOURCE = "https://github.com/XiaomiMiMo/MiMo-Audio"
+WIDTH, CHANNELS = 2, 1  # s16le mono
+# a sentence ends at . ! ? (or their CJK forms) followed by space, or at a CJK end mark itself
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[。！？])")
+VOICE_NOTES = {"default": "the model's own voice",
+               "natural": "natural-language instruction: the text says how to speak"}
+
+
+class WyomingSpeech:
+    """The Wyoming face over one loaded `MiMoTTS`: its own `SpeechWorker` and `RequestQueue`,
+    built as `mimo-tts serve` builds them, and the voices as `RequestParser` maps them."""
+
+    def __init__(self, tts, cfg, base, model: str, log=None):
+        self.tts, self.cfg, self.base, self.model = tts, cfg, base, model
+        self.log = log or (lambda message: None)
+        self.parser = RequestParser(cfg, base, model, ())
+        self.requests = RequestQueue(cfg.max_queue, cfg.max_concurrent)
+        strategy = ContinuousStrategy if tts.engine.continuous else StaticBatcher
+        self.worker = SpeechWorker(tts, self.requests, strategy(tts, cfg.batch_size, self.log),
+                                   base, self.log)
+        self.serial = 0
+        self.counts = {"ok": 0, "failed": 0, "cancelled": 0, "rejected": 0}
+
+    def voices(self) -> list[str]:
+        return ["default", "natural", *self.cfg.voices]
+
+    def info(self):
+        """The `info` event's body: one TTS program (the model) and its voices."""
+        from wyoming.info import Attribution, Info, TtsProgram, TtsVoice
+
+        by = Attribution(name="Xiaomi MiMo", url=SOURCE)
+        voices = [TtsVoice(name=name, attribution=by, installed=True, version=None,
+                           description=VOICE_NOTES.get(name, "voice clone (--voice)"),
+                           languages=list(LANGUAGES)) for name in self.voices()]
+        program = TtsProgram(name="mimo-tts", attribution=by, installed=True,
+                             description=f"MiMo-Audio text to speech ({self.model})",
+                             version=__version__, voices=voices,
+                             supports_synthesize_streaming=True)
+        return Info(tts=[program])
+
+    def options(self, text: str, voice: str | None):
+        """The synthesis options of one text and voice name; refusals are `ApiError`s."""
+        try:
+            text = clean_text(self.parser.bounded(text, "text"), "text")
+        except MimoTTSError as exc:  # empty, control characters
+            raise ApiError.of(exc) from None
+        task, prompt_audio = self.parser.voice(voice or "default", None)
+        return text, replace(self.base, task=task, instruct=None, prompt_audio=prompt_audio)
+
+    async def speak(self, text: str, voice: str | None, send) -> None:
+        """One text: audio-start, audio-chunks as Stage-1 decodes them (its pieces apart by the
+        usual pause), audio-stop, through `send(event)`. Busy, bad or failing: an ApiError."""
+        from wyoming.audio import AudioChunk, AudioStart, AudioStop
+
+        text, options = self.options(text, voice)
+        ticket = Ticket()
+        if not self.requests.admit(ticket):
+            self.counts["rejected"] += 1
+            raise ApiError(503, "the server is busy (queue full); retry later", code="busy")
+        loop, jobs, outcome = asyncio.get_running_loop(), [], "cancelled"
+        try:
+            async with asyncio.timeout(self.cfg.timeout):
+                prompts = await loop.run_in_executor(None, self.tts.prompts, text, options,
+                                                     options.seed)
+                self.serial += 1
+                queues = [asyncio.Queue() for _ in prompts]
+                generation = options.generation_options(options.seed)
+                jobs = [SpeechJob(prompt, generation, options.seed, True, _deliver(loop, q),
+                                  ticket, f"wyoming-{self.serial}", (self.serial, i))
+                        for i, (prompt, q) in enumerate(zip(prompts, queues, strict=True))]
+                self.worker.submit(jobs)
+                fmt = {"rate": SAMPLE_RATE, "width": WIDTH, "channels": CHANNELS}
+                await send(AudioStart(**fmt).event())
+                pause = PAUSE_FRAMES * self.tts.stage1.samples_per_frame
+                for i, events in enumerate(queues):
+                    if i:
+                        await send(AudioChunk(audio=bytes(WIDTH * pause), **fmt).event())
+                    while (event := await events.get())[0] == "audio":
+                        await send(AudioChunk(audio=pcm16(event[1]), **fmt).event())
+                    if event[0] == "error":
+                        outcome = "failed"
+                        raise ApiError.of(event[1])
+                await send(AudioStop().event())
+                outcome = "ok"
+        except TimeoutError:
+            outcome = "failed"
+            raise ApiError(504, f"the request took longer than --timeout "
+                           f"({self.cfg.timeout:g} s)", code="timeout") from None
+        except MimoTTSError as exc:
+            outcome = "failed"
+            raise ApiError.of(exc) from None
+        finally:
+            self.worker.cancel(jobs)
+            self.requests.release(ticket)
+            self.counts[outcome] += 1
+            if outcome == "cancelled":
+                self.log(f"wyoming-{self.serial}: cancelled (the client went away)")
+
+    def close(self) -> None:
+        self.worker.close(timeout=SHUTDOWN_GRACE_S)
+
+
+class Connection:
+    """One client: events are read as they come while its texts are spoken in order by one
+    task, so an EOF (the client went away) cancels what it asked for at once."""
+
+    def __init__(self, speech: WyomingSpeech, reader, writer):
+        self.speech, self.reader, self.writer = speech, reader, writer
+        self.texts: asyncio.Queue = asyncio.Queue()
+        self.stream: dict | None = None  # the streaming form's voice and unspoken text
+
+    async def run(self) -> None:
+        """Read until EOF (the client closed): then what it still waits for is cancelled."""
+        from wyoming.event import async_read_event
+
+        speaker = asyncio.create_task(self.speak_all())
+        try:
+            while (event := await async_read_event(self.reader)) is not None:
+                await self.handle(event)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            speaker.cancel()
+            await asyncio.gather(speaker, return_exceptions=True)
+            self.writer.close()
+
+    async def send(self, event) -> None:
+        from wyoming.event import async_write_event
+
+        await async_write_event(event, self.writer)
+
+    async def handle(self, event) -> None:
+        from wyoming.info import Describe
+        from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop
+
+        if Describe.is_type(event.type):
+            await self.texts.put(("info", None, None))
+        elif Synthesize.is_type(event.type):
+            if self.stream is None:  # while streaming it repeats the text for old servers
+                said = Synthesize.from_event(event)
+                await self.texts.put(("say", said.text, _voice_name(said.voice)))
+        elif SynthesizeStart.is_type(event.type):
+            started = SynthesizeStart.from_event(event)
+            self.stream = {"voice": _voice_name(started.voice), "text": ""}
+        elif SynthesizeChunk.is_type(event.type) and self.stream is not None:
+            self.stream["text"] += SynthesizeChunk.from_event(event).text
+            *done, self.stream["text"] = SENTENCE_END.split(self.stream["text"])
+            for sentence in filter(str.strip, done):
+                await self.texts.put(("say", sentence, self.stream["voice"]))
+        elif SynthesizeStop.is_type(event.type) and self.stream is not None:
+            rest, voice, self.stream = self.stream["text"], self.stream["voice"], None
+            if rest.strip():
+                await self.texts.put(("say", rest, voice))
+            await self.texts.put(("stopped", None, None))
+
+    async def speak_all(self) -> None:
+        """Answer the queued asks in order; an ApiError becomes an `error` event."""
+        from wyoming.error import Error
+        from wyoming.tts import SynthesizeStopped
+
+        while True:
+            kind, text, voice = await self.texts.get()
+            try:
+                if kind == "info":
+                    await self.send(self.speech.info().event())
+                elif kind == "stopped":
+                    await self.send(SynthesizeStopped().event())
+                else:
+                    await self.speech.speak(text, voice, self.send)
+            except ApiError as exc:
+                code = exc.code or ("bad-request" if exc.status < 500 else "synthesis-failed")
+                await self.send(Error(text=exc.message, code=code).event())
+            except (ConnectionError, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # a bug: this text fails, the connection goes on
+                self.speech.log(traceback.format_exc())
+                await self.send(Error(text=f"unexpected {type(exc).__name__}: {exc}",
+                                      code="synthesis-failed").event())
+
+
+def _voice_name(voice) -> str | None:
+    return getattr(voice, "name", None)
+
+
+def _deliver(loop, events: asyncio.Queue):
+    """A job's `deliver`: from the worker threads into the request's queue on the loop."""
+    def deliver(event: tuple) -> None:
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: the server is shutting down
+            pass
+
+    return deliver
+
+
+async def serve_wyoming(speech: WyomingSpeech, sock) -> str:
+    """Serve connections on the bound `sock` until a stop signal; that signal's name."""
+    stopped = asyncio.Event()
+    caught: list[int] = []
+    loop = asyncio.get_running_loop()
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, lambda s=sig: (caught.append(s), stopped.set()))
+    connections: set[asyncio.Task] = set()
+
+    async def accept(reader, writer) -> None:
+        task = asyncio.current_task()
+        connections.add(task)
+        try:
+            await Connection(speech, reader, writer).run()
+        except asyncio.CancelledError:  # the server stops: this connection ends quietly
+            pass
+        finally:
+            connections.discard(task)
+
+    server = await asyncio.start_server(accept, sock=sock)
+    try:
+        await stopped.wait()
+    finally:
+        server.close()
+        for task in list(connections):
+            task.cancel()
+        await asyncio.gather(*connections, return_exceptions=True)
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
+    return signal.Signals(caught[0]).name if caught else "exit"
+
+
+def main(flags: dict, config: str | None, reporter) -> int:
+    """`mimo-tts wyoming`: check the options and voices, bind, load once, serve until a signal."""
+    try:
+        import wyoming  # noqa: F401
+    except ImportError:
+        raise UsageError(EXTRA_HINT) from None
+    from mimo_tts.synthesis.options import resolve
+    from mimo_tts.synthesis.preflight import lengths_for
+    from mimo_tts.synthesis.profiles import load_profile
+    from mimo_tts.synthesis.synthesizer import MiMoTTS
+
+    cfg = serve_config({"port": DEFAULT_PORT, **{k: v for k, v in flags.items()
+                                                 if v is not None}}, {})  # no key
+    model_flags = {k: v for k, v in flags.items() if k not in (*SERVE_KEYS, "voice")}
+    settings = resolve({**model_flags, "stream": True}, load_profile(config), os.environ)
+    read_voices(cfg.voices)  # before anything loads
+    sock = bind(cfg.host, cfg.port)
+    with sock, MiMoTTS.from_settings(settings, lengths_for(settings, [], cfg.batch_size),
+                                     reporter.log) as tts:
+        encode_voices(tts, cfg.voices, settings.synthesis)
+        speech = WyomingSpeech(tts, cfg, settings.synthesis,
+                               public_model_name(settings.checkpoints.lm[0]), reporter.info)
+        host, port = sock.getsockname()[:2]
+        reporter.info(f"serving {speech.model} over Wyoming on tcp://{host}:{port} (batch "
+                      f"{cfg.batch_size}; voices {', '.join(speech.voices())}; no API key)")
+        try:
+            stopped_by = asyncio.run(serve_wyoming(speech, sock))
+        finally:
+            speech.close()
+    reporter.info(f"server stopped ({stopped_by})")
+    return 0

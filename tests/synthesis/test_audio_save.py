@@ -1,0 +1,93 @@
+"""`Audio.save`: every format the CLI writes, byte for byte the CLI's file for the same text and
+seed, written atomically; bad names are the CLI's usage errors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from mimo_tts.errors import OutputError, UsageError
+from mimo_tts.presets import ensure_tiny_preset
+from mimo_tts.runtime.paths import CACHE_ENV, TEMP_MARK
+from mimo_tts.synthesis.audio import FORMATS, LOSSY_FORMATS, lossy_formats
+
+TEXT = "Saved from the library. Then a second sentence."
+SEED = 7
+# every format `synth --format` takes that this libsndfile can write; wav-float needs --format
+WRITTEN = [f for f in FORMATS if f not in LOSSY_FORMATS or f in lossy_formats()]
+
+
+@pytest.fixture(scope="module")
+def tts(tiny_cache):
+    import mimo_tts
+
+    lm, tok = ensure_tiny_preset({CACHE_ENV: str(tiny_cache)})
+    return mimo_tts.load(str(lm), str(tok), lm_device="cpu", tokenizer_device="cpu")
+
+
+@pytest.fixture(scope="module")
+def audio(tts):
+    return tts.synthesize(TEXT, seed=SEED, max_chars=30)
+
+
+@pytest.mark.parametrize("fmt", WRITTEN)
+def test_save_equals_the_cli_file_byte_for_byte(fmt, tts, audio, invoke, tmp_path):
+    ext = FORMATS[fmt][2]
+    given = ["--format", fmt] if fmt == "wav-float" else []
+    result = invoke("synth", "--model", str(tts.lm_ref.path), "--tokenizer",
+                    str(tts.tok_ref.path), "--lm-device", "cpu", "--tokenizer-device", "cpu",
+                    "--text", TEXT, "--seed", SEED, "--max-chars", 30, "-o", f"cli{ext}",
+                    *given)
+    assert result.exit_code == 0, result.stderr
+    saved = audio.save(tmp_path / f"lib{ext}", format=fmt if given else None)
+    assert saved == tmp_path / f"lib{ext}"
+    assert saved.read_bytes() == (tmp_path / f"cli{ext}").read_bytes()
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(TEMP_MARK)]
+
+
+def test_save_replaces_a_file_whole_and_takes_os_paths(audio, tmp_path):
+    target = tmp_path / "out.flac"
+    target.write_bytes(b"old")
+    assert audio.save(str(target)) == target
+    assert target.read_bytes()[:4] == b"fLaC"
+
+
+@pytest.mark.parametrize(("name", "fmt", "words"), [
+    ("speech.xyz", None, "cannot tell the audio format"),
+    ("speech.wav", "flac", "disagrees with the file name"),
+    ("speech.wav", "aiff", "--format must be one of"),
+])
+def test_save_refuses_names_and_formats_as_the_cli_does(audio, tmp_path, name, fmt, words):
+    with pytest.raises(UsageError, match=words):
+        audio.save(tmp_path / name, format=fmt)
+    assert not (tmp_path / name).exists()
+
+
+def test_save_into_a_missing_folder_is_an_output_error(audio, tmp_path):
+    with pytest.raises(OutputError, match="cannot write"):
+        audio.save(tmp_path / "missing" / "speech.wav")
+
+
+@pytest.mark.parametrize("fmt", [f for f in ("opus", "ogg") if f in WRITTEN])
+def test_ogg_files_have_one_serial_and_valid_page_checksums(fmt):
+    """libsndfile's serial is random: the package fixes it, and each page's CRC matches the
+    one libogg computes (checked on libsndfile's own first page)."""
+    import io
+
+    import numpy as np
+    import soundfile as sf
+
+    from mimo_tts.synthesis.audio import OGG_SERIAL, _ogg_crc, encode_audio
+
+    samples = (0.3 * np.sin(np.arange(24000) / 7)).astype(np.float32)
+    first, second = encode_audio(samples, 24000, fmt), encode_audio(samples, 24000, fmt)
+    assert first == second and first[14:18] == OGG_SERIAL.to_bytes(4, "little")
+    assert sf.read(io.BytesIO(first))[0].shape == (24000,)
+    raw = io.BytesIO()
+    container, subtype, *_ = FORMATS[fmt]
+    sf.write(raw, samples, 24000, format=container, subtype=subtype)
+    page = bytearray(raw.getvalue())
+    end = 27 + page[26] + sum(page[27:27 + page[26]])
+    stored, page[22:26] = bytes(page[22:26]), bytes(4)
+    assert _ogg_crc(page[:end]).to_bytes(4, "little") == stored

@@ -1,0 +1,123 @@
+"""`mimo-tts wyoming` against a real server process, with the `wyoming` package's own client:
+describe -> info, synthesize -> audio-start/chunks/stop, the streaming form sentence by
+sentence, errors as `error` events, and a client that disconnects frees its place."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+pytest.importorskip("wyoming")
+
+from wyoming.audio import AudioChunk, AudioStart  # noqa: E402
+from wyoming.client import AsyncTcpClient  # noqa: E402
+from wyoming.error import Error  # noqa: E402
+from wyoming.info import Describe, Info  # noqa: E402
+from wyoming.tts import (  # noqa: E402
+    Synthesize,
+    SynthesizeChunk,
+    SynthesizeStart,
+    SynthesizeStop,
+    SynthesizeVoice,
+)
+
+READ_S = 120  # one event, on a busy 2-core machine
+
+
+@pytest.fixture(scope="module")
+def server(start_wyoming):
+    return start_wyoming("--max-concurrent", 1, "--max-queue", 1)
+
+
+def exchange(address: str, events: list, until: tuple[str, ...]) -> list:
+    """Connect, send `events`, read until an event type in `until`: the events read."""
+    host, port = address.split(":")
+
+    async def run():
+        async with AsyncTcpClient(host, int(port)) as client:
+            for event in events:
+                await client.write_event(event.event())
+            read = []
+            while True:
+                event = await asyncio.wait_for(client.read_event(), READ_S)
+                assert event is not None, f"closed after {[e.type for e in read]}"
+                read.append(event)
+                if event.type in until:
+                    return read
+
+    return asyncio.run(run())
+
+
+def audio_cycles(events: list) -> list[bytes]:
+    """The PCM of each audio-start .. audio-stop cycle, checking the format on the way."""
+    cycles, current = [], None
+    for event in events:
+        if AudioStart.is_type(event.type):
+            start = AudioStart.from_event(event)
+            assert (start.rate, start.width, start.channels) == (24000, 2, 1)
+            current = []
+        elif AudioChunk.is_type(event.type):
+            chunk = AudioChunk.from_event(event)
+            assert (chunk.rate, chunk.width, chunk.channels) == (24000, 2, 1)
+            current.append(chunk.audio)
+        elif event.type == "audio-stop":
+            cycles.append(b"".join(current))
+    return cycles
+
+
+def test_describe_answers_info_with_the_model_voices_and_languages(server):
+    (event,) = exchange(server, [Describe()], ("info",))
+    (program,) = Info.from_event(event).tts
+    assert program.name == "mimo-tts" and program.supports_synthesize_streaming
+    assert "tiny" in program.description and program.installed
+    assert [v.name for v in program.voices] == ["default", "natural"]
+    assert all(v.languages == ["en", "zh"] for v in program.voices)
+
+
+def test_synthesize_streams_chunks_of_whole_frames(server):
+    events = exchange(server, [Synthesize(text="Hello over Wyoming.")], ("audio-stop", "error"))
+    assert [e.type for e in events][0] == "audio-start", events[-1].data
+    (pcm,) = audio_cycles(events)
+    chunks = [e for e in events if AudioChunk.is_type(e.type)]
+    assert len(chunks) >= 1 and len(pcm) > 0 and len(pcm) % (2 * 960) == 0
+    assert all(len(AudioChunk.from_event(c).audio) % 2 == 0 for c in chunks)
+
+
+def test_the_streaming_form_speaks_sentence_by_sentence(server):
+    texts = ["The first sen", "tence ends here. The sec", "ond one too! And a tail"]
+    events = [SynthesizeStart(voice=SynthesizeVoice(name="default")),
+              *[SynthesizeChunk(text=t) for t in texts],
+              Synthesize(text="".join(texts)),  # repeated for servers without streaming
+              SynthesizeStop()]
+    read = exchange(server, events, ("synthesize-stopped", "error"))
+    assert read[-1].type == "synthesize-stopped", read[-1].data
+    assert len(audio_cycles(read)) == 3  # three sentences, the repeat ignored
+
+
+def test_an_unknown_voice_or_empty_text_is_an_error_event_and_the_connection_stays(server):
+    events = exchange(server, [Synthesize(text="Hi.", voice=SynthesizeVoice(name="nobody")),
+                               Synthesize(text="   "), Describe()], ("info",))
+    errors = [Error.from_event(e) for e in events if Error.is_type(e.type)]
+    assert "unknown voice 'nobody'" in errors[0].text and "default, natural" in errors[0].text
+    assert len(errors) == 2 and "empty" in errors[1].text
+
+
+def test_a_client_that_disconnects_frees_its_place(server):
+    host, port = server.split(":")
+
+    async def leave_early():
+        async with AsyncTcpClient(host, int(port)) as client:
+            await client.write_event(Synthesize(text="Gone before the end. " * 3).event())
+            event = await asyncio.wait_for(client.read_event(), READ_S)
+            assert event.type == "audio-start"
+
+    asyncio.run(leave_early())
+    deadline = time.monotonic() + 30
+    while "cancelled (the client went away)" not in server.stderr():
+        assert time.monotonic() < deadline, server.stderr()
+        time.sleep(0.2)
+    # --max-concurrent 1: the next client gets the one place
+    events = exchange(server, [Synthesize(text="My turn.")], ("audio-stop", "error"))
+    assert events[-1].type == "audio-stop", events[-1].data
