@@ -70,7 +70,7 @@ def write_model(root: Path, lm: dict, codec: dict) -> tuple[Path, Path]:
 
 def _runner(args, **changes):
     from mimo_tts.batch.runner import BatchRunner
-    from mimo_tts.synthesis.options import resolve
+    from mimo_tts.synthesis.settings import resolve
 
     return BatchRunner(resolve({"model": str(args.lm_dir), "tokenizer": str(args.tok_dir),
                                 "lm_device": "cpu", "tokenizer_device": "cpu",

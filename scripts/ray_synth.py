@@ -24,7 +24,7 @@ import ray  # noqa: E402 (pip install 'mimo-tts[ray]'; --help works without it)
 
 from mimo_tts.batch import ray as mray  # noqa: E402
 from mimo_tts.batch.plan import SynthRequest  # noqa: E402
-from mimo_tts.synthesis.options import OptionValues  # noqa: E402
+from mimo_tts.synthesis.settings import OptionValues  # noqa: E402
 
 ray.init(address=a.address, log_to_driver=False)
 request = SynthRequest(OptionValues(output_dir=a.output_dir, model=a.model,

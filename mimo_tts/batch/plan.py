@@ -18,8 +18,8 @@ from mimo_tts.batch.runner import BatchRunner
 from mimo_tts.batch.shards import Shard, resolve_shard
 from mimo_tts.batch.sinks import DirectorySink, FileSink, RawPcmSink, StdoutSink
 from mimo_tts.errors import UsageError
-from mimo_tts.synthesis.options import OptionValues, Settings, place, resolve_options
 from mimo_tts.synthesis.profiles import load_profile
+from mimo_tts.synthesis.settings import OptionValues, Settings, place, resolve_options
 
 
 def _check(ok: bool, message: str) -> None:

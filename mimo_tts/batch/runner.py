@@ -32,9 +32,9 @@ from mimo_tts.runtime import runner_record
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, resample
 from mimo_tts.synthesis.captions import cues, piece_samples, text_pieces
 from mimo_tts.synthesis.loader import resolve_checkpoints
-from mimo_tts.synthesis.options import Settings
 from mimo_tts.synthesis.pieces import Piece
 from mimo_tts.synthesis.preflight import engine_record, lengths_for
+from mimo_tts.synthesis.settings import Settings
 from mimo_tts.synthesis.streaming import chunk_cap
 from mimo_tts.synthesis.voices import VoiceStore
 

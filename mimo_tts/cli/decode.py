@@ -38,7 +38,7 @@ from mimo_tts.synthesis.audio import (
     output_format,
     resample,
 )
-from mimo_tts.synthesis.options import OptionValues, resolve
+from mimo_tts.synthesis.settings import OptionValues, resolve
 
 
 def decode(

@@ -46,7 +46,8 @@ from mimo_tts.codec.config import STREAM_MODES
 from mimo_tts.errors import EXIT_CHECKPOINT, EXIT_DEVICE, EXIT_OK
 from mimo_tts.lm.config import LM_QUANTS, task_samplers
 from mimo_tts.lm.tasks import TASKS
-from mimo_tts.synthesis.options import OptionValues, SynthesisOptions, resolve
+from mimo_tts.synthesis.options import SynthesisOptions
+from mimo_tts.synthesis.settings import OptionValues, resolve
 
 if TYPE_CHECKING:
     from mimo_tts.batch.plan import SynthRequest

@@ -31,7 +31,7 @@ from mimo_tts.presets import TINY
 from mimo_tts.runtime import checkpoints
 from mimo_tts.runtime.checkpoints import DEFAULT_MODEL, DEFAULT_TOKENIZER
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE
-from mimo_tts.synthesis.options import OptionValues, resolve
+from mimo_tts.synthesis.settings import OptionValues, resolve
 
 
 def status(

@@ -43,7 +43,7 @@ def add(
 
     def body() -> int:
         from mimo_tts.synthesis.loader import resolve_tokenizer
-        from mimo_tts.synthesis.options import OptionValues, resolve
+        from mimo_tts.synthesis.settings import OptionValues, resolve
         from mimo_tts.synthesis.stage1 import Stage1
         from mimo_tts.synthesis.voices import add_voice, check_name, source_record
 

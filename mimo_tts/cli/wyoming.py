@@ -24,7 +24,7 @@ from mimo_tts.cli.params import (
     Verbose,
 )
 from mimo_tts.cli.report import Reporter, run_command
-from mimo_tts.synthesis.options import OptionValues
+from mimo_tts.synthesis.settings import OptionValues
 
 
 def wyoming(

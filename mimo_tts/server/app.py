@@ -383,9 +383,9 @@ def main(flags: dict, config: str | None, reporter) -> int:
         import uvicorn  # noqa: F401
     except ImportError:
         raise UsageError(EXTRA_HINT) from None
-    from mimo_tts.synthesis.options import resolve
     from mimo_tts.synthesis.preflight import lengths_for
     from mimo_tts.synthesis.profiles import load_profile
+    from mimo_tts.synthesis.settings import resolve
     from mimo_tts.synthesis.synthesizer import MiMoTTS
 
     cfg = serve_config(flags, os.environ)

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from mimo_tts import presets
 from mimo_tts.lm.engine import engine_spec
 from mimo_tts.runtime.checkpoints import ModelRef
-from mimo_tts.synthesis.options import Settings
 from mimo_tts.synthesis.preflight import Lengths, check_memory, lengths_for
+from mimo_tts.synthesis.settings import Settings
 
 
 def resolve_checkpoints(settings: Settings, env: Mapping[str, str] | None = None

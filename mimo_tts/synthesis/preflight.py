@@ -20,7 +20,7 @@ from mimo_tts.errors import CheckpointError, DeviceError, NotEnoughMemoryError, 
 from mimo_tts.lm.engine import engine_spec
 from mimo_tts.runtime.devices import DTYPE_BYTES, Probe
 from mimo_tts.runtime.machine import GIB, available, gib, stated
-from mimo_tts.synthesis.options import Settings
+from mimo_tts.synthesis.settings import Settings
 
 
 def lengths_for(settings: Settings, texts: list[str], rows: int | None = None) -> Lengths:

@@ -11,7 +11,7 @@ from importlib import resources
 from pathlib import Path
 
 from mimo_tts.errors import UsageError, short_repr
-from mimo_tts.synthesis.options import PROFILE_KEYS, PROFILE_TYPES
+from mimo_tts.synthesis.settings import PROFILE_KEYS, PROFILE_TYPES
 
 
 def _builtin_dir() -> Path:

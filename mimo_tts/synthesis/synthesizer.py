@@ -45,13 +45,12 @@ from mimo_tts.synthesis.options import (
     DEFAULT_TASK,
     EngineOptions,
     RunOptions,
-    Settings,
     SynthesisOptions,
-    resolve,
     task_for,
 )
 from mimo_tts.synthesis.pieces import Piece
 from mimo_tts.synthesis.preflight import Lengths, weights_bytes
+from mimo_tts.synthesis.settings import Settings, resolve
 from mimo_tts.synthesis.stage1 import Stage1, _naming, check_pairing, check_pause, codes_tensor
 from mimo_tts.synthesis.streaming import stream_chunks, stream_piece
 from mimo_tts.synthesis.text import clean_text

@@ -19,7 +19,7 @@ from mimo_tts.errors import (
     NoAudioError,
 )
 from mimo_tts.synthesis.audio import check_audio, join_pieces
-from mimo_tts.synthesis.options import resolve
+from mimo_tts.synthesis.settings import resolve
 
 # --- exit codes ---------------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed here (pip install 
 
 from mimo_tts.batch import ray as mray  # noqa: E402
 from mimo_tts.batch.plan import SynthRequest  # noqa: E402
-from mimo_tts.synthesis.options import OptionValues  # noqa: E402
+from mimo_tts.synthesis.settings import OptionValues  # noqa: E402
 
 ITEMS = [{"id": f"item-{i}", "text": f"Ray sentence number {i}, spoken once."} for i in range(8)]
 ITEMS[2]["seed"], ITEMS[5]["seed"] = 7, 11  # per-item seeds beside the run's --seed

@@ -28,7 +28,7 @@ from mimo_tts import errors
 from mimo_tts.batch.items import JSONL_FIELDS, read_items, sanitize_id
 from mimo_tts.cli.app import app
 from mimo_tts.errors import EXIT_BUG, InputError
-from mimo_tts.synthesis.options import PROFILE_KEYS
+from mimo_tts.synthesis.settings import PROFILE_KEYS
 
 DOCUMENTED = {v for k, v in vars(errors).items() if k.startswith("EXIT_")} - {EXIT_BUG}
 COMMANDS = get_command(app).commands

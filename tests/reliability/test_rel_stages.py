@@ -117,7 +117,7 @@ def tiny_synth_options(tiny_cache):
 def _runner(**values):
     """A BatchRunner for option values (resolved without env or profile)."""
     from mimo_tts.batch.runner import BatchRunner
-    from mimo_tts.synthesis.options import resolve
+    from mimo_tts.synthesis.settings import resolve
 
     return BatchRunner(resolve(values, env={}), env={})
 

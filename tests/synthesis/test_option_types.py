@@ -16,13 +16,8 @@ from hypothesis import strategies as st
 
 from mimo_tts.errors import EXIT_USAGE, OptionTypeError, UsageError
 from mimo_tts.synthesis import options as mopts
-from mimo_tts.synthesis.options import (
-    EngineOptions,
-    OptionValues,
-    RunOptions,
-    SynthesisOptions,
-    resolve,
-)
+from mimo_tts.synthesis.options import EngineOptions, RunOptions, SynthesisOptions
+from mimo_tts.synthesis.settings import OptionValues, resolve
 
 GROUPS = (SynthesisOptions, EngineOptions, RunOptions, OptionValues)
 FIELDS = [(cls, f.name) for cls in GROUPS for f in fields(cls)]

@@ -10,8 +10,10 @@ import pytest
 from mimo_tts.errors import UsageError
 from mimo_tts.runtime.devices import Probe
 from mimo_tts.synthesis import options as mopts
-from mimo_tts.synthesis.options import EngineOptions, RunOptions, SynthesisOptions, resolve
+from mimo_tts.synthesis import settings as msettings
+from mimo_tts.synthesis.options import EngineOptions, RunOptions, SynthesisOptions
 from mimo_tts.synthesis.profiles import PROFILE_DIR, USER_PROFILE_ENV, load_profile
+from mimo_tts.synthesis.settings import resolve
 
 CONFIGS = PROFILE_DIR  # the top-level configs/, installed as mimo_tts.configs
 NO_GPU = Probe(cuda_count=0, cuda_current=0, mps=False)
@@ -96,7 +98,7 @@ def test_builtin_profiles_are_package_data_and_use_option_names():
     for name in names:
         profile = load_profile(name, env={})
         assert profile == tomllib.loads((CONFIGS / f"{name}.toml").read_text())
-        assert set(profile) <= mopts.PROFILE_KEYS
+        assert set(profile) <= msettings.PROFILE_KEYS
     cpu_tok = load_profile(str(CONFIGS / "cpu-tokenizer.toml"))
     assert (cpu_tok["lm_device"], cpu_tok["tokenizer_device"], cpu_tok["cuda_graph"]) == (
         "cuda:0", "cpu", False)
@@ -138,15 +140,15 @@ def test_option_values_name_every_option_once_with_its_type():
         return next(t for t in get_args(hint) or (hint,) if t is not type(None))
 
     expected = {f.name: value_type(get_type_hints(cls)[f.name])
-                for cls in mopts.GROUPS.values() for f in fields(cls)}
+                for cls in msettings.GROUPS.values() for f in fields(cls)}
     expected.update({name: str for name in mopts.PLACEMENT_FIELDS}, cuda_graph=bool,
                     model=str, tokenizer=str, allow_download=bool)
-    assert mopts.PROFILE_TYPES == expected
-    assert all(f.default is None for f in fields(mopts.OptionValues))
+    assert msettings.PROFILE_TYPES == expected
+    assert all(f.default is None for f in fields(msettings.OptionValues))
 
 
 def test_resolve_takes_option_values_or_a_mapping_of_option_names():
-    given = mopts.OptionValues(seed=4, lm_device="cpu", tokenizer_device="cpu", model="tiny")
+    given = msettings.OptionValues(seed=4, lm_device="cpu", tokenizer_device="cpu", model="tiny")
     typed = resolve(given, env={}, probe=NO_GPU)
     assert typed == resolve(given.given(), env={}, probe=NO_GPU)
     assert (typed.synthesis.seed, typed.checkpoints.lm) == (4, ("tiny", "flag"))

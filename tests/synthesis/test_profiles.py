@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from mimo_tts.errors import EXIT_USAGE, UsageError
-from mimo_tts.synthesis import options as mopts
+from mimo_tts.synthesis import settings as msettings
 from mimo_tts.synthesis.profiles import load_profile
 
 WRONG_TYPES = [
@@ -51,10 +51,10 @@ def test_a_profile_value_that_fits_with_the_flags_is_kept(tmp_path):
     profile = tmp_path / "vllm.toml"
     profile.write_text("max_num_seqs = 4\ntemperature = 1\n", encoding="utf-8")
     loaded = load_profile(str(profile))
-    settings = mopts.resolve_options({"engine": "vllm"}, loaded)
+    settings = msettings.resolve_options({"engine": "vllm"}, loaded)
     assert settings.engine.max_num_seqs == 4 and settings.synthesis.temperature == 1
     with pytest.raises(UsageError, match=r"--seed must be in"):  # a flag's error stays its own
-        mopts.resolve_options({"seed": -1}, loaded | {"max_chars": 10})
+        msettings.resolve_options({"seed": -1}, loaded | {"max_chars": 10})
 
 
 def test_unknown_profile_keys_are_named_with_a_suggestion(tmp_path):
