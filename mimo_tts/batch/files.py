@@ -194,10 +194,15 @@ def write_stdout_line(text: str) -> None:
 def iter_jsonl(path: Path) -> Iterator[dict]:
     """Records of a JSON-lines file, skipping lines a killed writer left incomplete."""
     with contextlib.suppress(FileNotFoundError), open(path, "rb") as handle:
-        for raw in handle:
-            try:
-                record = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError):
-                continue
-            if isinstance(record, dict):
-                yield record
+        yield from jsonl_records(handle)
+
+
+def jsonl_records(handle) -> Iterator[dict]:
+    """The JSON objects of an open binary file's lines; lines that do not parse are skipped."""
+    for raw in handle:
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if isinstance(record, dict):
+            yield record

@@ -9,10 +9,13 @@ a line per item (under the folder's lock: refused while a run writes). No torch 
 
 from __future__ import annotations
 
+import os
+import stat
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
-from mimo_tts.batch.files import iter_jsonl
+from mimo_tts.batch.files import jsonl_records
 from mimo_tts.batch.items import read_items
 from mimo_tts.batch.shards import Shard, parse_tag, shard_of
 from mimo_tts.batch.sinks import MANIFEST_NAME, DirectorySink, manifest_name
@@ -20,12 +23,42 @@ from mimo_tts.errors import EXIT_INCOMPLETE, EXIT_OK, OutputError
 
 
 def manifests(folder: Path) -> list[Path]:
-    """The unsharded manifest first, then the shards' in (N, K) order."""
+    """The unsharded manifest first, then the shards' in (N, K) order. A name of a manifest
+    held by anything but a regular file (a directory, a FIFO, a link) is an OutputError."""
     tags = {p: parse_tag(p.name) for p in folder.glob("results.*.jsonl")}
     sharded = [p for p, tag in tags.items()
                if tag and 1 <= tag[0] <= tag[1] and p.name == manifest_name(Shard(*tag))]
-    found = [folder / MANIFEST_NAME] if (folder / MANIFEST_NAME).is_file() else []
-    return found + sorted(sharded, key=lambda p: tags[p][::-1])
+    unsharded = folder / MANIFEST_NAME
+    found = [unsharded] if unsharded.exists() or unsharded.is_symlink() else []
+    found += sorted(sharded, key=lambda p: tags[p][::-1])
+    for path in found:
+        _refuse_odd(os.lstat(path).st_mode, path)
+    return found
+
+
+_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
+          (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+
+
+def _refuse_odd(mode: int, path: Path) -> None:
+    if not stat.S_ISREG(mode):
+        kind = next((k for test, k in _KINDS if test(mode)), "a device")
+        raise OutputError(f"{path} is {kind}, not a manifest file; remove it or give "
+                          "another folder")
+
+
+def _records(path: Path) -> Iterator[dict]:
+    """A manifest's records, opened without following a link or blocking on a FIFO swapped
+    in since `manifests` looked, and read only when it is a regular file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise OutputError(f"cannot read {path}: {exc.strerror or exc}") from None
+    with open(fd, "rb") as handle:
+        _refuse_odd(os.fstat(fd).st_mode, path)
+        yield from jsonl_records(handle)
 
 
 def task_folder(output_dir: str, task: str, inputs: list[str]) -> Path:
@@ -46,7 +79,7 @@ def report(output_dir: str, task: str = "tts_sft", inputs: list[str] = (),
     found = manifests(folder) if folder.is_dir() else []
     records: dict[str, dict] = {}
     for path in found:
-        for record in iter_jsonl(path):
+        for record in _records(path):
             item_id = str(record.get("id"))
             if records.get(item_id, {}).get("status") != "ok" or record.get("status") == "ok":
                 records[item_id] = record
