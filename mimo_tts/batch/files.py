@@ -154,10 +154,19 @@ def _broken_pipe() -> OutputError:
     return OutputError("stdout was closed by the reader (broken pipe)")
 
 
+def stdout_stream():
+    """sys.stdout, or an OutputError when the command was started with it closed (`>&-`:
+    Python then has no stdout at all)."""
+    if sys.stdout is None:
+        raise OutputError("cannot write to stdout: it is closed (started with >&-); "
+                          "redirect it to a file or /dev/null instead")
+    return sys.stdout
+
+
 def write_stdout_bytes(data: bytes, stream=None) -> None:
     """Bytes on stdout, all of them, flushed: a short write is retried until the reader has
     everything or has gone away (then an OutputError: the data did not arrive)."""
-    stream = stream or sys.stdout.buffer
+    stream = stream or stdout_stream().buffer
     view = memoryview(data)
     try:
         while view:
@@ -184,11 +193,14 @@ def write_stdout_audio(audio, sample_rate: int, fmt: str, stream=None) -> None:
 
 def write_stdout_line(text: str) -> None:
     """One line of data on stdout (a path, a JSON record); a closed pipe is an OutputError."""
+    stream = stdout_stream()
     try:
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
+        stream.write(text + "\n")
+        stream.flush()
     except BrokenPipeError:
         raise _broken_pipe() from None
+    except OSError as exc:
+        raise OutputError(f"cannot write to stdout: {exc.strerror or exc}") from None
 
 
 def iter_jsonl(path: Path) -> Iterator[dict]:

@@ -3,13 +3,13 @@ memory, shard) without loading anything. The batch code is imported inside the c
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 
 from mimo_tts.cli.params import (
     DEV,
@@ -163,6 +163,9 @@ def synth(
     reporter = Reporter(quiet, verbose, as_json, debug, stdout_data=not (raw or output == "-"))
 
     def body() -> int:
+        from mimo_tts.batch.files import stdout_stream
+
+        stdout_stream()  # a run reports on stdout: a closed one ends it before any work
         if dry_run:
             return _preflight(reporter, request)
         if quiet:
@@ -191,7 +194,7 @@ def _preflight(reporter: Reporter, request: SynthRequest) -> int:
     if reporter.as_json:
         reporter.data(report)
     else:  # the report is the command's data: pretty JSON on stdout
-        Console(highlight=False).print_json(data=report)
+        reporter.data(json.dumps(report, indent=2, ensure_ascii=False))
     missing = [c for c in report["checkpoints"].values()
                if c["status"].startswith(("missing", "broken"))]
     for entry in missing:
