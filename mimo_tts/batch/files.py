@@ -195,7 +195,11 @@ def write_stdout_line(text: str) -> None:
     """One line of data on stdout (a path, a JSON record); a closed pipe is an OutputError."""
     stream = stdout_stream()
     try:
-        stream.write(text + "\n")
+        try:
+            stream.write(text + "\n")
+        except UnicodeEncodeError:  # a path of bytes that are not UTF-8 (or not the locale's)
+            stream.write(text.encode(stream.encoding or "utf-8", "backslashreplace").decode(
+                stream.encoding or "utf-8") + "\n")
         stream.flush()
     except BrokenPipeError:
         raise _broken_pipe() from None

@@ -57,6 +57,18 @@ def sanitize_id(raw: str) -> str:
     return text
 
 
+def has_surrogates(text: str) -> bool:
+    """Whether `text` holds lone surrogates: argv or file-name bytes that are not UTF-8, or a
+    broken JSON escape; such text cannot be written as UTF-8."""
+    return any("\ud800" <= c <= "\udfff" for c in text)
+
+
+def printable(text: str) -> str:
+    """`text` with its lone surrogates as `\\udcff` escapes: safe in a manifest or sidecar."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8") if has_surrogates(text) \
+        else text
+
+
 def text_id(text: str) -> str:
     """A stable id for an item without one: a slug of the text plus a short content hash."""
     digest = hashlib.sha1(text.encode("utf-8", errors="surrogatepass")).hexdigest()[:8]
@@ -112,7 +124,8 @@ def _read_input(name: str, stdin) -> list[Item]:
         data = path.read_bytes()
     except OSError as exc:
         raise InputError(f"cannot read input file {path}: {exc.strerror or exc}") from None
-    return _parse_lines(_decode_lines(data), path.name, path.suffix.lower() == ".jsonl")
+    return _parse_lines(_decode_lines(data), printable(path.name),
+                        path.suffix.lower() == ".jsonl")
 
 
 def _looks_like_jsonl(lines: list[str]) -> bool:
@@ -203,19 +216,16 @@ def _make_item(raw_id, text, label: str, record: dict) -> Item:
     item_id = sanitize_id(str(raw_id)) if raw_id is not None else text_id(text)
     return Item(id=item_id, text=text, source=label, instruct=instruct,
                 prompt_audio=record.get("prompt_audio"), seed=seed,
-                source_id=str(raw_id) if raw_id is not None else None)
+                source_id=printable(str(raw_id)) if raw_id is not None else None)
 
 
 
 
 def _check_path(path: str, where: str) -> None:
-    """A path the OS can take: no lone surrogates beyond undecodable argv/JSON bytes."""
-    import os
-
-    try:
-        os.fsencode(path)
-    except UnicodeEncodeError:
-        raise InputError(f"{where}: the path is not valid Unicode (a lone surrogate)") from None
+    """A path that a sidecar can record: JSON text is Unicode, so a lone surrogate (a broken
+    escape, or bytes smuggled in as `\\udcXX`) is refused."""
+    if has_surrogates(path):
+        raise InputError(f"{where}: the path is not valid Unicode (a lone surrogate)")
 
 
 def _bad_item(raw_id: str, label: str, error) -> Item:

@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-from mimo_tts.batch.items import Item, read_items
+from mimo_tts.batch.items import Item, has_surrogates, read_items
 from mimo_tts.batch.results import ItemResult
 from mimo_tts.batch.runner import BatchRunner
 from mimo_tts.batch.shards import Shard, resolve_shard
@@ -47,6 +47,17 @@ class SynthRequest:
     as_json: bool = False
 
 
+def check_unicode(request: SynthRequest) -> None:
+    """Every option value is text that a sidecar, a manifest and a log can hold: bytes in argv
+    that are not UTF-8 (Python keeps them as lone surrogates) are a usage error naming the
+    flag. `--text` is an item's text and fails that item (exit 9) instead."""
+    for name, value in request.options.given().items():
+        if isinstance(value, str) and has_surrogates(value):
+            flag = "-o/--output" if name == "output" else "--" + name.replace("_", "-")
+            raise UsageError(f"{flag}: {os.fsencode(value)!r} is not valid UTF-8; give it "
+                             "in UTF-8")
+
+
 @dataclass(frozen=True)
 class Plan:
     """A synth run, planned: its items (its shard's only), its settings and its shard."""
@@ -64,6 +75,7 @@ def plan_synth(request: SynthRequest, stdin=None, log=None) -> Plan:
     """Settings, items and shard of a request; usage errors up front, then input errors, then
     device and checkpoint-name errors."""
     log = log or (lambda message: None)
+    check_unicode(request)
     profile = load_profile(request.config)
     settings = resolve_options(request.options, profile)
     run = settings.run

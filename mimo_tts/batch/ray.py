@@ -26,6 +26,7 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
+from mimo_tts.batch.items import printable
 from mimo_tts.batch.plan import SynthRequest, plan_synth, sink_for
 from mimo_tts.batch.results import ItemResult, guarded
 from mimo_tts.batch.runner import BatchRunner, finish_item
@@ -111,12 +112,13 @@ def pipeline(settings, pending: list[ItemResult], *, stage0_actors: int = 1,
     """
     import ray
 
+    argv = [printable(a) for a in sys.argv[1:]]
     gpus = stage0_gpus if stage0_gpus is not None else (
         1 if settings.placement.lm_device.value.startswith("cuda") else 0)
     return (
         ray.data.from_items([{PAYLOAD: p} for p in _rows(pending)[PAYLOAD]],
                             override_num_blocks=max(len(pending), 1))
-        .map_batches(Stage0, fn_constructor_kwargs={"settings": settings, "argv": sys.argv[1:]},
+        .map_batches(Stage0, fn_constructor_kwargs={"settings": settings, "argv": argv},
                      batch_size=batch_size or settings.run.batch_size, num_gpus=gpus,
                      num_cpus=stage0_cpus, compute=ray.data.ActorPoolStrategy(size=stage0_actors))
         .map_batches(Stage1, fn_constructor_kwargs={"settings": settings}, batch_size=1,

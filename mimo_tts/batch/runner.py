@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from mimo_tts.batch.continuous import ContinuousRun
-from mimo_tts.batch.items import Item
+from mimo_tts.batch.items import Item, printable
 from mimo_tts.batch.results import ItemResult, fail, guarded
 from mimo_tts.errors import MimoTTSError
 from mimo_tts.lm.engine import DEFAULT_ENGINE, engine_spec
@@ -219,7 +219,7 @@ class BatchRunner:
         load timings, argv (the Ray pipeline ships it from Stage-0 to Stage-1)."""
         return {"described": self.tts.describe(self.settings.synthesis),
                 "tokenizer": str(self.refs[1].path), "threads": self.threads,
-                "timings": dict(self.timings), "argv": sys.argv[1:]}
+                "timings": dict(self.timings), "argv": [printable(a) for a in sys.argv[1:]]}
 
 
 def finish_item(stage1, settings: Settings, context: dict, result: ItemResult,

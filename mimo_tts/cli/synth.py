@@ -234,10 +234,11 @@ def preflight_report(request: SynthRequest) -> dict:
     checked as a run reads them (stdin is left alone), and their texts with `--text` size the
     memory plan; the shard is the one the run would take."""
     from mimo_tts.batch.items import read_items
-    from mimo_tts.batch.plan import shard_for
+    from mimo_tts.batch.plan import check_unicode, shard_for
     from mimo_tts.synthesis.preflight import preflight
     from mimo_tts.synthesis.profiles import load_profile
 
+    check_unicode(request)
     texts = [t for t in request.texts if t != "-"]
     files = [f for f in request.inputs if f != "-"]
     settings = resolve(request.options, load_profile(request.config), os.environ)
