@@ -28,12 +28,14 @@ from pathlib import Path
 
 from mimo_tts.batch import files as mio
 from mimo_tts.batch.files import iter_jsonl
+from mimo_tts.batch.shards import parse_tag
 from mimo_tts.errors import OutputError
 from mimo_tts.runtime.paths import (
     atomic_write,
     clean_temp_files,
     is_special_file,
     open_no_follow,
+    pid_alive,
     remove_quietly,
     write_json,
 )
@@ -332,6 +334,10 @@ class DirectorySink(FileSink):
             if alone:
                 clean_temp_files(self.dir)
             if self.shard is None:
+                if not alone and (writing := self._shards_writing()):
+                    raise OutputError(f"shard(s) {writing} are writing to {self.dir}; an "
+                                      "unsharded run waits for them (or use another "
+                                      "--output-dir)")
                 self._hold(folder, alone, f"is writing to {self.dir}", record=True)
             else:  # shared folder lock (waiting out a clean-up), then this shard's own lock
                 self._hold(folder, _flock(folder, exclusive=False, wait=SHARED_LOCK_WAIT_S),
@@ -343,6 +349,22 @@ class DirectorySink(FileSink):
             self.close()
             raise
         return self
+
+    def _shards_writing(self) -> str:
+        """The shards whose own lock names a live pid, as `1/3 (pid 123), 2/3 (pid 456)`:
+        they hold the folder lock shared and never write it, so its pid would be stale."""
+        found = []
+        for path in sorted(self.dir.glob(".mimo-tts.shard-*-of-*.lock")):
+            tag = parse_tag(path.name)
+            if tag is None or path.is_symlink():
+                continue
+            try:
+                pid = int(path.read_bytes().strip() or b"0")
+            except (OSError, ValueError):
+                continue
+            if pid > 0 and pid_alive(pid):
+                found.append((tag[1], tag[0], f"{tag[0]}/{tag[1]} (pid {pid})"))
+        return ", ".join(label for *_, label in sorted(found))
 
     def _hold(self, lock, held: bool, doing: str, record: bool = False) -> None:
         """Refuse when `lock` is taken; else `record` this pid in it (exclusive locks)."""
