@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from mimo_tts.runtime.paths import (
     remove_quietly,
     write_json,
 )
-from mimo_tts.synthesis.audio import FORMATS, SAMPLE_RATE
+from mimo_tts.synthesis.audio import FORMATS, SAMPLE_RATE, encode_audio
 
 LOCK_NAME = ".mimo-tts.lock"
 MANIFEST_NAME = "results.jsonl"
@@ -134,27 +135,68 @@ def _manifest_key(record: dict) -> tuple[str, str]:
 def _done_record(audio: Path, sidecar: Path, key: str) -> dict | None:
     """The result of a finished item with this input key, or None.
 
-    The sidecar (holding the key and the result) is written before the audio, so an audio
-    file whose sidecar carries the same key is complete, even if the run was then killed
-    before anything else was recorded.
+    The sidecar (holding the key, the result and the audio file's size) is written before the
+    audio, so an audio file of that size whose sidecar carries the same key is complete, even
+    if the run was then killed before anything else was recorded. A file cut short (a full
+    disk, a copy stopped half-way) is not done.
     """
-    if not audio.is_file():
+    data = read_sidecar(sidecar)
+    result = data.get("result") if data else None
+    if not isinstance(result, dict) or result.get("key") != key or result.get("status") != "ok":
         return None
-    result = _sidecar_result(sidecar)
-    if result is not None and result.get("key") == key and result.get("status") == "ok":
-        return result
-    return None
+    return result if audio_problem(audio, data) is None else None
 
 
-def _sidecar_result(sidecar: Path) -> dict | None:
+def read_sidecar(sidecar: Path) -> dict | None:
+    """A sidecar's JSON object, or None (absent, a link, unreadable, not an object)."""
     if sidecar.is_symlink():
         return None
     try:
         data = json.loads(sidecar.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
-    result = data.get("result") if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else None
+
+
+def _sidecar_result(sidecar: Path) -> dict | None:
+    result = (read_sidecar(sidecar) or {}).get("result")
     return result if isinstance(result, dict) else None
+
+
+def audio_problem(audio: Path, sidecar: dict) -> str | None:
+    """Why an audio file is not the whole output its sidecar describes, or None: gone, or a
+    size other than the recorded one (sidecars from before sizes were recorded: empty, or a
+    WAV whose RIFF header states another length)."""
+    try:
+        info = audio.stat()
+    except OSError:
+        return "audio file gone"
+    if not stat.S_ISREG(info.st_mode):
+        return "audio file is not a regular file"
+    expected = (sidecar.get("audio") or {}).get("bytes") if isinstance(sidecar.get("audio"),
+                                                                     dict) else None
+    if isinstance(expected, int) and not isinstance(expected, bool):
+        return None if info.st_size == expected else \
+            f"audio file cut ({info.st_size} of {expected} bytes)"
+    if info.st_size == 0:
+        return "audio file empty"
+    if audio.suffix.lower() == ".wav":
+        riff = _riff_size(audio)
+        if riff is not None and riff != info.st_size:
+            return f"audio file cut ({info.st_size} of {riff} bytes)"
+    return None
+
+
+def _riff_size(audio: Path) -> int | None:
+    """The file size a WAV's RIFF header states (its chunk size + 8), or None."""
+    try:
+        with open(audio, "rb") as handle:
+            head = handle.read(12)
+    except OSError:
+        return None
+    if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+        return None
+    return int.from_bytes(head[4:8], "little") + 8
 
 
 def _skip(result, path: Path, done: dict) -> None:
@@ -263,7 +305,7 @@ class FileSink(Sink):
         ours = not self.audio_only and (_sidecar_result(sidecar) or {}).get("key") == result.key
         mine = () if self.audio_only or ours else (sidecar, codes) if self.save_codes else (
             sidecar,)
-        for taken in (path, *mine):
+        for taken in () if ours else (path, *mine):  # ours, not done: its audio is cut
             if taken.exists() or taken.is_symlink():
                 raise OutputError(f"{taken} exists; use --overwrite to replace it")
 
@@ -284,9 +326,12 @@ class FileSink(Sink):
             if self.save_codes:
                 result.codes_path = mio.save_codes(codes_path, codes["pieces"],
                                                    codes["metadata"])
+            data = encode_audio(samples, self.sample_rate, self.fmt)
             result.path, result.sidecar = path, sidecar
-            write_json(sidecar, {**record, "result": result.record(record["task"])})
-            mio.write_audio(path, samples, self.sample_rate, self.fmt)
+            audio = {**record.get("audio", {}), "bytes": len(data)}  # done: this size on disk
+            write_json(sidecar, {**record, "audio": audio,
+                                 "result": result.record(record["task"])})
+            atomic_write(path, lambda f: f.write(data))
         except BaseException:
             remove_quietly(sidecar, result.codes_path)
             result.path = result.sidecar = result.codes_path = None
@@ -405,7 +450,9 @@ class DirectorySink(FileSink):
             line = self.manifest.get(item.id, self.fmt) or {}
             if line.get("status") != "ok" or line.get("key") != result.key:
                 self.manifest.add({"format": self.fmt, **done})  # killed before its line
-        elif (path.exists() or path.is_symlink()) and not self.overwrite:
+        elif (path.exists() or path.is_symlink()) and not self.overwrite and \
+                (_sidecar_result(self.sidecar_path(item.id)) or {}).get("key") != result.key:
+            # (a sidecar with this key beside audio that is not done: its audio was cut, redo it)
             raise OutputError(f"{path} exists from other inputs; use --overwrite to replace it")
 
     def finished(self, result, task: str) -> None:

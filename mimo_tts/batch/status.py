@@ -15,10 +15,16 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from mimo_tts.batch.files import jsonl_records
+from mimo_tts.batch.files import companion_paths, jsonl_records
 from mimo_tts.batch.items import read_items
 from mimo_tts.batch.shards import Shard, parse_tag, shard_of
-from mimo_tts.batch.sinks import MANIFEST_NAME, DirectorySink, manifest_name
+from mimo_tts.batch.sinks import (
+    MANIFEST_NAME,
+    DirectorySink,
+    audio_problem,
+    manifest_name,
+    read_sidecar,
+)
 from mimo_tts.errors import EXIT_INCOMPLETE, EXIT_OK, OutputError
 
 
@@ -96,8 +102,8 @@ def report(output_dir: str, task: str = "tts_sft", inputs: list[str] = (),
         elif record.get("status") != "ok":
             failed.append({"id": item_id, "shard": where, "exit_code": record.get("exit_code"),
                            "error": record.get("error")})
-        elif not (folder / Path(str(record.get("path"))).name).is_file():
-            missing.append({"id": item_id, "shard": where, "reason": "audio file gone"})
+        elif (problem := _output_problem(folder, record)) is not None:
+            missing.append({"id": item_id, "shard": where, "reason": problem})
         else:
             done.append(item_id)
     out = {"dir": str(folder), "manifests": [p.name for p in found], "items": len(texts),
@@ -114,6 +120,21 @@ def report(output_dir: str, task: str = "tts_sft", inputs: list[str] = (),
     if merge:
         out["merged"] = str(_merge(folder, records, list(texts)))
     return out
+
+
+def _output_problem(folder: Path, record: dict) -> str | None:
+    """Why an `ok` line's output is not done as `synth` judges it (`sinks._done_record`): its
+    sidecar gone or from other inputs, its audio gone or cut; None when it is done."""
+    audio = folder / Path(str(record.get("path"))).name
+    if not audio.exists():
+        return "audio file gone"
+    sidecar = read_sidecar(companion_paths(audio)[0])
+    result = (sidecar or {}).get("result")
+    if not isinstance(result, dict):
+        return "sidecar gone or unreadable"
+    if result.get("key") != record.get("key") or result.get("status") != "ok":
+        return "sidecar from other inputs"
+    return audio_problem(audio, sidecar)
 
 
 def _shard(item_id: str, count: int | None) -> str | None:

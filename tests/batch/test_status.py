@@ -3,6 +3,7 @@ outputs whose inputs changed since, and audio that is cut or gone (issue 22, A).
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -34,3 +35,47 @@ def test_a7_a_fifo_swapped_in_after_the_listing_is_never_read(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(OutputError, match="is a FIFO"):
         list(status._records(fifo))  # opened non-blocking, refused by its fstat
+
+
+def _statuses(invoke, *args) -> tuple[int, dict]:
+    run = invoke("status", "out", *args, "--json")
+    return run.exit_code, json.loads(run.stdout)
+
+
+def test_a8_cut_empty_or_sidecarless_audio_is_not_done_and_synth_redoes_it(invoke, tmp_path):
+    batch = tmp_path / "b.jsonl"
+    batch.write_text("".join(json.dumps({"id": i, "text": f"Item {i}."}) + "\n"
+                             for i in "abcd"))
+    synth = ("synth", "--model", "tiny", "--input", batch, "--output-dir", "out",
+             "--max-new-groups", "2")
+    assert invoke(*synth).exit_code == 0
+    folder = tmp_path / "out" / "tts_sft"
+    sizes = {i: (folder / f"{i}.wav").stat().st_size for i in "abcd"}
+    assert all(json.loads((folder / f"{i}.json").read_text())["audio"]["bytes"] == sizes[i]
+               for i in "abcd")
+    with open(folder / "a.wav", "r+b") as f:
+        f.truncate(sizes["a"] // 2)  # cut: a full disk, a copy stopped half-way
+    (folder / "b.wav").write_bytes(b"")
+    old = json.loads((folder / "c.json").read_text())
+    del old["audio"]["bytes"]  # a sidecar from before sizes were recorded: the RIFF header
+    (folder / "c.json").write_text(json.dumps(old))
+    with open(folder / "c.wav", "r+b") as f:
+        f.truncate(sizes["c"] - 100)
+    (folder / "d.json").unlink()
+
+    code, report = _statuses(invoke)
+    assert code == 10 and report["done"] == 0
+    assert {e["id"]: e["reason"] for e in report["missing"]} == {
+        "a": f"audio file cut ({sizes['a'] // 2} of {sizes['a']} bytes)",
+        "b": f"audio file cut (0 of {sizes['b']} bytes)",
+        "c": f"audio file cut ({sizes['c'] - 100} of {sizes['c']} bytes)",
+        "d": "sidecar gone or unreadable"}
+
+    again = invoke(*synth)  # a, b, c are redone; d's audio has no sidecar: kept, refused
+    assert again.exit_code == 8, again.stderr
+    assert "3 written, 0 skipped, 1 failed" in again.stderr
+    assert "d.wav exists from other inputs" in again.stderr
+    assert {i: (folder / f"{i}.wav").stat().st_size for i in "abc"} == {
+        i: sizes[i] for i in "abc"}
+    code, report = _statuses(invoke)
+    assert report["done"] == 3 and [e["id"] for e in report["missing"]] == ["d"]
