@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import sys
 import unicodedata
@@ -39,6 +40,17 @@ class Item:
     source_id: str | None = None
     error: InputError | None = None
     extra: dict = field(default_factory=dict)
+    legacy_id: str | None = None  # the text-only id earlier versions gave it, when other
+
+
+@dataclass(frozen=True)
+class Naming:
+    """The run's values for what an item does not set itself (`--seed`, `--instruct`,
+    `--prompt-audio`): they change its audio, so they are part of a derived id."""
+
+    seed: int = 0
+    instruct: str | None = None
+    prompt_audio: str | None = None
 
 
 # --- ids and text -------------------------------------------------------------------------------
@@ -69,9 +81,17 @@ def printable(text: str) -> str:
         else text
 
 
-def text_id(text: str) -> str:
-    """A stable id for an item without one: a slug of the text plus a short content hash."""
-    digest = hashlib.sha1(text.encode("utf-8", errors="surrogatepass")).hexdigest()[:8]
+def text_id(text: str, seed: int = 0, instruct: str | None = None,
+            prompt_audio: str | None = None) -> str:
+    """A stable id for an item without one: a slug of the text plus a short hash of the text
+    and of what else changes its audio (a seed other than 0, an instruction, a voice prompt's
+    path as written), so another seed, style or voice of one sentence is another file. With
+    none of those the hash covers the text alone, as it always did."""
+    parts = [text, *([f"seed={seed}"] if seed else []),
+             *([f"instruct={instruct}"] if instruct else []),
+             *([f"prompt_audio={os.path.normpath(prompt_audio)}"] if prompt_audio else [])]
+    blob = "\0".join(parts)  # clean text holds no NUL: the parts cannot run together
+    digest = hashlib.sha1(blob.encode("utf-8", errors="surrogatepass")).hexdigest()[:8]
     slug = sanitize_id(" ".join(text.split()[:6]))[:32].rstrip("._-")
     return f"{slug}-{digest}" if slug != "item" else f"item-{digest}"
 
@@ -93,8 +113,11 @@ def text_id(text: str) -> str:
 # --- reading items ------------------------------------------------------------------------------
 
 
-def read_items(texts: Iterable[str], inputs: Iterable[str], stdin=None) -> list[Item]:
-    """Items from `--text` values and `--input` files (`.txt`/`.jsonl`; `-` reads stdin)."""
+def read_items(texts: Iterable[str], inputs: Iterable[str], stdin=None,
+               naming: Naming = Naming()) -> list[Item]:
+    """Items from `--text` values and `--input` files (`.txt`/`.jsonl`; `-` reads stdin);
+    an item without an id is named by its text and what `naming` or its line add
+    (`text_id`)."""
     items: list[Item] = []
     for n, text in enumerate(texts, 1):
         if text == "-":
@@ -102,6 +125,13 @@ def read_items(texts: Iterable[str], inputs: Iterable[str], stdin=None) -> list[
         items.append(_make_item(None, text, f"--text #{n}", {}))
     for name in inputs:
         items.extend(_read_input(name, stdin))
+    for item in items:
+        if item.error is None and item.source_id is None:
+            item.legacy_id = item.id
+            item.id = text_id(item.text, item.seed if item.seed is not None else naming.seed,
+                              item.instruct or naming.instruct,
+                              item.prompt_audio or naming.prompt_audio)
+            item.legacy_id = None if item.legacy_id == item.id else item.legacy_id
     return _dedupe(items)
 
 
@@ -244,7 +274,7 @@ def _dedupe(items: list[Item]) -> list[Item]:
     for item in items:
         if item.id in seen:
             if item.error is None and item.source_id is None:
-                item.id = _free_id(item.id, seen)
+                item.id, item.legacy_id = _free_id(item.id, seen), None
             else:
                 first, first_raw = seen[item.id]
                 if item.error is None and first_raw not in (None, item.source_id):

@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-from mimo_tts.batch.items import Item, has_surrogates, read_items
+from mimo_tts.batch.items import Item, Naming, has_surrogates, read_items
 from mimo_tts.batch.results import ItemResult
 from mimo_tts.batch.runner import BatchRunner
 from mimo_tts.batch.shards import Shard, resolve_shard
@@ -82,7 +82,9 @@ def plan_synth(request: SynthRequest, stdin=None, log=None) -> Plan:
     _check(not (request.as_json and run.to_stdout),
            "--json prints to stdout, which -o - / --raw already use")
     check_binary_stdout(run.to_stdout, "--raw" if run.raw else "-o -")
-    items = read_items(request.texts, request.inputs, stdin)
+    o = settings.synthesis
+    items = read_items(request.texts, request.inputs, stdin,
+                       Naming(o.seed, o.instruct, o.prompt_audio))
     _check(bool(items), "nothing to say: give --text, --input FILE or --input -")
     _check(run.output is None or run.raw or len(items) == 1,
            f"-o/--output takes exactly one item, got {len(items)}; use --output-dir")

@@ -441,10 +441,15 @@ class DirectorySink(FileSink):
         return self.audio_path(item_id), self.sidecar_path(item_id), self.codes_path(item_id)
 
     def check(self, result) -> None:
-        """Skip an item whose audio and sidecar say it is done with the same inputs."""
+        """Skip an item whose audio and sidecar say it is done with the same inputs (also
+        under the text-only id earlier versions gave it: the item then keeps that id)."""
         item = result.item
         path = self.audio_path(item.id)
         done = self.done_record(item.id, result.key)
+        if done is None and item.legacy_id and not self.overwrite and not path.exists():
+            done = self.done_record(item.legacy_id, result.key)
+            if done is not None:
+                item.id, path = item.legacy_id, self.audio_path(item.legacy_id)
         if done is not None and not self.overwrite:
             _skip(result, path, done)
             line = self.manifest.get(item.id, self.fmt) or {}

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from mimo_tts.batch.files import companion_paths, jsonl_records
-from mimo_tts.batch.items import read_items
+from mimo_tts.batch.items import Naming, read_items
 from mimo_tts.batch.shards import Shard, parse_tag, shard_of
 from mimo_tts.batch.sinks import (
     MANIFEST_NAME,
@@ -79,8 +79,10 @@ def task_folder(output_dir: str, task: str, inputs: list[str]) -> Path:
 
 
 def report(output_dir: str, task: str = "tts_sft", inputs: list[str] = (),
-           merge: bool = False) -> dict:
-    """Done / failed / missing items over every manifest (and `--input`), per shard."""
+           merge: bool = False, naming: Naming | None = None) -> dict:
+    """Done / failed / missing items over every manifest (and `--input`, its items named as
+    `synth` names them with the same `--seed`, `--instruct`, `--prompt-audio`: `naming`), per
+    shard."""
     folder = task_folder(output_dir, task, list(inputs))
     found = manifests(folder) if folder.is_dir() else []
     records: dict[str, dict] = {}
@@ -91,7 +93,7 @@ def report(output_dir: str, task: str = "tts_sft", inputs: list[str] = (),
                 records[item_id] = record
     counts = {parse_tag(p.name)[1] for p in found if parse_tag(p.name)}
     count = counts.pop() if len(counts) == 1 else None  # missing items get their shard
-    texts = ({i.id: i.text for i in read_items([], inputs, sys.stdin)} if inputs
+    texts = ({i.id: i.text for i in read_items([], inputs, sys.stdin, naming or Naming())} if inputs
              else dict.fromkeys(records))
     done, failed, missing = [], [], []
     for item_id, text in texts.items():

@@ -43,20 +43,30 @@ def status(
                                               "count as missing.")] = None,
     task: Annotated[str, typer.Option(
         metavar="TASK", help="The task folder under OUTPUT_DIR.")] = "tts_sft",
+    seed: Annotated[int, typer.Option(
+        metavar="SEED", help="synth's --seed: with --input it names and keys the items "
+                             "(default 0).")] = 0,
+    instruct: Annotated[str | None, typer.Option(
+        metavar="TEXT", help="synth's --instruct, likewise.")] = None,
+    prompt_audio: Annotated[str | None, typer.Option(
+        metavar="FILE", help="synth's --prompt-audio, likewise.")] = None,
     merge: Annotated[bool, typer.Option(
         "--merge", help="Write every shard's lines into one results.jsonl.")] = False,
     as_json: AsJson = False, debug: Debug = False,
 ) -> None:
     """Done / failed / missing items across all shards' manifests of an output folder.
 
-    Exits 0 when every item is done, 10 when some are failed or missing.
+    Give it synth's --input and the --seed, --instruct and --prompt-audio the run had: they
+    name the items. Exits 0 when every item is done, 10 when some are failed or missing.
     """
     reporter = Reporter(as_json=as_json, debug=debug)
 
     def body() -> int:
         from mimo_tts.batch import status as folder_status
+        from mimo_tts.batch.items import Naming
 
-        report = folder_status.report(output_dir, task, input or [], merge)
+        report = folder_status.report(output_dir, task, input or [], merge,
+                                      Naming(seed, instruct, prompt_audio))
         if as_json:
             reporter.data(report)
         else:

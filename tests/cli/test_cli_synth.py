@@ -180,9 +180,12 @@ def test_text_file_batch_resume_and_overwrite(invoke, tmp_path, manifest):
     redo = invoke(*args, "--overwrite")
     assert [json.loads(x)["status"] for x in redo.stdout.splitlines()] == ["ok"] * 2
     assert len(manifest(task_dir)) == 2  # one line per item, still
-    changed = invoke(*args, "--seed", "3")  # other inputs: new keys, same derived ids
+    changed = invoke(*args, "--max-new-groups", "4")  # other inputs: new keys, same ids
     assert changed.exit_code == 5  # both items failed with the same I/O error
     assert all("use --overwrite" in json.loads(x)["error"] for x in changed.stdout.splitlines())
+    seeded = invoke(*args, "--seed", "3")  # another seed: other derived ids, other files
+    assert [json.loads(x)["status"] for x in seeded.stdout.splitlines()] == ["ok"] * 2
+    assert len(list(task_dir.glob("*.wav"))) == 4
 
 
 def test_jsonl_batch_with_bad_lines_is_a_partial_failure(invoke, tmp_path, manifest):
