@@ -218,6 +218,7 @@ class BatchRunner:
         """What every sidecar of this run shares: checkpoints, placement, engine, threads,
         load timings, argv (the Ray pipeline ships it from Stage-0 to Stage-1)."""
         return {"described": self.tts.describe(self.settings.synthesis),
+                "resume": run_inputs(self.settings, self.refs),
                 "tokenizer": str(self.refs[1].path), "threads": self.threads,
                 "timings": dict(self.timings), "argv": [printable(a) for a in sys.argv[1:]]}
 
@@ -268,15 +269,23 @@ def sidecar_record(settings: Settings, context: dict, result: ItemResult,
         "pieces": [p.record() for p in pieces],
         "timings": {**{k: round(v, 4) for k, v in context["timings"].items()},
                     **{k: round(v, 4) for k, v in result.timings.items()}},
+        "resume": context.get("resume"),  # the run's part of the key (`run_inputs`)
     }
 
 
 def item_key(settings: Settings, refs, item: Item, seed: int) -> str:
     """The resume key: a hash of every input that determines an item's output bytes."""
+    o = settings.synthesis
+    return resume_key({**run_inputs(settings, refs),
+                       **item_inputs(item.text, item.instruct or o.instruct, seed,
+                                     item.prompt_audio or o.prompt_audio, o.task)})
+
+
+def run_inputs(settings: Settings, refs) -> dict:
+    """The resume key's inputs that one run gives all its items (JSON values): every sidecar
+    records them, so `status` keys an item from its input line as `synth` does."""
     o, run, p, (lm, tok) = settings.synthesis, settings.run, settings.placement, refs
     inputs = {
-        "text": item.text, "instruct": item.instruct or o.instruct, "seed": seed,
-        "prompt_audio": _file_stamp(item.prompt_audio or o.prompt_audio), "task": o.task,
         "template": o.template, "model": [str(lm.path), lm.revision],
         "tokenizer": [str(tok.path), tok.revision], "sampler": o.sampler_settings(),
         "max_new_groups": o.max_new_groups, "batch_size": run.batch_size,
@@ -291,6 +300,18 @@ def item_key(settings: Settings, refs, item: Item, seed: int) -> str:
             chunk_cap(o.stream_mode, o.stream_chunk_groups, o.stream_max_chunk_groups)]
     if settings.engine.engine != DEFAULT_ENGINE:  # likewise
         inputs["engine"] = settings.engine.engine
+    return inputs
+
+
+def item_inputs(text: str, instruct: str | None, seed: int, prompt_audio: str | None,
+                task: str) -> dict:
+    """The resume key's inputs of one item: its text and the values it runs with."""
+    return {"text": text, "instruct": instruct, "seed": seed,
+            "prompt_audio": _file_stamp(prompt_audio), "task": task}
+
+
+def resume_key(inputs: dict) -> str:
+    """The hash of a key's inputs (`run_inputs` with `item_inputs`)."""
     blob = json.dumps(inputs, sort_keys=True, ensure_ascii=False, default=str)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
 

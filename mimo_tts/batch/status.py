@@ -2,8 +2,11 @@
 
 Reads every manifest of a task folder (`results.jsonl` and each shard's
 `results.shard-K-of-N.jsonl`) without locking or rewriting them, so it runs beside live
-shards. An item is done when a line says `ok` and its audio is there; with `--input`, an item
-with no line, or a line for other text, is missing. `--merge` writes one `results.jsonl` with
+shards. An item is done as the next `synth` judges it: a line says `ok`, its sidecar holds
+that key and its audio has the recorded size; with `--input`, also its resume key from its
+line (`runner.item_key`: the item's text, seed, instruct, prompt audio and task, with the rest
+of the settings as its sidecar records them). An item with no line, or done for other inputs,
+is missing. `--merge` writes one `results.jsonl` with
 a line per item (under the folder's lock: refused while a run writes). No torch here.
 """
 
@@ -17,6 +20,7 @@ from pathlib import Path
 
 from mimo_tts.batch.files import companion_paths, jsonl_records
 from mimo_tts.batch.items import Naming, read_items
+from mimo_tts.batch.runner import item_inputs, resume_key
 from mimo_tts.batch.shards import Shard, parse_tag, shard_of
 from mimo_tts.batch.sinks import (
     MANIFEST_NAME,
@@ -26,6 +30,7 @@ from mimo_tts.batch.sinks import (
     read_sidecar,
 )
 from mimo_tts.errors import EXIT_INCOMPLETE, EXIT_OK, OutputError
+from mimo_tts.lm.tasks import TASKS
 
 
 def manifests(folder: Path) -> list[Path]:
@@ -80,35 +85,32 @@ def task_folder(output_dir: str, task: str, inputs: list[str]) -> Path:
 
 def report(output_dir: str, task: str = "tts_sft", inputs: list[str] = (),
            merge: bool = False, naming: Naming | None = None) -> dict:
-    """Done / failed / missing items over every manifest (and `--input`, its items named as
-    `synth` names them with the same `--seed`, `--instruct`, `--prompt-audio`: `naming`), per
-    shard."""
+    """Done / failed / missing items over every manifest (and `--input`, its items named and
+    keyed as `synth` does with the same `--seed`, `--instruct`, `--prompt-audio`: `naming`),
+    per shard."""
     folder = task_folder(output_dir, task, list(inputs))
     found = manifests(folder) if folder.is_dir() else []
-    records: dict[str, dict] = {}
-    for path in found:
-        for record in _records(path):
-            item_id = str(record.get("id"))
-            if records.get(item_id, {}).get("status") != "ok" or record.get("status") == "ok":
-                records[item_id] = record
+    records = _latest(found)
     counts = {parse_tag(p.name)[1] for p in found if parse_tag(p.name)}
     count = counts.pop() if len(counts) == 1 else None  # missing items get their shard
-    texts = ({i.id: i.text for i in read_items([], inputs, sys.stdin, naming or Naming())} if inputs
-             else dict.fromkeys(records))
-    done, failed, missing = [], [], []
-    for item_id, text in texts.items():
-        record, where = records.get(item_id), _shard(item_id, count)
-        if record is None or (text is not None and record.get("text") != text):
-            missing.append({"id": item_id, "shard": where,
-                            **({} if record is None else {"reason": "other text"})})
-        elif record.get("status") != "ok":
+    judge = _Judge(folder, folder.name if folder.name in TASKS else task, naming or Naming())
+    items = read_items([], inputs, sys.stdin, judge.naming) if inputs else None
+    done, failed, missing, order = [], [], [], []
+    entries = [(i.id, i) for i in items] if items is not None else [(i, None) for i in records]
+    for item_id, item in entries:
+        record, problem = judge.verdict(records, item, item_id)
+        where = _shard(item_id, count)
+        if record is not None:
+            order.append(str(record["id"]))
+        if record is not None and problem is None and record.get("status") != "ok":
             failed.append({"id": item_id, "shard": where, "exit_code": record.get("exit_code"),
                            "error": record.get("error")})
-        elif (problem := _output_problem(folder, record)) is not None:
-            missing.append({"id": item_id, "shard": where, "reason": problem})
+        elif record is None or problem is not None:
+            missing.append({"id": item_id, "shard": where,
+                            **({} if problem is None else {"reason": problem})})
         else:
             done.append(item_id)
-    out = {"dir": str(folder), "manifests": [p.name for p in found], "items": len(texts),
+    out = {"dir": str(folder), "manifests": [p.name for p in found], "items": len(entries),
            "done": len(done), "failed": failed, "missing": missing,
            "complete": not failed and not missing, "merged": None}
     if count is not None:
@@ -120,23 +122,70 @@ def report(output_dir: str, task: str = "tts_sft", inputs: list[str] = (),
     elif len(counts) > 1:
         out["warning"] = "manifests of different shard counts: use one N per folder"
     if merge:
-        out["merged"] = str(_merge(folder, records, list(texts)))
+        out["merged"] = str(_merge(folder, records, order))
     return out
 
 
-def _output_problem(folder: Path, record: dict) -> str | None:
-    """Why an `ok` line's output is not done as `synth` judges it (`sinks._done_record`): its
-    sidecar gone or from other inputs, its audio gone or cut; None when it is done."""
-    audio = folder / Path(str(record.get("path"))).name
-    if not audio.exists():
-        return "audio file gone"
-    sidecar = read_sidecar(companion_paths(audio)[0])
-    result = (sidecar or {}).get("result")
-    if not isinstance(result, dict):
-        return "sidecar gone or unreadable"
-    if result.get("key") != record.get("key") or result.get("status") != "ok":
-        return "sidecar from other inputs"
-    return audio_problem(audio, sidecar)
+def _latest(found: list[Path]) -> dict[str, dict]:
+    """Each id's line over all manifests: an `ok` line wins over a failure."""
+    records: dict[str, dict] = {}
+    for path in found:
+        for record in _records(path):
+            item_id = str(record.get("id"))
+            if records.get(item_id, {}).get("status") != "ok" or record.get("status") == "ok":
+                records[item_id] = record
+    return records
+
+
+class _Judge:
+    """Whether an item is done as the next `synth` into this folder would judge it."""
+
+    def __init__(self, folder: Path, task: str, naming: Naming):
+        self.folder, self.task, self.naming = folder, task, naming
+
+    def verdict(self, records: dict[str, dict], item, item_id: str):
+        """(the item's line or None, why it is not done or None). An item from `--input`
+        is also found under the text-only id earlier versions gave it, when that output's
+        key is this item's."""
+        record = records.get(item_id)
+        legacy = records.get(item.legacy_id) if item is not None and item.legacy_id else None
+        if record is None and legacy is not None and legacy.get("status") == "ok" and \
+                self.problem(legacy, item) is None:
+            return legacy, None
+        if record is None:
+            return None, None
+        if item is not None and record.get("text") != item.text:
+            return record, "other text"
+        return record, self.problem(record, item) if record.get("status") == "ok" else None
+
+    def problem(self, record: dict, item) -> str | None:
+        """Why an `ok` line's output is not done (`sinks._done_record`): its sidecar gone or
+        from other inputs, the item's key (`runner.item_key`, from the run's part recorded in
+        the sidecar) another, its audio gone or cut; None when it is done."""
+        audio = self.folder / Path(str(record.get("path"))).name
+        if not audio.exists():
+            return "audio file gone"
+        sidecar = read_sidecar(companion_paths(audio)[0])
+        result = (sidecar or {}).get("result")
+        if not isinstance(result, dict):
+            return "sidecar gone or unreadable"
+        if result.get("key") != record.get("key") or result.get("status") != "ok":
+            return "sidecar from other inputs"
+        if item is not None and self.key(sidecar, item) not in (None, result["key"]):
+            return "other inputs (another seed, instruct, prompt audio or task)"
+        return audio_problem(audio, sidecar)
+
+    def key(self, sidecar: dict, item) -> str | None:
+        """The item's resume key with the settings its sidecar records; None for sidecars
+        from before they were recorded (the line's text is compared alone)."""
+        run = sidecar.get("resume")
+        if not isinstance(run, dict) or not run:
+            return None
+        n = self.naming
+        seed = item.seed if item.seed is not None else n.seed
+        return resume_key({**run, **item_inputs(item.text, item.instruct or n.instruct, seed,
+                                                item.prompt_audio or n.prompt_audio,
+                                                self.task)})
 
 
 def _shard(item_id: str, count: int | None) -> str | None:

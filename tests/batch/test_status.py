@@ -9,6 +9,7 @@ import os
 import pytest
 
 from mimo_tts.batch import status
+from mimo_tts.batch.items import text_id
 from mimo_tts.errors import EXIT_IO, OutputError
 
 
@@ -79,3 +80,40 @@ def test_a8_cut_empty_or_sidecarless_audio_is_not_done_and_synth_redoes_it(invok
         i: sizes[i] for i in "abc"}
     code, report = _statuses(invoke)
     assert report["done"] == 3 and [e["id"] for e in report["missing"]] == ["d"]
+
+
+def test_a8_a_line_changed_since_its_output_was_made_is_not_done(invoke, tmp_path):
+    batch = tmp_path / "b.jsonl"
+    batch.write_text('{"id": "a", "text": "One.", "seed": 1}\n{"id": "b", "text": "Two."}\n')
+    synth = ("synth", "--model", "tiny", "--input", batch, "--output-dir", "out",
+             "--max-new-groups", "2")
+    assert invoke(*synth).exit_code == 0
+    code, report = _statuses(invoke, "--input", batch)
+    assert (code, report["done"]) == (0, 2)
+    batch.write_text('{"id": "a", "text": "One.", "seed": 2}\n{"id": "b", "text": "Two."}\n')
+    code, report = _statuses(invoke, "--input", batch)
+    assert code == 10 and report["done"] == 1  # was: 2 done, exit 0
+    assert report["missing"] == [{"id": "a", "shard": None, "reason": "other inputs (another "
+                                  "seed, instruct, prompt audio or task)"}]
+    rerun = invoke(*synth)  # synth agrees: a is not done (its file is another seed's)
+    assert "0 skipped" not in rerun.stderr and "1 skipped" in rerun.stderr
+    assert _statuses(invoke)[0] == 0  # without --input: every line's output is whole
+
+
+def test_a8_status_names_and_keys_items_with_synths_seed(invoke, tmp_path):
+    lines = tmp_path / "lines.txt"
+    lines.write_text("First line.\nSecond line.\n")
+    assert invoke("synth", "--model", "tiny", "--input", lines, "--output-dir", "out",
+                  "--max-new-groups", "2", "--seed", "3").exit_code == 0
+    code, report = _statuses(invoke, "--input", lines, "--seed", "3")
+    assert (code, report["done"]) == (0, 2)
+    code, report = _statuses(invoke, "--input", lines)  # seed 0: other items, none done
+    assert (code, report["done"], len(report["missing"])) == (10, 0, 2)
+    folder = tmp_path / "out" / "tts_sft"
+    new, legacy = text_id("First line.", seed=3), text_id("First line.")
+    for suffix in (".wav", ".json"):  # as an earlier version named it: by the text alone
+        (folder / f"{new}{suffix}").rename(folder / f"{legacy}{suffix}")
+    manifest = folder / "results.jsonl"
+    manifest.write_text(manifest.read_text().replace(new, legacy))
+    code, report = _statuses(invoke, "--input", lines, "--seed", "3")
+    assert (code, report["done"]) == (0, 2), report
