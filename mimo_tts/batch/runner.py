@@ -26,8 +26,9 @@ from pathlib import Path
 from mimo_tts.batch.continuous import ContinuousRun
 from mimo_tts.batch.items import Item, printable
 from mimo_tts.batch.results import ItemResult, fail, guarded
-from mimo_tts.errors import MimoTTSError
+from mimo_tts.errors import InputError, MimoTTSError
 from mimo_tts.lm.engine import DEFAULT_ENGINE, engine_spec
+from mimo_tts.lm.tasks import TASKS, validate_inputs
 from mimo_tts.runtime import runner_record
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, resample
 from mimo_tts.synthesis.loader import resolve_checkpoints
@@ -129,6 +130,7 @@ class BatchRunner:
         try:
             if item.error is not None:
                 raise item.error
+            check_inputs(item, self.settings.synthesis)  # before its key and its target
             result.seed = self.seed(item)
             result.key = self.item_key(item)
             sink.check(result)
@@ -221,6 +223,18 @@ class BatchRunner:
                 "resume": run_inputs(self.settings, self.refs),
                 "tokenizer": str(self.refs[1].path), "threads": self.threads,
                 "timings": dict(self.timings), "argv": [printable(a) for a in sys.argv[1:]]}
+
+
+def check_inputs(item: Item, o) -> None:
+    """What an item's task needs, and its voice prompt a file (InputError, exit 9), checked
+    before its output's name is looked at: a bad input is never reported as a collision."""
+    instruct, prompt_audio = item.instruct or o.instruct, item.prompt_audio or o.prompt_audio
+    try:
+        validate_inputs(TASKS[o.task], item.text, instruct, bool(prompt_audio))
+        if prompt_audio and not Path(prompt_audio).is_file():
+            raise InputError(f"prompt audio not found: {prompt_audio}")
+    except InputError as exc:
+        raise InputError(f"{item.source}: {exc}") from None
 
 
 def finish_item(stage1, settings: Settings, context: dict, result: ItemResult,
