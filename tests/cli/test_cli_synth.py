@@ -159,6 +159,25 @@ def test_rerun_skips_and_loads_nothing(default_run, mimo, manifest):
     assert len(manifest(task_dir)) == 1
 
 
+def test_b_a_rerun_prints_the_paths_of_skipped_items_too(invoke, tmp_path):
+    """`f=$(mimo-tts synth ...)` works on every run, not only the first."""
+    lines = tmp_path / "lines.txt"
+    lines.write_text("First line.\nSecond line.\n")
+    args = ("synth", "--model", "tiny", "--max-new-groups", "2")
+    first = invoke(*args, "--input", lines)
+    assert first.exit_code == 0 and len(first.stdout.splitlines()) == 2
+    again = invoke(*args, "--input", lines)
+    assert again.exit_code == 0 and "0 written, 2 skipped" in again.stderr
+    assert again.stdout == first.stdout  # was: empty
+    listed = invoke(*args, "--input", lines, "--json").stdout.splitlines()
+    as_json = [json.loads(x) for x in listed]
+    assert [(r["status"], r["path"]) for r in as_json] == [
+        ("skipped", p) for p in first.stdout.splitlines()]
+    one = invoke(*args, "--text", "Hi.", "-o", tmp_path / "hi.wav")
+    assert invoke(*args, "--text", "Hi.", "-o", tmp_path / "hi.wav").stdout == one.stdout \
+        == f"{tmp_path / 'hi.wav'}\n"
+
+
 def test_text_file_batch_resume_and_overwrite(invoke, tmp_path, manifest):
     lines = tmp_path / "lines.txt"
     lines.write_text("First line.\n\nSecond line.\n", encoding="utf-8")
