@@ -21,6 +21,7 @@ from mimo_tts.cli.params import (
     AsJson,
     Config,
     Debug,
+    DevicesJson,
     Dtype,
     EngineName,
     Fmt,
@@ -211,7 +212,7 @@ def devices(
     model: Model = None, tokenizer: Tokenizer = None, lm_device: LmDevice = None,
     tokenizer_device: TokDevice = None, dtype: Dtype = None, tokenizer_dtype: TokDtype = None,
     cuda_graph: Graph = None, engine: EngineName = None, config: Config = None,
-    no_memory_check: NoMemoryCheck = None, as_json: AsJson = False, debug: Debug = False,
+    no_memory_check: NoMemoryCheck = None, as_json: DevicesJson = False, debug: Debug = False,
 ) -> None:
     """Preflight: devices (and why), CUDA, graph policy, checkpoints, memory, Stage-0 engine.
 

@@ -10,7 +10,6 @@ import typer
 from mimo_tts.cli.params import (
     GEN,
     SERVE,
-    AsJson,
     Config,
     Debug,
     Dtype,
@@ -19,6 +18,8 @@ from mimo_tts.cli.params import (
     LmThreads,
     Model,
     NoMemoryCheck,
+    SelftestJson,
+    StatusJson,
     TokDevice,
     TokDtype,
     Tokenizer,
@@ -52,7 +53,7 @@ def status(
         metavar="FILE", help="synth's --prompt-audio, likewise.")] = None,
     merge: Annotated[bool, typer.Option(
         "--merge", help="Write every shard's lines into one results.jsonl.")] = False,
-    as_json: AsJson = False, debug: Debug = False,
+    as_json: StatusJson = False, debug: Debug = False,
 ) -> None:
     """Done / failed / missing items across all shards' manifests of an output folder.
 
@@ -96,7 +97,7 @@ def download(
 
 def selftest(
     lm_device: LmDevice = None, tokenizer_device: TokDevice = None,
-    as_json: AsJson = False, debug: Debug = False,
+    as_json: SelftestJson = False, debug: Debug = False,
 ) -> None:
     """A seconds-long end-to-end run on the tiny preset; checks length, finiteness, loudness."""
     reporter = Reporter(as_json=as_json, debug=debug)
