@@ -110,7 +110,7 @@ AsJson = Annotated[bool, typer.Option("--json", rich_help_panel=RUN,
 # Each other command's --json, in its own words.
 DevicesJson = Annotated[bool, typer.Option(
     "--json", rich_help_panel=RUN, help="The preflight report as one JSON object on one line of "
-    "stdout (default: indented JSON).")]
+    "stdout (default: a short table on a terminal, indented JSON otherwise).")]
 StatusJson = Annotated[bool, typer.Option(
     "--json", help="The report as one JSON object on stdout: counts, each failed and missing "
     "item, per shard (default: lines of text).")]

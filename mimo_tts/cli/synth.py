@@ -10,6 +10,7 @@ import time
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.console import Console
 
 from mimo_tts.cli.params import (
     DEV,
@@ -191,9 +192,13 @@ def synth(
 
 
 def _preflight(reporter: Reporter, request: SynthRequest) -> int:
+    from mimo_tts.batch.files import stdout_stream
+
     report = preflight_report(request)
     if reporter.as_json:
         reporter.data(report)
+    elif stdout_stream().isatty():  # a person: the short view
+        _print_table(preflight_rows(report))
     else:  # the report is the command's data: pretty JSON on stdout
         reporter.data(json.dumps(report, indent=2, ensure_ascii=False))
     missing = [c for c in report["checkpoints"].values()
@@ -206,6 +211,62 @@ def _preflight(reporter: Reporter, request: SynthRequest) -> int:
         reporter.error(report["memory_error"])
         return EXIT_DEVICE
     return EXIT_OK
+
+
+LABELS = {"lm_device": "LM device", "tokenizer_device": "tokenizer device",
+          "lm_dtype": "LM dtype", "tokenizer_dtype": "tokenizer dtype",
+          "cuda_graph": "CUDA graphs", "cpu_kernel": "CPU kernel", "codec_kernel": "codec kernel"}
+
+
+def preflight_rows(report: dict) -> list[tuple[str, str, str]]:
+    """The preflight report as (setting, value, where it came from) rows: a terminal's view
+    (`--json` and pipes get the whole report)."""
+    rows = [(LABELS.get(name, name.replace("_", " ")), _shown(e["value"]), e["source"])
+            for name, e in report["placement"].items()]
+    cuda = report["cuda"]
+    rows.append(("CUDA", f"{cuda['device_count']} device(s), current cuda:{cuda['current']}"
+                 if cuda["available"] else "not available", ""))
+    for role, c in report["checkpoints"].items():
+        status = c["status"].split(":", 1)[0]  # a missing one's fix is in its error line
+        rows.append((role, c["path"] or c["name"], f"{status} ({c['source']})"))
+    memory = report.get("memory")
+    for need in memory if isinstance(memory, list) else []:
+        rows.append((f"memory {need['device']}", f"{need['need_gib']} GiB of "
+                     f"{need['available_gib']} GiB", ("fits" if need["fits"] else "does not fit")
+                     + f" ({need['available_source']})"))
+    if isinstance(memory, dict) and memory.get("error"):
+        rows.append(("memory", "unknown", memory["error"]))
+    if report.get("memory_error"):
+        rows.append(("memory", "does not fit", "the error below"))
+    engine = report["engine"]
+    rows.append(("engine", engine["name"], engine.get("error") or (
+        "" if "installed" not in engine else "installed" if engine["installed"]
+        else "not installed")))
+    shard = report["shard"]
+    rows.append(("shard", shard["shard"] or "every item", shard["source"]))
+    if "inputs" in report:
+        inputs = report["inputs"]
+        rows.append(("inputs", f"{inputs['items']} items, {inputs['bad_items']} bad",
+                     ", ".join(inputs["files"])))
+    return rows
+
+
+def _shown(value) -> str:
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+
+def _print_table(rows: list[tuple[str, str, str]]) -> None:
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    from mimo_tts.batch.files import stdout_stream
+
+    table = Table("", "value", "from", box=box.SIMPLE_HEAD, caption="--json: the whole report")
+    table.columns[1].overflow = "fold"  # a whole path, over lines
+    for row in rows:
+        table.add_row(*(Text(cell) for cell in row))  # paths and sources are not markup
+    Console(file=stdout_stream(), highlight=False).print(table)
 
 
 def devices(
