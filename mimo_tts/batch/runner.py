@@ -10,7 +10,7 @@ max(batch_size, max_num_seqs)), prompts of one seed in one call. Each finished i
 goes to the sink as data: its samples, codes and provenance record (`sidecar_record`); the sink
 decides where the bytes go and never calls back into the runner. `BatchRunner.codes` (Stage-0
 of a window) and `finish_item` (Stage-1 of one item) are also what the Ray pipeline's actors
-run (`mimo_tts/ray.py`).
+run (`batch/ray.py`).
 """
 
 from __future__ import annotations
