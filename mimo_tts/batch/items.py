@@ -17,13 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mimo_tts.errors import InputError, short_repr
-from mimo_tts.synthesis.options import MAX_SEED
+from mimo_tts.lm.tasks import TASKS
+from mimo_tts.synthesis.options import MAX_SEED, SynthesisOptions
 from mimo_tts.synthesis.text import clean_text
 
-JSONL_FIELDS = {"id", "text", "instruct", "prompt_audio", "seed"}
+JSONL_FIELDS = {"id", "text", "instruct", "prompt_audio", "seed", "task"}
 _RESERVED = {"con", "prn", "aux", "nul", *(f"com{i}" for i in range(10)),
              *(f"lpt{i}" for i in range(10))}
 _UNSAFE = re.compile(r"[^\w.\-]+")
+DEFAULT_TASK = SynthesisOptions.task
 MAX_ID_BYTES = 120  # UTF-8 bytes of a file stem: with suffixes and temp prefixes < NAME_MAX 255
 
 
@@ -41,6 +43,7 @@ class Item:
     error: InputError | None = None
     extra: dict = field(default_factory=dict)
     legacy_id: str | None = None  # the text-only id earlier versions gave it, when other
+    task: str | None = None  # its line's task; None: the run's (--task)
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class Naming:
     seed: int = 0
     instruct: str | None = None
     prompt_audio: str | None = None
+    task: str = DEFAULT_TASK  # not in the id: each task has its own folder
 
 
 # --- ids and text -------------------------------------------------------------------------------
@@ -132,7 +136,7 @@ def read_items(texts: Iterable[str], inputs: Iterable[str], stdin=None,
                               item.instruct or naming.instruct,
                               item.prompt_audio or naming.prompt_audio)
             item.legacy_id = None if item.legacy_id == item.id else item.legacy_id
-    return _dedupe(items)
+    return _dedupe(items, naming)
 
 
 def _stdin_text(stdin) -> str:
@@ -234,9 +238,12 @@ def _make_item(raw_id, text, label: str, record: dict) -> Item:
                                  or not 0 <= seed <= MAX_SEED):
             raise InputError(f"{label}: seed must be an integer in [0, 2**64 - 1], "
                              f"got {short_repr(seed)}")
-        for key in ("instruct", "prompt_audio"):
+        for key in ("instruct", "prompt_audio", "task"):
             if record.get(key) is not None and not isinstance(record[key], str):
                 raise InputError(f"{label}: {key} must be a string")
+        if record.get("task") is not None and record["task"] not in TASKS:
+            raise InputError(f"{label}: unknown task {short_repr(record['task'])}; choose one "
+                             f"of {', '.join(TASKS)}")
         instruct = record.get("instruct")
         instruct = clean_text(instruct, f"{label} instruct") if instruct else None
         if record.get("prompt_audio"):
@@ -245,7 +252,7 @@ def _make_item(raw_id, text, label: str, record: dict) -> Item:
         return _bad_item(str(raw_id) if raw_id is not None else text_id(str(text)), label, exc)
     item_id = sanitize_id(str(raw_id)) if raw_id is not None else text_id(text)
     return Item(id=item_id, text=text, source=label, instruct=instruct,
-                prompt_audio=record.get("prompt_audio"), seed=seed,
+                prompt_audio=record.get("prompt_audio"), seed=seed, task=record.get("task"),
                 source_id=printable(str(raw_id)) if raw_id is not None else None)
 
 
@@ -263,15 +270,17 @@ def _bad_item(raw_id: str, label: str, error) -> Item:
     return Item(id=sanitize_id(raw_id), text="", source=label, error=error)
 
 
-def _dedupe(items: list[Item]) -> list[Item]:
-    """Explicit duplicate ids are an error on the later item; derived ids get a suffix.
+def _dedupe(items: list[Item], naming: Naming) -> list[Item]:
+    """Explicit duplicate ids are an error on the later item; derived ids get a suffix. Ids
+    are unique within a task's folder (an item's own task, else `naming.task`).
 
     A failed item is renamed after its line, so it never shares a manifest line or an
     output name with a good item. Two different ids that sanitise to one file name are a
     collision, and the message says so.
     """
-    seen: dict[str, tuple[str, str | None]] = {}  # file stem -> (source, raw id)
+    folders: dict[str, dict[str, tuple[str, str | None]]] = {}  # task -> file stem -> ...
     for item in items:
+        seen = folders.setdefault(item.task or naming.task, {})  # (source, raw id)
         if item.id in seen:
             if item.error is None and item.source_id is None:
                 item.id, item.legacy_id = _free_id(item.id, seen), None

@@ -16,7 +16,13 @@ from mimo_tts.batch.items import Item, Naming, has_surrogates, read_items
 from mimo_tts.batch.results import ItemResult
 from mimo_tts.batch.runner import BatchRunner
 from mimo_tts.batch.shards import Shard, resolve_shard
-from mimo_tts.batch.sinks import DirectorySink, FileSink, RawPcmSink, StdoutSink
+from mimo_tts.batch.sinks import (
+    DirectorySink,
+    FileSink,
+    RawPcmSink,
+    StdoutSink,
+    TaskDirectories,
+)
 from mimo_tts.errors import UsageError
 from mimo_tts.synthesis.options import OptionValues, Settings, place, resolve_options
 from mimo_tts.synthesis.profiles import load_profile
@@ -75,8 +81,8 @@ class Plan:
     shard: Shard | None = None  # --shard K/N (or its env default); None: every item
 
     def sink(self):
-        """The one sink this run writes through."""
-        return sink_for(self.settings, self.shard)
+        """The one sink this run writes through (a folder per task its lines name)."""
+        return sink_for(self.settings, self.shard, [i.task for i in self.items if i.task])
 
 
 def plan_synth(request: SynthRequest, stdin=None, log=None) -> Plan:
@@ -93,7 +99,7 @@ def plan_synth(request: SynthRequest, stdin=None, log=None) -> Plan:
     check_binary_stdout(run.to_stdout, "--raw" if run.raw else "-o -")
     o = settings.synthesis
     items = read_items(request.texts, request.inputs, stdin,
-                       Naming(o.seed, o.instruct, o.prompt_audio))
+                       Naming(o.seed, o.instruct, o.prompt_audio, o.task))
     _check(bool(items), "nothing to say: give --text, --input FILE or --input -")
     _check(run.output is None or run.raw or len(items) == 1,
            f"-o/--output takes exactly one item, got {len(items)}; use --output-dir")
@@ -116,9 +122,9 @@ def shard_for(settings: Settings, flag: str | None,
     return resolve_shard(flag, env)
 
 
-def sink_for(settings: Settings, shard: Shard | None = None):
+def sink_for(settings: Settings, shard: Shard | None = None, tasks=()):
     """The one sink a synth run writes through: raw PCM, stdout, one file or a directory (the
-    shard's manifest and lock in it)."""
+    shard's manifest and lock in it), or one for each of `tasks` (JSONL lines' own) too."""
     run = settings.run
     if run.raw:
         return RawPcmSink(streamed=run.stream)
@@ -126,8 +132,13 @@ def sink_for(settings: Settings, shard: Shard | None = None):
         return StdoutSink(run.format, run.sample_rate)
     if run.output:
         return FileSink(run.output, run.format, run.sample_rate, run.save_codes, run.overwrite)
-    return DirectorySink(run.output_dir, settings.synthesis.task, run.format, run.sample_rate,
-                         run.save_codes, run.overwrite, shard)
+    task = settings.synthesis.task
+    if set(tasks) - {task}:
+        return TaskDirectories(run.output_dir, task, tasks, fmt=run.format,
+                               sample_rate=run.sample_rate, save_codes=run.save_codes,
+                               overwrite=run.overwrite, shard=shard)
+    return DirectorySink(run.output_dir, task, run.format, run.sample_rate, run.save_codes,
+                         run.overwrite, shard)
 
 
 def run_synth(runner: BatchRunner, items: list[Item], sink) -> Iterator[ItemResult]:

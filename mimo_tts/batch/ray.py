@@ -82,13 +82,14 @@ class Stage1:
 class Writer:
     """Each result through the CLI's sink: codes, sidecar, audio, then the manifest line.
 
-    Give it the opened sink (`run` does), or the plan's settings and shard to open one (a
-    map_batches stage with one actor, where every node sees the output folder).
+    Give it the opened sink (`run` does), or the plan's settings and shard (and the tasks its
+    JSONL lines name) to open one (a map_batches stage with one actor, where every node sees
+    the output folder).
     """
 
-    def __init__(self, settings, sink=None, shard=None):
+    def __init__(self, settings, sink=None, shard=None, tasks=()):
         self.task = settings.synthesis.task
-        self.sink = sink if sink is not None else sink_for(settings, shard).open()
+        self.sink = sink if sink is not None else sink_for(settings, shard, tasks).open()
 
     def __call__(self, batch: Mapping) -> dict:
         return _rows(list(self.results(batch)))
@@ -97,7 +98,7 @@ class Writer:
         for result, made in _payloads(batch):
             if made is not None:
                 guarded(result, self.sink.write, result, *made)
-            self.sink.finished(result, self.task)
+            self.sink.finished(result, result.item.task or self.task)
             yield result
 
 

@@ -21,18 +21,19 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from mimo_tts.batch.continuous import ContinuousRun
 from mimo_tts.batch.items import Item, printable
 from mimo_tts.batch.results import ItemResult, fail, guarded
-from mimo_tts.errors import InputError, MimoTTSError
+from mimo_tts.errors import InputError, MimoTTSError, UsageError
 from mimo_tts.lm.engine import DEFAULT_ENGINE, engine_spec
 from mimo_tts.lm.tasks import TASKS, validate_inputs
 from mimo_tts.runtime import runner_record
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, resample
 from mimo_tts.synthesis.loader import resolve_checkpoints
-from mimo_tts.synthesis.options import Settings
+from mimo_tts.synthesis.options import Settings, SynthesisOptions
 from mimo_tts.synthesis.pieces import Piece
 from mimo_tts.synthesis.preflight import engine_record, lengths_for
 from mimo_tts.synthesis.streaming import chunk_cap
@@ -87,6 +88,10 @@ class BatchRunner:
     def seed(self, item: Item) -> int:
         return item.seed if item.seed is not None else self.settings.synthesis.seed
 
+    def options(self, item: Item) -> SynthesisOptions:
+        """The synthesis options an item runs with (`item_options`: its line's task)."""
+        return item_options(self.settings.synthesis, item)
+
     def item_key(self, item: Item) -> str:
         """A hash of everything that determines an item's output (resume skips on a match)."""
         return item_key(self.settings, self.resolve(), item, self.seed(item))
@@ -130,7 +135,7 @@ class BatchRunner:
         try:
             if item.error is not None:
                 raise item.error
-            check_inputs(item, self.settings.synthesis)  # before its key and its target
+            check_inputs(item, self.options(item))  # before its key and its target
             result.seed = self.seed(item)
             result.key = self.item_key(item)
             sink.check(result)
@@ -145,8 +150,11 @@ class BatchRunner:
             self._synthesize(pending, sink)
         for result in window:
             if result.status in ("ok", "error"):
-                sink.finished(result, self.settings.synthesis.task)
+                sink.finished(result, self.task(result.item))
             yield result
+
+    def task(self, item: Item) -> str:
+        return item.task or self.settings.synthesis.task
 
     def _synthesize(self, results: list[ItemResult], sink) -> None:
         """Stage-0 for every item (`codes`), then finish each item into the sink."""
@@ -164,27 +172,29 @@ class BatchRunner:
         if self.settings.run.stream:
             for r in ready:
                 pieces[id(r)] = guarded(r, self._stream_item, r, prompts[id(r)], on_chunk)
-        else:
-            for seed in dict.fromkeys(r.seed for r in ready):
-                self._generate_group([r for r in ready if r.seed == seed], prompts, pieces)
+        else:  # one generate call per seed and task (the task's samplers and stop set)
+            for seed, task in dict.fromkeys((r.seed, self.task(r.item)) for r in ready):
+                self._generate_group([r for r in ready if (r.seed, self.task(r.item)) == (
+                    seed, task)], prompts, pieces)
         return pieces
 
     def prompts(self, result: ItemResult) -> list:
         item, start = result.item, time.perf_counter()
-        found = guarded(result, self.tts.prompts, item.text, self.settings.synthesis, result.seed,
-                       item.instruct, item.prompt_audio)
+        found = guarded(result, self.tts.prompts, item.text, self.options(item), result.seed,
+                        item.instruct, item.prompt_audio)
         result.timings["prompt_s"] = time.perf_counter() - start
         if found:
             result.template_index = found[0].template_index
         return found or []
 
     def _generate_group(self, group: list[ItemResult], prompts: dict, pieces: dict) -> None:
-        """Stage-0 for items sharing a seed: their prompts run `batch_size` at a time."""
+        """Stage-0 for items sharing a seed and a task: their prompts run `batch_size` at a
+        time."""
         flat = [p for r in group for p in prompts[id(r)]]
         seed, start = group[0].seed, time.perf_counter()
+        options = self.options(group[0].item).generation_options(seed)
         try:
-            made = self.tts.generate(flat, self.settings.synthesis.generation_options(seed), seed,
-                                     self.settings.run.batch_size)
+            made = self.tts.generate(flat, options, seed, self.settings.run.batch_size)
         except MimoTTSError as exc:
             for r in group:
                 fail(r, exc)
@@ -203,7 +213,7 @@ class BatchRunner:
         for i, prompt in enumerate(prompts):
             if i and on_chunk is not None:
                 on_chunk(torch.zeros(PAUSE_FRAMES * self.tts.stage1.samples_per_frame))
-            pieces.append(self.tts.stream_piece(prompt, self.settings.synthesis, result.seed,
+            pieces.append(self.tts.stream_piece(prompt, self.options(result.item), result.seed,
                                                 on_chunk, self.log))
         result.timings["generate_s"] = time.perf_counter() - start
         for name in ("stage0_s", "stage1_s", "stage1_wait_s"):
@@ -265,7 +275,8 @@ def sidecar_record(settings: Settings, context: dict, result: ItemResult,
                    pieces: list[Piece]) -> dict:
     """Everything needed to reproduce one output; the sink adds `result` last."""
     s, item = settings, result.item
-    o, described = s.synthesis, context["described"]
+    o, described = item_options(s.synthesis, item), context["described"]
+    text, audio = o.samplers()  # the item's task's (the run's are described)
     return {
         "runner": {**runner_record(), "argv": context["argv"]},
         "id": item.id, "source": item.source, "text": item.text, "task": o.task,
@@ -274,7 +285,8 @@ def sidecar_record(settings: Settings, context: dict, result: ItemResult,
         "model": described["model"], "tokenizer": described["tokenizer"],
         "placement": described["placement"], "threads": context["threads"],
         "engine": engine_record(s, described["engine"]),
-        "sampler": o.sampler_settings(), "effective_sampler": described["effective_sampler"],
+        "sampler": o.sampler_settings(),
+        "effective_sampler": {"text": asdict(text), "audio": asdict(audio)},
         "seed": result.seed, "max_new_groups": o.max_new_groups,
         "batch_size": s.run.batch_size, "stream": s.run.stream, "stream_mode": o.stream_mode,
         "max_chars": o.max_chars,
@@ -287,9 +299,20 @@ def sidecar_record(settings: Settings, context: dict, result: ItemResult,
     }
 
 
+def item_options(o: SynthesisOptions, item: Item) -> SynthesisOptions:
+    """The run's synthesis options in the task an item's line names; a run's --instruct or
+    --prompt-audio that this task takes none of fails the item (InputError, exit 9)."""
+    if item.task is None or item.task == o.task:
+        return o
+    try:
+        return replace(o, task=item.task)
+    except UsageError as exc:
+        raise InputError(f"{item.source}: task {item.task}: {exc}") from None
+
+
 def item_key(settings: Settings, refs, item: Item, seed: int) -> str:
     """The resume key: a hash of every input that determines an item's output bytes."""
-    o = settings.synthesis
+    o = item_options(settings.synthesis, item)
     return resume_key({**run_inputs(settings, refs),
                        **item_inputs(item.text, item.instruct or o.instruct, seed,
                                      item.prompt_audio or o.prompt_audio, o.task)})

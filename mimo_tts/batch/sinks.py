@@ -13,6 +13,7 @@
 - `FileSink` (`-o FILE`, also `decode`'s files; a same-input re-run is skipped),
   `StdoutSink` (`-o -`), `RawPcmSink` (`--raw`: PCM on stdout, chunks as they are decoded or
   each finished item) and `MemorySink` (results keep their samples).
+- `TaskDirectories`: a `DirectorySink` per task, when JSONL lines name tasks of their own.
 
 Every sink has `check(result)` (resume or refuse before work), `on_chunk` (streamed audio, or
 None), `write(result, samples, codes, record)` and `finished(result, task)`.
@@ -479,6 +480,46 @@ class DirectorySink(FileSink):
     def done_record(self, item_id: str, key: str) -> dict | None:
         """The result of a finished item with this input key, or None (`_done_record`)."""
         return _done_record(self.audio_path(item_id), self.sidecar_path(item_id), key)
+
+
+class TaskDirectories(Sink):
+    """`<output-dir>/<task>/` for each task of a run whose JSONL lines name their own: one
+    `DirectorySink` per task, all opened (locked) together; each item goes to its task's."""
+
+    def __init__(self, root: str | Path, task: str, tasks, **options):
+        self.task = task
+        self.sinks = {t: DirectorySink(root, t, **options) for t in dict.fromkeys([task, *tasks])}
+
+    def open(self) -> TaskDirectories:
+        try:
+            for sink in self.sinks.values():
+                sink.open()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        for sink in self.sinks.values():
+            sink.close()
+
+    def __enter__(self) -> TaskDirectories:
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def of(self, result) -> DirectorySink:
+        return self.sinks[result.item.task or self.task]
+
+    def check(self, result) -> None:
+        self.of(result).check(result)
+
+    def write(self, result, samples, codes, record) -> None:
+        self.of(result).write(result, samples, codes, record)
+
+    def finished(self, result, task: str) -> None:
+        self.of(result).finished(result, task)
 
 
 def _flock(handle, exclusive: bool, wait: float = 0.0) -> bool:

@@ -16,6 +16,7 @@ import os
 import stat
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 from mimo_tts.batch.files import companion_paths, jsonl_records
@@ -93,8 +94,11 @@ def report(output_dir: str, task: str = "tts_sft", inputs: list[str] = (),
     records = _latest(found)
     counts = {parse_tag(p.name)[1] for p in found if parse_tag(p.name)}
     count = counts.pop() if len(counts) == 1 else None  # missing items get their shard
-    judge = _Judge(folder, folder.name if folder.name in TASKS else task, naming or Naming())
-    items = read_items([], inputs, sys.stdin, judge.naming) if inputs else None
+    naming = replace(naming or Naming(), task=task)  # the run's --task
+    here = folder.name if folder.name in TASKS else task  # this folder's task
+    judge = _Judge(folder, here, naming)
+    items = None if not inputs else [  # a line naming its own task is in that task's folder
+        i for i in read_items([], inputs, sys.stdin, naming) if (i.task or task) == here]
     done, failed, missing, order = [], [], [], []
     entries = [(i.id, i) for i in items] if items is not None else [(i, None) for i in records]
     for item_id, item in entries:

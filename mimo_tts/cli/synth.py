@@ -63,8 +63,8 @@ def synth(
         help="Text to speak (repeatable; '-' reads stdin).")] = None,
     input: Annotated[list[str] | None, typer.Option(
         "--input", "-i", rich_help_panel=IN, metavar="FILE",
-        help=".txt (one item per line) or .jsonl (id, text, instruct, prompt_audio, seed); "
-             "'-' reads stdin.")] = None,
+        help=".txt (one item per line) or .jsonl (id, text, instruct, prompt_audio, seed, "
+             "task); '-' reads stdin.")] = None,
     task: Annotated[str | None, typer.Option(rich_help_panel=IN, metavar="TASK",
         help=f"Prompt task: {', '.join(TASKS)} (default {SynthesisOptions.task}).")] = None,
     instruct: Annotated[str | None, typer.Option(rich_help_panel=IN, metavar="TEXT",

@@ -43,7 +43,9 @@ def status(
         "--input", "-i", metavar="FILE", help="The run's input file(s): items without a result "
                                               "count as missing.")] = None,
     task: Annotated[str, typer.Option(
-        metavar="TASK", help="The task folder under OUTPUT_DIR.")] = "tts_sft",
+        metavar="TASK", help="synth's --task: the task folder under OUTPUT_DIR (for the folder "
+                             "of a task that JSONL lines name, give that folder as "
+                             "OUTPUT_DIR).")] = "tts_sft",
     seed: Annotated[int, typer.Option(
         metavar="SEED", help="synth's --seed: with --input it names and keys the items "
                              "(default 0).")] = 0,
@@ -67,7 +69,7 @@ def status(
         from mimo_tts.batch.items import Naming
 
         report = folder_status.report(output_dir, task, input or [], merge,
-                                      Naming(seed, instruct, prompt_audio))
+                                      Naming(seed, instruct, prompt_audio, task))
         if as_json:
             reporter.data(report)
         else:
