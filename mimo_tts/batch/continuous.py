@@ -32,7 +32,7 @@ class ContinuousRun:
                    sum(len(split_text(r.item.text, max_chars)) for r in pending) or 1)
         pieces: dict[int, list] = {}  # id(result) -> its pieces, None until generated
         done = 0
-        for event in self._events(pending, pieces, rows):
+        for event in self._events(pending, pieces, rows) if pending else ():  # (all done)
             if isinstance(event, JobDone):
                 self._job_done(event, pieces)
                 done, ready = self._ready(results, done, pieces, sink)

@@ -178,6 +178,16 @@ def test_b_a_rerun_prints_the_paths_of_skipped_items_too(invoke, tmp_path):
         == f"{tmp_path / 'hi.wav'}\n"
 
 
+def test_a_continuous_rerun_with_every_item_done_loads_nothing(invoke, tmp_path):
+    args = ("synth", "--model", "tiny", "--max-new-groups", "2", "--batch-size", "3",
+            "--text", "One two.", "--text", "Three four.")
+    first = invoke(*args)
+    assert first.exit_code == 0, first.stderr
+    again = invoke(*args)  # was: exit 1, "unexpected AttributeError" (no engine to run)
+    assert again.exit_code == 0 and "0 written, 2 skipped, 0 failed" in again.stderr
+    assert again.stdout == first.stdout
+
+
 def test_text_file_batch_resume_and_overwrite(invoke, tmp_path, manifest):
     lines = tmp_path / "lines.txt"
     lines.write_text("First line.\n\nSecond line.\n", encoding="utf-8")
