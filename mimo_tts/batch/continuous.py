@@ -32,7 +32,7 @@ class ContinuousRun:
                    sum(len(split_text(r.item.text, max_chars)) for r in pending) or 1)
         pieces: dict[int, list] = {}  # id(result) -> its pieces, None until generated
         done = 0
-        for event in self._events(pending, pieces, rows):
+        for event in self._events(pending, pieces, rows) if pending else ():  # (all done)
             if isinstance(event, JobDone):
                 self._job_done(event, pieces)
                 done, ready = self._ready(results, done, pieces, sink)
@@ -63,7 +63,7 @@ class ContinuousRun:
                 continue
             pieces[id(r)] = [None] * len(prompts)
             r.timings["generate_s"] = 0.0
-            options = self.runner.settings.synthesis.generation_options(r.seed)
+            options = self.runner.options(r.item).generation_options(r.seed)  # its task's
             for index, prompt in enumerate(prompts):
                 if r.status == "pending":  # not failed meanwhile
                     yield Job(prompt.input_ids, options, key=(r, index, prompt))
@@ -91,6 +91,6 @@ class ContinuousRun:
                     break
                 guarded(r, self.runner.finish, r, mine, sink)
             if r.status in ("ok", "error"):
-                sink.finished(r, self.runner.settings.synthesis.task)
+                sink.finished(r, self.runner.task(r.item))
             out.append(r)
         return done + len(out), out

@@ -153,10 +153,19 @@ def _broken_pipe() -> OutputError:
     return OutputError("stdout was closed by the reader (broken pipe)")
 
 
+def stdout_stream():
+    """sys.stdout, or an OutputError when the command was started with it closed (`>&-`:
+    Python then has no stdout at all)."""
+    if sys.stdout is None:
+        raise OutputError("cannot write to stdout: it is closed (started with >&-); "
+                          "redirect it to a file or /dev/null instead")
+    return sys.stdout
+
+
 def write_stdout_bytes(data: bytes, stream=None) -> None:
     """Bytes on stdout, all of them, flushed: a short write is retried until the reader has
     everything or has gone away (then an OutputError: the data did not arrive)."""
-    stream = stream or sys.stdout.buffer
+    stream = stream or stdout_stream().buffer
     view = memoryview(data)
     try:
         while view:
@@ -183,23 +192,35 @@ def write_stdout_audio(audio, sample_rate: int, fmt: str, stream=None) -> None:
 
 def write_stdout_line(text: str) -> None:
     """One line of data on stdout (a path, a JSON record); a closed pipe is an OutputError."""
+    stream = stdout_stream()
     try:
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
+        try:
+            stream.write(text + "\n")
+        except UnicodeEncodeError:  # a path of bytes that are not UTF-8 (or not the locale's)
+            stream.write(text.encode(stream.encoding or "utf-8", "backslashreplace").decode(
+                stream.encoding or "utf-8") + "\n")
+        stream.flush()
     except BrokenPipeError:
         raise _broken_pipe() from None
+    except OSError as exc:
+        raise OutputError(f"cannot write to stdout: {exc.strerror or exc}") from None
 
 
 def iter_jsonl(path: Path) -> Iterator[dict]:
     """Records of a JSON-lines file, skipping lines a killed writer left incomplete."""
     with contextlib.suppress(FileNotFoundError), open(path, "rb") as handle:
-        for raw in handle:
-            try:
-                record = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError):
-                continue
-            if isinstance(record, dict):
-                yield record
+        yield from jsonl_records(handle)
+
+
+def jsonl_records(handle) -> Iterator[dict]:
+    """The JSON objects of an open binary file's lines; lines that do not parse are skipped."""
+    for raw in handle:
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if isinstance(record, dict):
+            yield record
 
 
 # --- captions -----------------------------------------------------------------------------------

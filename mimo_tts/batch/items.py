@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import sys
 import unicodedata
@@ -16,13 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mimo_tts.errors import InputError, short_repr
-from mimo_tts.synthesis.options import MAX_SEED
+from mimo_tts.lm.tasks import TASKS
+from mimo_tts.synthesis.options import MAX_SEED, SynthesisOptions
 from mimo_tts.synthesis.text import clean_text
 
-JSONL_FIELDS = {"id", "text", "instruct", "prompt_audio", "seed"}
+JSONL_FIELDS = {"id", "text", "instruct", "prompt_audio", "seed", "task"}
 _RESERVED = {"con", "prn", "aux", "nul", *(f"com{i}" for i in range(10)),
              *(f"lpt{i}" for i in range(10))}
 _UNSAFE = re.compile(r"[^\w.\-]+")
+DEFAULT_TASK = SynthesisOptions.task
 MAX_ID_BYTES = 120  # UTF-8 bytes of a file stem: with suffixes and temp prefixes < NAME_MAX 255
 
 
@@ -39,6 +42,19 @@ class Item:
     source_id: str | None = None
     error: InputError | None = None
     extra: dict = field(default_factory=dict)
+    legacy_id: str | None = None  # the text-only id earlier versions gave it, when other
+    task: str | None = None  # its line's task; None: the run's (--task)
+
+
+@dataclass(frozen=True)
+class Naming:
+    """The run's values for what an item does not set itself (`--seed`, `--instruct`,
+    `--prompt-audio`): they change its audio, so they are part of a derived id."""
+
+    seed: int = 0
+    instruct: str | None = None
+    prompt_audio: str | None = None
+    task: str = DEFAULT_TASK  # not in the id: each task has its own folder
 
 
 # --- ids and text -------------------------------------------------------------------------------
@@ -57,9 +73,29 @@ def sanitize_id(raw: str) -> str:
     return text
 
 
-def text_id(text: str) -> str:
-    """A stable id for an item without one: a slug of the text plus a short content hash."""
-    digest = hashlib.sha1(text.encode("utf-8", errors="surrogatepass")).hexdigest()[:8]
+def has_surrogates(text: str) -> bool:
+    """Whether `text` holds lone surrogates: argv or file-name bytes that are not UTF-8, or a
+    broken JSON escape; such text cannot be written as UTF-8."""
+    return any("\ud800" <= c <= "\udfff" for c in text)
+
+
+def printable(text: str) -> str:
+    """`text` with its lone surrogates as `\\udcff` escapes: safe in a manifest or sidecar."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8") if has_surrogates(text) \
+        else text
+
+
+def text_id(text: str, seed: int = 0, instruct: str | None = None,
+            prompt_audio: str | None = None) -> str:
+    """A stable id for an item without one: a slug of the text plus a short hash of the text
+    and of what else changes its audio (a seed other than 0, an instruction, a voice prompt's
+    path as written), so another seed, style or voice of one sentence is another file. With
+    none of those the hash covers the text alone, as it always did."""
+    parts = [text, *([f"seed={seed}"] if seed else []),
+             *([f"instruct={instruct}"] if instruct else []),
+             *([f"prompt_audio={os.path.normpath(prompt_audio)}"] if prompt_audio else [])]
+    blob = "\0".join(parts)  # clean text holds no NUL: the parts cannot run together
+    digest = hashlib.sha1(blob.encode("utf-8", errors="surrogatepass")).hexdigest()[:8]
     slug = sanitize_id(" ".join(text.split()[:6]))[:32].rstrip("._-")
     return f"{slug}-{digest}" if slug != "item" else f"item-{digest}"
 
@@ -81,8 +117,11 @@ def text_id(text: str) -> str:
 # --- reading items ------------------------------------------------------------------------------
 
 
-def read_items(texts: Iterable[str], inputs: Iterable[str], stdin=None) -> list[Item]:
-    """Items from `--text` values and `--input` files (`.txt`/`.jsonl`; `-` reads stdin)."""
+def read_items(texts: Iterable[str], inputs: Iterable[str], stdin=None,
+               naming: Naming = Naming()) -> list[Item]:
+    """Items from `--text` values and `--input` files (`.txt`/`.jsonl`; `-` reads stdin);
+    an item without an id is named by its text and what `naming` or its line add
+    (`text_id`)."""
     items: list[Item] = []
     for n, text in enumerate(texts, 1):
         if text == "-":
@@ -90,7 +129,14 @@ def read_items(texts: Iterable[str], inputs: Iterable[str], stdin=None) -> list[
         items.append(_make_item(None, text, f"--text #{n}", {}))
     for name in inputs:
         items.extend(_read_input(name, stdin))
-    return _dedupe(items)
+    for item in items:
+        if item.error is None and item.source_id is None:
+            item.legacy_id = item.id
+            item.id = text_id(item.text, item.seed if item.seed is not None else naming.seed,
+                              item.instruct or naming.instruct,
+                              item.prompt_audio or naming.prompt_audio)
+            item.legacy_id = None if item.legacy_id == item.id else item.legacy_id
+    return _dedupe(items, naming)
 
 
 def _stdin_text(stdin) -> str:
@@ -112,7 +158,8 @@ def _read_input(name: str, stdin) -> list[Item]:
         data = path.read_bytes()
     except OSError as exc:
         raise InputError(f"cannot read input file {path}: {exc.strerror or exc}") from None
-    return _parse_lines(_decode_lines(data), path.name, path.suffix.lower() == ".jsonl")
+    return _parse_lines(_decode_lines(data), printable(path.name),
+                        path.suffix.lower() == ".jsonl")
 
 
 def _looks_like_jsonl(lines: list[str]) -> bool:
@@ -191,9 +238,12 @@ def _make_item(raw_id, text, label: str, record: dict) -> Item:
                                  or not 0 <= seed <= MAX_SEED):
             raise InputError(f"{label}: seed must be an integer in [0, 2**64 - 1], "
                              f"got {short_repr(seed)}")
-        for key in ("instruct", "prompt_audio"):
+        for key in ("instruct", "prompt_audio", "task"):
             if record.get(key) is not None and not isinstance(record[key], str):
                 raise InputError(f"{label}: {key} must be a string")
+        if record.get("task") is not None and record["task"] not in TASKS:
+            raise InputError(f"{label}: unknown task {short_repr(record['task'])}; choose one "
+                             f"of {', '.join(TASKS)}")
         instruct = record.get("instruct")
         instruct = clean_text(instruct, f"{label} instruct") if instruct else None
         if record.get("prompt_audio"):
@@ -202,20 +252,17 @@ def _make_item(raw_id, text, label: str, record: dict) -> Item:
         return _bad_item(str(raw_id) if raw_id is not None else text_id(str(text)), label, exc)
     item_id = sanitize_id(str(raw_id)) if raw_id is not None else text_id(text)
     return Item(id=item_id, text=text, source=label, instruct=instruct,
-                prompt_audio=record.get("prompt_audio"), seed=seed,
-                source_id=str(raw_id) if raw_id is not None else None)
+                prompt_audio=record.get("prompt_audio"), seed=seed, task=record.get("task"),
+                source_id=printable(str(raw_id)) if raw_id is not None else None)
 
 
 
 
 def _check_path(path: str, where: str) -> None:
-    """A path the OS can take: no lone surrogates beyond undecodable argv/JSON bytes."""
-    import os
-
-    try:
-        os.fsencode(path)
-    except UnicodeEncodeError:
-        raise InputError(f"{where}: the path is not valid Unicode (a lone surrogate)") from None
+    """A path that a sidecar can record: JSON text is Unicode, so a lone surrogate (a broken
+    escape, or bytes smuggled in as `\\udcXX`) is refused."""
+    if has_surrogates(path):
+        raise InputError(f"{where}: the path is not valid Unicode (a lone surrogate)")
 
 
 def _bad_item(raw_id: str, label: str, error) -> Item:
@@ -223,18 +270,20 @@ def _bad_item(raw_id: str, label: str, error) -> Item:
     return Item(id=sanitize_id(raw_id), text="", source=label, error=error)
 
 
-def _dedupe(items: list[Item]) -> list[Item]:
-    """Explicit duplicate ids are an error on the later item; derived ids get a suffix.
+def _dedupe(items: list[Item], naming: Naming) -> list[Item]:
+    """Explicit duplicate ids are an error on the later item; derived ids get a suffix. Ids
+    are unique within a task's folder (an item's own task, else `naming.task`).
 
     A failed item is renamed after its line, so it never shares a manifest line or an
     output name with a good item. Two different ids that sanitise to one file name are a
     collision, and the message says so.
     """
-    seen: dict[str, tuple[str, str | None]] = {}  # file stem -> (source, raw id)
+    folders: dict[str, dict[str, tuple[str, str | None]]] = {}  # task -> file stem -> ...
     for item in items:
+        seen = folders.setdefault(item.task or naming.task, {})  # (source, raw id)
         if item.id in seen:
             if item.error is None and item.source_id is None:
-                item.id = _free_id(item.id, seen)
+                item.id, item.legacy_id = _free_id(item.id, seen), None
             else:
                 first, first_raw = seen[item.id]
                 if item.error is None and first_raw not in (None, item.source_id):

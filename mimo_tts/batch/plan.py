@@ -12,11 +12,17 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-from mimo_tts.batch.items import Item, read_items
+from mimo_tts.batch.items import Item, Naming, has_surrogates, read_items
 from mimo_tts.batch.results import ItemResult
 from mimo_tts.batch.runner import BatchRunner
 from mimo_tts.batch.shards import Shard, resolve_shard
-from mimo_tts.batch.sinks import DirectorySink, FileSink, RawPcmSink, StdoutSink
+from mimo_tts.batch.sinks import (
+    DirectorySink,
+    FileSink,
+    RawPcmSink,
+    StdoutSink,
+    TaskDirectories,
+)
 from mimo_tts.errors import UsageError
 from mimo_tts.synthesis.profiles import load_profile
 from mimo_tts.synthesis.settings import OptionValues, Settings, place, resolve_options
@@ -34,6 +40,14 @@ def check_binary_stdout(to_stdout: bool, flag: str) -> None:
            "redirect it (> file)")
 
 
+def check_raw_format(run) -> None:
+    """`--raw` is PCM16 without a header: a --format that names a file format is refused, not
+    silently ignored (beside `RunOptions.check_combinations`' `--raw` rules)."""
+    _check(not (run.raw and run.format != "wav"),
+           f"--raw streams 16-bit PCM without a header; --format {run.format} cannot be used "
+           f"with it (use -o - --format {run.format} for a {run.format} file on stdout)")
+
+
 @dataclass(frozen=True)
 class SynthRequest:
     """What one `mimo-tts synth` (or a Ray run, or a preflight) asks for: the texts and input
@@ -47,6 +61,17 @@ class SynthRequest:
     as_json: bool = False
 
 
+def check_unicode(request: SynthRequest) -> None:
+    """Every option value is text that a sidecar, a manifest and a log can hold: bytes in argv
+    that are not UTF-8 (Python keeps them as lone surrogates) are a usage error naming the
+    flag. `--text` is an item's text and fails that item (exit 9) instead."""
+    for name, value in request.options.given().items():
+        if isinstance(value, str) and has_surrogates(value):
+            flag = "-o/--output" if name == "output" else "--" + name.replace("_", "-")
+            raise UsageError(f"{flag}: {os.fsencode(value)!r} is not valid UTF-8; give it "
+                             "in UTF-8")
+
+
 @dataclass(frozen=True)
 class Plan:
     """A synth run, planned: its items (its shard's only), its settings and its shard."""
@@ -56,21 +81,25 @@ class Plan:
     shard: Shard | None = None  # --shard K/N (or its env default); None: every item
 
     def sink(self):
-        """The one sink this run writes through."""
-        return sink_for(self.settings, self.shard)
+        """The one sink this run writes through (a folder per task its lines name)."""
+        return sink_for(self.settings, self.shard, [i.task for i in self.items if i.task])
 
 
 def plan_synth(request: SynthRequest, stdin=None, log=None) -> Plan:
     """Settings, items and shard of a request; usage errors up front, then input errors, then
     device and checkpoint-name errors."""
     log = log or (lambda message: None)
+    check_unicode(request)
     profile = load_profile(request.config)
     settings = resolve_options(request.options, profile)
     run = settings.run
+    check_raw_format(run)
     _check(not (request.as_json and run.to_stdout),
            "--json prints to stdout, which -o - / --raw already use")
     check_binary_stdout(run.to_stdout, "--raw" if run.raw else "-o -")
-    items = read_items(request.texts, request.inputs, stdin)
+    o = settings.synthesis
+    items = read_items(request.texts, request.inputs, stdin,
+                       Naming(o.seed, o.instruct, o.prompt_audio, o.task))
     _check(bool(items), "nothing to say: give --text, --input FILE or --input -")
     _check(run.output is None or run.raw or len(items) == 1,
            f"-o/--output takes exactly one item, got {len(items)}; use --output-dir")
@@ -93,9 +122,9 @@ def shard_for(settings: Settings, flag: str | None,
     return resolve_shard(flag, env)
 
 
-def sink_for(settings: Settings, shard: Shard | None = None):
+def sink_for(settings: Settings, shard: Shard | None = None, tasks=()):
     """The one sink a synth run writes through: raw PCM, stdout, one file or a directory (the
-    shard's manifest and lock in it)."""
+    shard's manifest and lock in it), or one for each of `tasks` (JSONL lines' own) too."""
     run = settings.run
     if run.raw:
         return RawPcmSink(streamed=run.stream)
@@ -103,8 +132,13 @@ def sink_for(settings: Settings, shard: Shard | None = None):
         return StdoutSink(run.format, run.sample_rate)
     if run.output:
         return FileSink(run.output, run.format, run.sample_rate, run.save_codes, run.overwrite)
-    return DirectorySink(run.output_dir, settings.synthesis.task, run.format, run.sample_rate,
-                         run.save_codes, run.overwrite, shard)
+    task = settings.synthesis.task
+    if set(tasks) - {task}:
+        return TaskDirectories(run.output_dir, task, tasks, fmt=run.format,
+                               sample_rate=run.sample_rate, save_codes=run.save_codes,
+                               overwrite=run.overwrite, shard=shard)
+    return DirectorySink(run.output_dir, task, run.format, run.sample_rate, run.save_codes,
+                         run.overwrite, shard)
 
 
 def run_synth(runner: BatchRunner, items: list[Item], sink) -> Iterator[ItemResult]:

@@ -27,6 +27,7 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
+from mimo_tts.batch.items import printable
 from mimo_tts.batch.plan import SynthRequest, plan_synth, sink_for
 from mimo_tts.batch.results import ItemResult, guarded
 from mimo_tts.batch.runner import BatchRunner, finish_item
@@ -82,13 +83,14 @@ class DecodeAudio:
 class WriteResults:
     """Each result through the CLI's sink: codes, sidecar, audio, then the manifest line.
 
-    Give it the opened sink (`run` does), or the plan's settings and shard to open one (a
-    map_batches stage with one actor, where every node sees the output folder).
+    Give it the opened sink (`run` does), or the plan's settings and shard (and the tasks its
+    JSONL lines name) to open one (a map_batches stage with one actor, where every node sees
+    the output folder).
     """
 
-    def __init__(self, settings, sink=None, shard=None):
+    def __init__(self, settings, sink=None, shard=None, tasks=()):
         self.task = settings.synthesis.task
-        self.sink = sink if sink is not None else sink_for(settings, shard).open()
+        self.sink = sink if sink is not None else sink_for(settings, shard, tasks).open()
 
     def __call__(self, batch: Mapping) -> dict:
         return _rows(list(self.results(batch)))
@@ -97,7 +99,7 @@ class WriteResults:
         for result, made in _payloads(batch):
             if made is not None:
                 guarded(result, self.sink.write, result, *made)
-            self.sink.finished(result, self.task)
+            self.sink.finished(result, result.item.task or self.task)
             yield result
 
 
@@ -112,13 +114,13 @@ def pipeline(settings, pending: list[ItemResult], *, stage0_actors: int = 1,
     """
     import ray
 
+    argv = [printable(a) for a in sys.argv[1:]]
     gpus = stage0_gpus if stage0_gpus is not None else (
         1 if settings.placement.lm_device.value.startswith("cuda") else 0)
     return (
         ray.data.from_items([{PAYLOAD: p} for p in _rows(pending)[PAYLOAD]],
                             override_num_blocks=max(len(pending), 1))
-        .map_batches(GenerateCodes,
-                     fn_constructor_kwargs={"settings": settings, "argv": sys.argv[1:]},
+        .map_batches(GenerateCodes, fn_constructor_kwargs={"settings": settings, "argv": argv},
                      batch_size=batch_size or settings.run.batch_size, num_gpus=gpus,
                      num_cpus=stage0_cpus, compute=ray.data.ActorPoolStrategy(size=stage0_actors))
         .map_batches(DecodeAudio, fn_constructor_kwargs={"settings": settings}, batch_size=1,

@@ -39,9 +39,11 @@ class ItemResult:
     captions: list[str] | None = None  # the caption files written (--captions)
 
     def record(self, task: str) -> dict:
-        """The manifest line / `--json` object of this item."""
+        """The manifest line / `--json` object of this item (`task`: the run's, unless the
+        item's line names its own)."""
         return {
-            "id": self.item.id, "text": self.item.text, "task": task, "format": self.format,
+            "id": self.item.id, "text": self.item.text, "task": self.item.task or task,
+            "format": self.format,
             "path": str(self.path) if self.path else None, "seconds": round(self.seconds, 4),
             "seed": self.seed, "rtf": None if self.rtf is None else round(self.rtf, 4),
             "status": self.status, "error": self.error, "exit_code": self.exit_code,

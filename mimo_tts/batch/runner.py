@@ -10,7 +10,7 @@ max(batch_size, max_num_seqs)), prompts of one seed in one call. Each finished i
 goes to the sink as data: its samples, codes and provenance record (`sidecar_record`); the sink
 decides where the bytes go and never calls back into the runner. `BatchRunner.codes` (Stage-0
 of a window) and `finish_item` (Stage-1 of one item) are also what the Ray pipeline's actors
-run (`mimo_tts/ray.py`).
+run (`batch/ray.py`).
 """
 
 from __future__ import annotations
@@ -21,17 +21,20 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from mimo_tts.batch.continuous import ContinuousRun
-from mimo_tts.batch.items import Item
+from mimo_tts.batch.items import Item, printable
 from mimo_tts.batch.results import ItemResult, fail, guarded
-from mimo_tts.errors import MimoTTSError
+from mimo_tts.errors import InputError, MimoTTSError, UsageError
 from mimo_tts.lm.engine import DEFAULT_ENGINE, engine_spec
+from mimo_tts.lm.tasks import TASKS, validate_inputs
 from mimo_tts.runtime import runner_record
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, resample
 from mimo_tts.synthesis.captions import cues, piece_samples, text_pieces
 from mimo_tts.synthesis.loader import resolve_checkpoints
+from mimo_tts.synthesis.options import SynthesisOptions
 from mimo_tts.synthesis.pieces import Piece
 from mimo_tts.synthesis.preflight import engine_record, lengths_for
 from mimo_tts.synthesis.settings import Settings
@@ -88,6 +91,10 @@ class BatchRunner:
     def seed(self, item: Item) -> int:
         return item.seed if item.seed is not None else self.settings.synthesis.seed
 
+    def options(self, item: Item) -> SynthesisOptions:
+        """The synthesis options an item runs with (`item_options`: its line's task)."""
+        return item_options(self.settings.synthesis, item)
+
     def item_key(self, item: Item) -> str:
         """A hash of everything that determines an item's output (resume skips on a match)."""
         return item_key(self.settings, self.resolve(), item, self.seed(item))
@@ -131,6 +138,7 @@ class BatchRunner:
         try:
             if item.error is not None:
                 raise item.error
+            check_inputs(item, self.options(item))  # before its key and its target
             result.seed = self.seed(item)
             result.key = self.item_key(item)
             sink.check(result)
@@ -145,8 +153,11 @@ class BatchRunner:
             self._synthesize(pending, sink)
         for result in window:
             if result.status in ("ok", "error"):
-                sink.finished(result, self.settings.synthesis.task)
+                sink.finished(result, self.task(result.item))
             yield result
+
+    def task(self, item: Item) -> str:
+        return item.task or self.settings.synthesis.task
 
     def _synthesize(self, results: list[ItemResult], sink) -> None:
         """Stage-0 for every item (`codes`), then finish each item into the sink."""
@@ -164,27 +175,29 @@ class BatchRunner:
         if self.settings.run.stream:
             for r in ready:
                 pieces[id(r)] = guarded(r, self._stream_item, r, prompts[id(r)], on_chunk)
-        else:
-            for seed in dict.fromkeys(r.seed for r in ready):
-                self._generate_group([r for r in ready if r.seed == seed], prompts, pieces)
+        else:  # one generate call per seed and task (the task's samplers and stop set)
+            for seed, task in dict.fromkeys((r.seed, self.task(r.item)) for r in ready):
+                self._generate_group([r for r in ready if (r.seed, self.task(r.item)) == (
+                    seed, task)], prompts, pieces)
         return pieces
 
     def prompts(self, result: ItemResult) -> list:
         item, start = result.item, time.perf_counter()
-        found = guarded(result, self.tts.prompts, item.text, self.settings.synthesis, result.seed,
-                       item.instruct, item.prompt_audio)
+        found = guarded(result, self.tts.prompts, item.text, self.options(item), result.seed,
+                        item.instruct, item.prompt_audio)
         result.timings["prompt_s"] = time.perf_counter() - start
         if found:
             result.template_index = found[0].template_index
         return found or []
 
     def _generate_group(self, group: list[ItemResult], prompts: dict, pieces: dict) -> None:
-        """Stage-0 for items sharing a seed: their prompts run `batch_size` at a time."""
+        """Stage-0 for items sharing a seed and a task: their prompts run `batch_size` at a
+        time."""
         flat = [p for r in group for p in prompts[id(r)]]
         seed, start = group[0].seed, time.perf_counter()
+        options = self.options(group[0].item).generation_options(seed)
         try:
-            made = self.tts.generate(flat, self.settings.synthesis.generation_options(seed), seed,
-                                     self.settings.run.batch_size)
+            made = self.tts.generate(flat, options, seed, self.settings.run.batch_size)
         except MimoTTSError as exc:
             for r in group:
                 fail(r, exc)
@@ -203,7 +216,7 @@ class BatchRunner:
         for i, prompt in enumerate(prompts):
             if i and on_chunk is not None:
                 on_chunk(torch.zeros(PAUSE_FRAMES * self.tts.stage1.samples_per_frame))
-            pieces.append(self.tts.stream_piece(prompt, self.settings.synthesis, result.seed,
+            pieces.append(self.tts.stream_piece(prompt, self.options(result.item), result.seed,
                                                 on_chunk, self.log))
         result.timings["generate_s"] = time.perf_counter() - start
         for name in ("stage0_s", "stage1_s", "stage1_wait_s"):
@@ -220,8 +233,21 @@ class BatchRunner:
         """What every sidecar of this run shares: checkpoints, placement, engine, threads,
         load timings, argv (the Ray pipeline ships it from Stage-0 to Stage-1)."""
         return {"described": self.tts.describe(self.settings.synthesis),
+                "resume": run_inputs(self.settings, self.refs),
                 "tokenizer": str(self.refs[1].path), "threads": self.threads,
-                "timings": dict(self.timings), "argv": sys.argv[1:]}
+                "timings": dict(self.timings), "argv": [printable(a) for a in sys.argv[1:]]}
+
+
+def check_inputs(item: Item, o) -> None:
+    """What an item's task needs, and its voice prompt a file (InputError, exit 9), checked
+    before its output's name is looked at: a bad input is never reported as a collision."""
+    instruct, prompt_audio = item.instruct or o.instruct, item.prompt_audio or o.prompt_audio
+    try:
+        validate_inputs(TASKS[o.task], item.text, instruct, bool(prompt_audio))
+        if prompt_audio and not Path(prompt_audio).is_file():
+            raise InputError(f"prompt audio not found: {prompt_audio}")
+    except InputError as exc:
+        raise InputError(f"{item.source}: {exc}") from None
 
 
 def finish_item(stage1, settings: Settings, context: dict, result: ItemResult,
@@ -259,7 +285,8 @@ def sidecar_record(settings: Settings, context: dict, result: ItemResult,
                    pieces: list[Piece]) -> dict:
     """Everything needed to reproduce one output; the sink adds `result` last."""
     s, item = settings, result.item
-    o, described = s.synthesis, context["described"]
+    o, described = item_options(s.synthesis, item), context["described"]
+    text, audio = o.samplers()  # the item's task's (the run's are described)
     return {
         "runner": {**runner_record(), "argv": context["argv"]},
         "id": item.id, "source": item.source, "text": item.text, "task": o.task,
@@ -269,7 +296,8 @@ def sidecar_record(settings: Settings, context: dict, result: ItemResult,
         "model": described["model"], "tokenizer": described["tokenizer"],
         "placement": described["placement"], "threads": context["threads"],
         "engine": engine_record(s, described["engine"]),
-        "sampler": o.sampler_settings(), "effective_sampler": described["effective_sampler"],
+        "sampler": o.sampler_settings(),
+        "effective_sampler": {"text": asdict(text), "audio": asdict(audio)},
         "seed": result.seed, "max_new_groups": o.max_new_groups,
         "batch_size": s.run.batch_size, "stream": s.run.stream, "stream_mode": o.stream_mode,
         "max_chars": o.max_chars,
@@ -278,6 +306,7 @@ def sidecar_record(settings: Settings, context: dict, result: ItemResult,
         "pieces": [p.record() for p in pieces],
         "timings": {**{k: round(v, 4) for k, v in context["timings"].items()},
                     **{k: round(v, 4) for k, v in result.timings.items()}},
+        "resume": context.get("resume"),  # the run's part of the key (`run_inputs`)
     }
 
 
@@ -291,12 +320,30 @@ def _voice_fields(voice: str | None, item: Item) -> dict:
         return {"voice": {"name": voice}}
 
 
+def item_options(o: SynthesisOptions, item: Item) -> SynthesisOptions:
+    """The run's synthesis options in the task an item's line names; a run's --instruct or
+    --prompt-audio that this task takes none of fails the item (InputError, exit 9)."""
+    if item.task is None or item.task == o.task:
+        return o
+    try:
+        return replace(o, task=item.task)
+    except UsageError as exc:
+        raise InputError(f"{item.source}: task {item.task}: {exc}") from None
+
+
 def item_key(settings: Settings, refs, item: Item, seed: int) -> str:
     """The resume key: a hash of every input that determines an item's output bytes."""
+    o = item_options(settings.synthesis, item)
+    return resume_key({**run_inputs(settings, refs),
+                       **item_inputs(item.text, item.instruct or o.instruct, seed,
+                                     item.prompt_audio or o.prompt_audio, o.task)})
+
+
+def run_inputs(settings: Settings, refs) -> dict:
+    """The resume key's inputs that one run gives all its items (JSON values): every sidecar
+    records them, so `status` keys an item from its input line as `synth` does."""
     o, run, p, (lm, tok) = settings.synthesis, settings.run, settings.placement, refs
     inputs = {
-        "text": item.text, "instruct": item.instruct or o.instruct, "seed": seed,
-        "prompt_audio": _file_stamp(item.prompt_audio or o.prompt_audio), "task": o.task,
         "template": o.template, "model": [str(lm.path), lm.revision],
         "tokenizer": [str(tok.path), tok.revision], "sampler": o.sampler_settings(),
         "max_new_groups": o.max_new_groups, "batch_size": run.batch_size,
@@ -311,10 +358,22 @@ def item_key(settings: Settings, refs, item: Item, seed: int) -> str:
             chunk_cap(o.stream_mode, o.stream_chunk_groups, o.stream_max_chunk_groups)]
     if settings.engine.engine != DEFAULT_ENGINE:  # likewise
         inputs["engine"] = settings.engine.engine
-    if o.voice and not item.prompt_audio:  # likewise; the stored codes, by their hash
+    if o.voice:  # the stored voice's codes, by their hash
         inputs["voice"] = _voice_stamp(o.voice)
     if o.captions:  # a piece per sentence: other audio
         inputs["captions"] = True
+    return inputs
+
+
+def item_inputs(text: str, instruct: str | None, seed: int, prompt_audio: str | None,
+                task: str) -> dict:
+    """The resume key's inputs of one item: its text and the values it runs with."""
+    return {"text": text, "instruct": instruct, "seed": seed,
+            "prompt_audio": _file_stamp(prompt_audio), "task": task}
+
+
+def resume_key(inputs: dict) -> str:
+    """The hash of a key's inputs (`run_inputs` with `item_inputs`)."""
     blob = json.dumps(inputs, sort_keys=True, ensure_ascii=False, default=str)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
 

@@ -92,10 +92,14 @@ def _from_env(env: Mapping[str, str]) -> Shard | None:
         task, low, step, count = (_env_int(env, n, default) for n, default in
                                   zip(names, (None, 0, 1, None), strict=True))
         source = "env " + ", ".join(f"{n}={env[n]}" for n in names if env.get(n))
+        _check_count("SLURM_ARRAY_TASK_COUNT", count)
         offset = task - low
         if step < 1 or offset < 0 or offset % step:
             raise UsageError(f"cannot place array task {task} among shards ({source}); "
                              "pass --shard K/N")
+        if offset // step >= count:
+            raise UsageError(f"array task {task} would be shard {offset // step + 1}, past "
+                             f"SLURM_ARRAY_TASK_COUNT={count} ({source}); pass --shard K/N")
         return Shard(offset // step + 1, count, source)
     if env.get("JOB_COMPLETION_INDEX"):
         index = _env_int(env, "JOB_COMPLETION_INDEX", None)
@@ -103,9 +107,19 @@ def _from_env(env: Mapping[str, str]) -> Shard | None:
             raise UsageError(f"JOB_COMPLETION_INDEX={index} is set but {COUNT_ENV} is not: set "
                              f"it to the Job's completions, or pass --shard K/N")
         count = _env_int(env, COUNT_ENV, None)
+        _check_count(COUNT_ENV, count)
+        if not 0 <= index < count:
+            raise UsageError(f"JOB_COMPLETION_INDEX={index} must be in [0, {count - 1}] "
+                             f"(it counts from 0, below {COUNT_ENV}={count}); pass --shard K/N")
         return Shard(index + 1, count,
                      f"env JOB_COMPLETION_INDEX={index}, {COUNT_ENV}={count}")
     return None
+
+
+def _check_count(name: str, count: int) -> None:
+    if not 1 <= count <= MAX_SHARDS:
+        raise UsageError(f"{name}={count} is not a shard count in [1, {MAX_SHARDS}]; "
+                         "pass --shard K/N")
 
 
 def _env_int(env: Mapping[str, str], name: str, default: int | None) -> int:

@@ -13,6 +13,7 @@
 - `FileSink` (`-o FILE`, also `decode`'s files; a same-input re-run is skipped),
   `StdoutSink` (`-o -`), `RawPcmSink` (`--raw`: PCM on stdout, chunks as they are decoded or
   each finished item) and `MemorySink` (results keep their samples).
+- `TaskDirectories`: a `DirectorySink` per task, when JSONL lines name tasks of their own.
 
 Every sink has `check(result)` (resume or refuse before work), `on_chunk` (streamed audio, or
 None), `write(result, samples, codes, record)` and `finished(result, task)`.
@@ -23,21 +24,24 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import time
 from pathlib import Path
 
 from mimo_tts.batch import files as mio
 from mimo_tts.batch.files import iter_jsonl
+from mimo_tts.batch.shards import parse_tag
 from mimo_tts.errors import OutputError
 from mimo_tts.runtime.paths import (
     atomic_write,
     clean_temp_files,
     is_special_file,
     open_no_follow,
+    pid_alive,
     remove_quietly,
     write_json,
 )
-from mimo_tts.synthesis.audio import FORMATS, SAMPLE_RATE
+from mimo_tts.synthesis.audio import FORMATS, SAMPLE_RATE, encode_audio
 
 LOCK_NAME = ".mimo-tts.lock"
 MANIFEST_NAME = "results.jsonl"
@@ -132,27 +136,68 @@ def _manifest_key(record: dict) -> tuple[str, str]:
 def _done_record(audio: Path, sidecar: Path, key: str) -> dict | None:
     """The result of a finished item with this input key, or None.
 
-    The sidecar (holding the key and the result) is written before the audio, so an audio
-    file whose sidecar carries the same key is complete, even if the run was then killed
-    before anything else was recorded.
+    The sidecar (holding the key, the result and the audio file's size) is written before the
+    audio, so an audio file of that size whose sidecar carries the same key is complete, even
+    if the run was then killed before anything else was recorded. A file cut short (a full
+    disk, a copy stopped half-way) is not done.
     """
-    if not audio.is_file():
+    data = read_sidecar(sidecar)
+    result = data.get("result") if data else None
+    if not isinstance(result, dict) or result.get("key") != key or result.get("status") != "ok":
         return None
-    result = _sidecar_result(sidecar)
-    if result is not None and result.get("key") == key and result.get("status") == "ok":
-        return result
-    return None
+    return result if audio_problem(audio, data) is None else None
 
 
-def _sidecar_result(sidecar: Path) -> dict | None:
+def read_sidecar(sidecar: Path) -> dict | None:
+    """A sidecar's JSON object, or None (absent, a link, unreadable, not an object)."""
     if sidecar.is_symlink():
         return None
     try:
         data = json.loads(sidecar.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
-    result = data.get("result") if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else None
+
+
+def _sidecar_result(sidecar: Path) -> dict | None:
+    result = (read_sidecar(sidecar) or {}).get("result")
     return result if isinstance(result, dict) else None
+
+
+def audio_problem(audio: Path, sidecar: dict) -> str | None:
+    """Why an audio file is not the whole output its sidecar describes, or None: gone, or a
+    size other than the recorded one (sidecars from before sizes were recorded: empty, or a
+    WAV whose RIFF header states another length)."""
+    try:
+        info = audio.stat()
+    except OSError:
+        return "audio file gone"
+    if not stat.S_ISREG(info.st_mode):
+        return "audio file is not a regular file"
+    expected = (sidecar.get("audio") or {}).get("bytes") if isinstance(sidecar.get("audio"),
+                                                                     dict) else None
+    if isinstance(expected, int) and not isinstance(expected, bool):
+        return None if info.st_size == expected else \
+            f"audio file cut ({info.st_size} of {expected} bytes)"
+    if info.st_size == 0:
+        return "audio file empty"
+    if audio.suffix.lower() == ".wav":
+        riff = _riff_size(audio)
+        if riff is not None and riff != info.st_size:
+            return f"audio file cut ({info.st_size} of {riff} bytes)"
+    return None
+
+
+def _riff_size(audio: Path) -> int | None:
+    """The file size a WAV's RIFF header states (its chunk size + 8), or None."""
+    try:
+        with open(audio, "rb") as handle:
+            head = handle.read(12)
+    except OSError:
+        return None
+    if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+        return None
+    return int.from_bytes(head[4:8], "little") + 8
 
 
 def _skip(result, path: Path, done: dict) -> None:
@@ -261,7 +306,7 @@ class FileSink(Sink):
         ours = not self.audio_only and (_sidecar_result(sidecar) or {}).get("key") == result.key
         mine = () if self.audio_only or ours else (sidecar, codes) if self.save_codes else (
             sidecar,)
-        for taken in (path, *mine):
+        for taken in () if ours else (path, *mine):  # ours, not done: its audio is cut
             if taken.exists() or taken.is_symlink():
                 raise OutputError(f"{taken} exists; use --overwrite to replace it")
 
@@ -282,13 +327,16 @@ class FileSink(Sink):
             if self.save_codes:
                 result.codes_path = mio.save_codes(codes_path, codes["pieces"],
                                                    codes["metadata"])
+            data = encode_audio(samples, self.sample_rate, self.fmt)
             result.path, result.sidecar = path, sidecar
             captions = record.get("captions") or {}
             caption_files = [mio.caption_path(path, f) for f in captions.get("formats", ())]
             result.captions = [str(p) for p in caption_files] or None
-            write_json(sidecar, {**record, "result": result.record(record["task"])})
+            audio = {**record.get("audio", {}), "bytes": len(data)}  # done: this size on disk
+            write_json(sidecar, {**record, "audio": audio,
+                                 "result": result.record(record["task"])})
             mio.write_captions(path, captions.get("cues", []), captions.get("formats", []))
-            mio.write_audio(path, samples, self.sample_rate, self.fmt)
+            atomic_write(path, lambda f: f.write(data))
         except BaseException:
             remove_quietly(sidecar, result.codes_path,
                            *(Path(p) for p in result.captions or ()))
@@ -337,6 +385,10 @@ class DirectorySink(FileSink):
             if alone:
                 clean_temp_files(self.dir)
             if self.shard is None:
+                if not alone and (writing := self._shards_writing()):
+                    raise OutputError(f"shard(s) {writing} are writing to {self.dir}; an "
+                                      "unsharded run waits for them (or use another "
+                                      "--output-dir)")
                 self._hold(folder, alone, f"is writing to {self.dir}", record=True)
             else:  # shared folder lock (waiting out a clean-up), then this shard's own lock
                 self._hold(folder, _flock(folder, exclusive=False, wait=SHARED_LOCK_WAIT_S),
@@ -348,6 +400,22 @@ class DirectorySink(FileSink):
             self.close()
             raise
         return self
+
+    def _shards_writing(self) -> str:
+        """The shards whose own lock names a live pid, as `1/3 (pid 123), 2/3 (pid 456)`:
+        they hold the folder lock shared and never write it, so its pid would be stale."""
+        found = []
+        for path in sorted(self.dir.glob(".mimo-tts.shard-*-of-*.lock")):
+            tag = parse_tag(path.name)
+            if tag is None or path.is_symlink():
+                continue
+            try:
+                pid = int(path.read_bytes().strip() or b"0")
+            except (OSError, ValueError):
+                continue
+            if pid > 0 and pid_alive(pid):
+                found.append((tag[1], tag[0], f"{tag[0]}/{tag[1]} (pid {pid})"))
+        return ", ".join(label for *_, label in sorted(found))
 
     def _hold(self, lock, held: bool, doing: str, record: bool = False) -> None:
         """Refuse when `lock` is taken; else `record` this pid in it (exclusive locks)."""
@@ -379,16 +447,23 @@ class DirectorySink(FileSink):
         return self.audio_path(item_id), self.sidecar_path(item_id), self.codes_path(item_id)
 
     def check(self, result) -> None:
-        """Skip an item whose audio and sidecar say it is done with the same inputs."""
+        """Skip an item whose audio and sidecar say it is done with the same inputs (also
+        under the text-only id earlier versions gave it: the item then keeps that id)."""
         item = result.item
         path = self.audio_path(item.id)
         done = self.done_record(item.id, result.key)
+        if done is None and item.legacy_id and not self.overwrite and not path.exists():
+            done = self.done_record(item.legacy_id, result.key)
+            if done is not None:
+                item.id, path = item.legacy_id, self.audio_path(item.legacy_id)
         if done is not None and not self.overwrite:
             _skip(result, path, done)
             line = self.manifest.get(item.id, self.fmt) or {}
             if line.get("status") != "ok" or line.get("key") != result.key:
                 self.manifest.add({"format": self.fmt, **done})  # killed before its line
-        elif (path.exists() or path.is_symlink()) and not self.overwrite:
+        elif (path.exists() or path.is_symlink()) and not self.overwrite and \
+                (_sidecar_result(self.sidecar_path(item.id)) or {}).get("key") != result.key:
+            # (a sidecar with this key beside audio that is not done: its audio was cut, redo it)
             raise OutputError(f"{path} exists from other inputs; use --overwrite to replace it")
 
     def finished(self, result, task: str) -> None:
@@ -410,6 +485,46 @@ class DirectorySink(FileSink):
     def done_record(self, item_id: str, key: str) -> dict | None:
         """The result of a finished item with this input key, or None (`_done_record`)."""
         return _done_record(self.audio_path(item_id), self.sidecar_path(item_id), key)
+
+
+class TaskDirectories(Sink):
+    """`<output-dir>/<task>/` for each task of a run whose JSONL lines name their own: one
+    `DirectorySink` per task, all opened (locked) together; each item goes to its task's."""
+
+    def __init__(self, root: str | Path, task: str, tasks, **options):
+        self.task = task
+        self.sinks = {t: DirectorySink(root, t, **options) for t in dict.fromkeys([task, *tasks])}
+
+    def open(self) -> TaskDirectories:
+        try:
+            for sink in self.sinks.values():
+                sink.open()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        for sink in self.sinks.values():
+            sink.close()
+
+    def __enter__(self) -> TaskDirectories:
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def of(self, result) -> DirectorySink:
+        return self.sinks[result.item.task or self.task]
+
+    def check(self, result) -> None:
+        self.of(result).check(result)
+
+    def write(self, result, samples, codes, record) -> None:
+        self.of(result).write(result, samples, codes, record)
+
+    def finished(self, result, task: str) -> None:
+        self.of(result).finished(result, task)
 
 
 def _flock(handle, exclusive: bool, wait: float = 0.0) -> bool:

@@ -107,5 +107,15 @@ Verbose = Annotated[bool, typer.Option("--verbose", "-v", rich_help_panel=RUN,
                                        help="More detail on stderr (loading, placement).")]
 AsJson = Annotated[bool, typer.Option("--json", rich_help_panel=RUN,
                                       help="One JSON object per item on stdout.")]
+# Each other command's --json, in its own words.
+DevicesJson = Annotated[bool, typer.Option(
+    "--json", rich_help_panel=RUN, help="The preflight report as one JSON object on one line of "
+    "stdout (default: a short table on a terminal, indented JSON otherwise).")]
+StatusJson = Annotated[bool, typer.Option(
+    "--json", help="The report as one JSON object on stdout: counts, each failed and missing "
+    "item, per shard (default: lines of text).")]
+SelftestJson = Annotated[bool, typer.Option(
+    "--json", help="The result as one JSON object on stdout: seconds, frames, peak, RTF "
+    "(default: one line on stderr).")]
 Debug = Annotated[bool, typer.Option("--debug", rich_help_panel=RUN,
                                      help="Show tracebacks for errors.")]

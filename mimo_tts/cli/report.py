@@ -71,10 +71,11 @@ class Reporter:
             self.data(record)
         elif result.status == "error":
             self.err.print(f"failed {result.item.id}: {result.error}", markup=False)
-        elif result.status == "skipped":
-            self.log(f"skipped {result.path} (done with the same inputs)")
-        elif result.path is not None and self.stdout_data:
-            self.data(str(result.path))
+        else:  # written or skipped (done before): its path either way, so $(...) works again
+            if result.status == "skipped":
+                self.log(f"skipped {result.path} (done with the same inputs)")
+            if result.path is not None and self.stdout_data:
+                self.data(str(result.path))
 
 
 def _same_terminal() -> bool:

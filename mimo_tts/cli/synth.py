@@ -3,6 +3,7 @@ memory, shard) without loading anything. The batch code is imported inside the c
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -21,6 +22,7 @@ from mimo_tts.cli.params import (
     AsJson,
     Config,
     Debug,
+    DevicesJson,
     Dtype,
     EngineName,
     Fmt,
@@ -62,8 +64,8 @@ def synth(
         help="Text to speak (repeatable; '-' reads stdin).")] = None,
     input: Annotated[list[str] | None, typer.Option(
         "--input", "-i", rich_help_panel=IN, metavar="FILE",
-        help=".txt (one item per line) or .jsonl (id, text, instruct, prompt_audio, seed); "
-             "'-' reads stdin.")] = None,
+        help=".txt (one item per line) or .jsonl (id, text, instruct, prompt_audio, seed, "
+             "task); '-' reads stdin.")] = None,
     task: Annotated[str | None, typer.Option(rich_help_panel=IN, metavar="TASK",
         help=f"Prompt task: {', '.join(TASKS)} (default {SynthesisOptions.task}).")] = None,
     instruct: Annotated[str | None, typer.Option(rich_help_panel=IN, metavar="TEXT",
@@ -171,6 +173,9 @@ def synth(
     reporter = Reporter(quiet, verbose, as_json, debug, stdout_data=not (raw or output == "-"))
 
     def body() -> int:
+        from mimo_tts.batch.files import stdout_stream
+
+        stdout_stream()  # a run reports on stdout: a closed one ends it before any work
         if dry_run:
             return _preflight(reporter, request)
         if quiet:
@@ -199,11 +204,15 @@ def synth(
 
 
 def _preflight(reporter: Reporter, request: SynthRequest) -> int:
+    from mimo_tts.batch.files import stdout_stream
+
     report = preflight_report(request)
     if reporter.as_json:
         reporter.data(report)
+    elif stdout_stream().isatty():  # a person: the short view
+        _print_table(preflight_rows(report))
     else:  # the report is the command's data: pretty JSON on stdout
-        Console(highlight=False).print_json(data=report)
+        reporter.data(json.dumps(report, indent=2, ensure_ascii=False))
     missing = [c for c in report["checkpoints"].values()
                if c["status"].startswith(("missing", "broken"))]
     for entry in missing:
@@ -216,11 +225,67 @@ def _preflight(reporter: Reporter, request: SynthRequest) -> int:
     return EXIT_OK
 
 
+LABELS = {"lm_device": "LM device", "tokenizer_device": "tokenizer device",
+          "lm_dtype": "LM dtype", "tokenizer_dtype": "tokenizer dtype",
+          "cuda_graph": "CUDA graphs", "cpu_kernel": "CPU kernel", "codec_kernel": "codec kernel"}
+
+
+def preflight_rows(report: dict) -> list[tuple[str, str, str]]:
+    """The preflight report as (setting, value, where it came from) rows: a terminal's view
+    (`--json` and pipes get the whole report)."""
+    rows = [(LABELS.get(name, name.replace("_", " ")), _shown(e["value"]), e["source"])
+            for name, e in report["placement"].items()]
+    cuda = report["cuda"]
+    rows.append(("CUDA", f"{cuda['device_count']} device(s), current cuda:{cuda['current']}"
+                 if cuda["available"] else "not available", ""))
+    for role, c in report["checkpoints"].items():
+        status = c["status"].split(":", 1)[0]  # a missing one's fix is in its error line
+        rows.append((role, c["path"] or c["name"], f"{status} ({c['source']})"))
+    memory = report.get("memory")
+    for need in memory if isinstance(memory, list) else []:
+        rows.append((f"memory {need['device']}", f"{need['need_gib']} GiB of "
+                     f"{need['available_gib']} GiB", ("fits" if need["fits"] else "does not fit")
+                     + f" ({need['available_source']})"))
+    if isinstance(memory, dict) and memory.get("error"):
+        rows.append(("memory", "unknown", memory["error"]))
+    if report.get("memory_error"):
+        rows.append(("memory", "does not fit", "the error below"))
+    engine = report["engine"]
+    rows.append(("engine", engine["name"], engine.get("error") or (
+        "" if "installed" not in engine else "installed" if engine["installed"]
+        else "not installed")))
+    shard = report["shard"]
+    rows.append(("shard", shard["shard"] or "every item", shard["source"]))
+    if "inputs" in report:
+        inputs = report["inputs"]
+        rows.append(("inputs", f"{inputs['items']} items, {inputs['bad_items']} bad",
+                     ", ".join(inputs["files"])))
+    return rows
+
+
+def _shown(value) -> str:
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+
+def _print_table(rows: list[tuple[str, str, str]]) -> None:
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    from mimo_tts.batch.files import stdout_stream
+
+    table = Table("", "value", "from", box=box.SIMPLE_HEAD, caption="--json: the whole report")
+    table.columns[1].overflow = "fold"  # a whole path, over lines
+    for row in rows:
+        table.add_row(*(Text(cell) for cell in row))  # paths and sources are not markup
+    Console(file=stdout_stream(), highlight=False).print(table)
+
+
 def devices(
     model: Model = None, tokenizer: Tokenizer = None, lm_device: LmDevice = None,
     tokenizer_device: TokDevice = None, dtype: Dtype = None, tokenizer_dtype: TokDtype = None,
     cuda_graph: Graph = None, engine: EngineName = None, config: Config = None,
-    no_memory_check: NoMemoryCheck = None, as_json: AsJson = False, debug: Debug = False,
+    no_memory_check: NoMemoryCheck = None, as_json: DevicesJson = False, debug: Debug = False,
 ) -> None:
     """Preflight: devices (and why), CUDA, graph policy, checkpoints, memory, Stage-0 engine.
 
@@ -243,13 +308,15 @@ def preflight_report(request: SynthRequest) -> dict:
     checked as a run reads them (stdin is left alone), and their texts with `--text` size the
     memory plan; the shard is the one the run would take."""
     from mimo_tts.batch.items import read_items
-    from mimo_tts.batch.plan import shard_for
+    from mimo_tts.batch.plan import check_raw_format, check_unicode, shard_for
     from mimo_tts.synthesis.preflight import preflight
     from mimo_tts.synthesis.profiles import load_profile
 
+    check_unicode(request)
     texts = [t for t in request.texts if t != "-"]
     files = [f for f in request.inputs if f != "-"]
     settings = resolve(request.options, load_profile(request.config), os.environ)
+    check_raw_format(settings.run)
     items = read_items([], files) if files else []
     shard = shard_for(settings, request.shard)
     report = preflight(settings, texts + [i.text for i in items if isinstance(i.text, str)])

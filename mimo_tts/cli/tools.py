@@ -10,7 +10,6 @@ import typer
 from mimo_tts.cli.params import (
     GEN,
     SERVE,
-    AsJson,
     Config,
     Debug,
     Dtype,
@@ -19,6 +18,8 @@ from mimo_tts.cli.params import (
     LmThreads,
     Model,
     NoMemoryCheck,
+    SelftestJson,
+    StatusJson,
     TokDevice,
     TokDtype,
     Tokenizer,
@@ -42,21 +43,33 @@ def status(
         "--input", "-i", metavar="FILE", help="The run's input file(s): items without a result "
                                               "count as missing.")] = None,
     task: Annotated[str, typer.Option(
-        metavar="TASK", help="The task folder under OUTPUT_DIR.")] = "tts_sft",
+        metavar="TASK", help="synth's --task: the task folder under OUTPUT_DIR (for the folder "
+                             "of a task that JSONL lines name, give that folder as "
+                             "OUTPUT_DIR).")] = "tts_sft",
+    seed: Annotated[int, typer.Option(
+        metavar="SEED", help="synth's --seed: with --input it names and keys the items "
+                             "(default 0).")] = 0,
+    instruct: Annotated[str | None, typer.Option(
+        metavar="TEXT", help="synth's --instruct, likewise.")] = None,
+    prompt_audio: Annotated[str | None, typer.Option(
+        metavar="FILE", help="synth's --prompt-audio, likewise.")] = None,
     merge: Annotated[bool, typer.Option(
         "--merge", help="Write every shard's lines into one results.jsonl.")] = False,
-    as_json: AsJson = False, debug: Debug = False,
+    as_json: StatusJson = False, debug: Debug = False,
 ) -> None:
     """Done / failed / missing items across all shards' manifests of an output folder.
 
-    Exits 0 when every item is done, 10 when some are failed or missing.
+    Give it synth's --input and the --seed, --instruct and --prompt-audio the run had: they
+    name the items. Exits 0 when every item is done, 10 when some are failed or missing.
     """
     reporter = Reporter(as_json=as_json, debug=debug)
 
     def body() -> int:
         from mimo_tts.batch import status as folder_status
+        from mimo_tts.batch.items import Naming
 
-        report = folder_status.report(output_dir, task, input or [], merge)
+        report = folder_status.report(output_dir, task, input or [], merge,
+                                      Naming(seed, instruct, prompt_audio, task))
         if as_json:
             reporter.data(report)
         else:
@@ -86,7 +99,7 @@ def download(
 
 def selftest(
     lm_device: LmDevice = None, tokenizer_device: TokDevice = None,
-    as_json: AsJson = False, debug: Debug = False,
+    as_json: SelftestJson = False, debug: Debug = False,
 ) -> None:
     """A seconds-long end-to-end run on the tiny preset; checks length, finiteness, loudness."""
     reporter = Reporter(as_json=as_json, debug=debug)

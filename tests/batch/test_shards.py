@@ -4,6 +4,7 @@ manifests of a shared output folder (real flocks on real files)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -113,3 +114,31 @@ def test_dry_run_and_devices_show_the_shard_and_its_source(invoke):
 def test_shard_with_one_output_file_is_a_usage_error(invoke):
     result = invoke("synth", "--model", "tiny", "--text", "Hi.", "-o", "x.wav", "--shard", "1/2")
     assert result.exit_code == EXIT_USAGE and "--shard" in result.stderr
+
+
+@pytest.mark.parametrize(("env", "named"), [
+    ({"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_COUNT": "0"}, "SLURM_ARRAY_TASK_COUNT=0"),
+    ({"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_COUNT": "2000000"},
+     "SLURM_ARRAY_TASK_COUNT=2000000"),
+    ({"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_COUNT": "3"},
+     "SLURM_ARRAY_TASK_COUNT=3"),
+    ({"JOB_COMPLETION_INDEX": "3", "MIMO_TTS_SHARD_COUNT": "3"}, "JOB_COMPLETION_INDEX=3"),
+    ({"JOB_COMPLETION_INDEX": "0", "MIMO_TTS_SHARD_COUNT": "0"}, "MIMO_TTS_SHARD_COUNT=0"),
+])
+def test_a13_an_env_shard_out_of_range_names_the_variable_not_a_flag(env, named):
+    with pytest.raises(UsageError) as info:
+        resolve_shard(None, env)
+    message = str(info.value)
+    assert named in message and message.endswith("pass --shard K/N")
+    assert "--shard " not in message.removesuffix("pass --shard K/N")  # no flag was given
+
+
+def test_a13_an_unsharded_run_refused_beside_shards_names_their_pids(tmp_path):
+    with _sink(tmp_path, "2/3"), _sink(tmp_path, "1/3"):
+        with pytest.raises(OutputError) as info:
+            _sink(tmp_path).open()
+    pid = os.getpid()
+    assert str(info.value) == (f"shard(s) 1/3 (pid {pid}), 2/3 (pid {pid}) are writing to "
+                               f"{tmp_path / 'tts_sft'}; an unsharded run waits for them (or "
+                               "use another --output-dir)")
+    assert "pid ?" not in str(info.value)

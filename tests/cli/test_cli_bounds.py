@@ -30,3 +30,14 @@ def test_the_largest_seed_still_runs(invoke, tmp_path):
     result = invoke("synth", "--model", "tiny", "--text", "Hello.", "--seed", str(2**64 - 1))
     assert result.exit_code == 0, result.stderr
     assert len(list(tmp_path.rglob("*.wav"))) == 1
+
+
+@pytest.mark.parametrize("fmt", ["flac", "mp3", "wav-float"])
+@pytest.mark.parametrize("dry", [(), ("--dry-run",)])
+def test_b_raw_with_a_file_format_is_refused_not_ignored(invoke, fmt, dry):
+    result = invoke("synth", "--model", "tiny", "--text", "Hi.", "--raw", "--format", fmt,
+                    "--max-new-groups", "1", *dry)
+    assert result.exit_code == EXIT_USAGE, result.stderr  # was: PCM on stdout, exit 0
+    assert f"--raw streams 16-bit PCM without a header; --format {fmt} cannot be used" in \
+        result.stderr
+    assert result.stdout_bytes == b""

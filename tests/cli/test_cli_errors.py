@@ -148,6 +148,20 @@ def test_bad_single_item_exit_9(invoke, tmp_path):
     assert missing.exit_code == EXIT_INPUT and "none.wav" in missing.stderr
 
 
+def test_b_a_missing_prompt_file_is_a_bad_item_before_the_exists_check(invoke, tmp_path):
+    voice = tmp_path / "voice.wav"
+    sf.write(str(voice), torch.sin(torch.arange(12000) / 9.0).numpy() * 0.3, 24000)
+    batch = tmp_path / "b.jsonl"
+    batch.write_text(json.dumps({"id": "x", "text": "Hi.", "prompt_audio": str(voice)}) + "\n")
+    args = (*TINY, "--task", "tts_sft_with_audio", "--input", batch, "--max-new-groups", "1")
+    assert invoke(*args).exit_code == 0  # x.wav now exists
+    batch.write_text(json.dumps({"id": "x", "text": "Hi.", "prompt_audio": "gone.wav"}) + "\n")
+    result = invoke(*args)
+    assert result.exit_code == EXIT_INPUT, result.stderr  # was: exit 5, "exists from other..."
+    assert "b.jsonl:1: prompt audio not found: gone.wav" in result.stderr
+    assert "exists" not in result.stderr
+
+
 def test_nan_audio_fails_the_audio_check_exit_6(invoke, tmp_path, tiny_cache):
     """A tokenizer whose vocoder head is NaN: the item fails, no wav is written."""
     source = next(tiny_cache.glob("presets/*/tokenizer"))

@@ -109,3 +109,14 @@ def test_help_into_a_closed_pipe_is_an_io_error(base_env, tmp_path, entry_point,
     assert proc.returncode == EXIT_IO, proc.stderr
     assert proc.stderr.decode().splitlines() == [
         "Error: stdout was closed by the reader (broken pipe)"]
+
+
+def test_b_each_command_describes_its_own_json():
+    """`--json` is per item for synth only: devices, status and selftest print one report."""
+    words = {command: next(p.help for p in GROUP.commands[command].params if p.name == "as_json")
+             for command in ("synth", "devices", "status", "selftest")}
+    assert words["synth"] == "One JSON object per item on stdout."
+    assert len(set(words.values())) == 4  # was: synth's words on all four
+    assert words["devices"].startswith("The preflight report as one JSON object")
+    assert words["status"].startswith("The report as one JSON object")
+    assert words["selftest"].startswith("The result as one JSON object")

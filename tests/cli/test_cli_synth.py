@@ -159,6 +159,35 @@ def test_rerun_skips_and_loads_nothing(default_run, mimo, manifest):
     assert len(manifest(task_dir)) == 1
 
 
+def test_b_a_rerun_prints_the_paths_of_skipped_items_too(invoke, tmp_path):
+    """`f=$(mimo-tts synth ...)` works on every run, not only the first."""
+    lines = tmp_path / "lines.txt"
+    lines.write_text("First line.\nSecond line.\n")
+    args = ("synth", "--model", "tiny", "--max-new-groups", "2")
+    first = invoke(*args, "--input", lines)
+    assert first.exit_code == 0 and len(first.stdout.splitlines()) == 2
+    again = invoke(*args, "--input", lines)
+    assert again.exit_code == 0 and "0 written, 2 skipped" in again.stderr
+    assert again.stdout == first.stdout  # was: empty
+    listed = invoke(*args, "--input", lines, "--json").stdout.splitlines()
+    as_json = [json.loads(x) for x in listed]
+    assert [(r["status"], r["path"]) for r in as_json] == [
+        ("skipped", p) for p in first.stdout.splitlines()]
+    one = invoke(*args, "--text", "Hi.", "-o", tmp_path / "hi.wav")
+    assert invoke(*args, "--text", "Hi.", "-o", tmp_path / "hi.wav").stdout == one.stdout \
+        == f"{tmp_path / 'hi.wav'}\n"
+
+
+def test_a_continuous_rerun_with_every_item_done_loads_nothing(invoke, tmp_path):
+    args = ("synth", "--model", "tiny", "--max-new-groups", "2", "--batch-size", "3",
+            "--text", "One two.", "--text", "Three four.")
+    first = invoke(*args)
+    assert first.exit_code == 0, first.stderr
+    again = invoke(*args)  # was: exit 1, "unexpected AttributeError" (no engine to run)
+    assert again.exit_code == 0 and "0 written, 2 skipped, 0 failed" in again.stderr
+    assert again.stdout == first.stdout
+
+
 def test_text_file_batch_resume_and_overwrite(invoke, tmp_path, manifest):
     lines = tmp_path / "lines.txt"
     lines.write_text("First line.\n\nSecond line.\n", encoding="utf-8")
@@ -180,9 +209,12 @@ def test_text_file_batch_resume_and_overwrite(invoke, tmp_path, manifest):
     redo = invoke(*args, "--overwrite")
     assert [json.loads(x)["status"] for x in redo.stdout.splitlines()] == ["ok"] * 2
     assert len(manifest(task_dir)) == 2  # one line per item, still
-    changed = invoke(*args, "--seed", "3")  # other inputs: new keys, same derived ids
+    changed = invoke(*args, "--max-new-groups", "4")  # other inputs: new keys, same ids
     assert changed.exit_code == 5  # both items failed with the same I/O error
     assert all("use --overwrite" in json.loads(x)["error"] for x in changed.stdout.splitlines())
+    seeded = invoke(*args, "--seed", "3")  # another seed: other derived ids, other files
+    assert [json.loads(x)["status"] for x in seeded.stdout.splitlines()] == ["ok"] * 2
+    assert len(list(task_dir.glob("*.wav"))) == 4
 
 
 def test_jsonl_batch_with_bad_lines_is_a_partial_failure(invoke, tmp_path, manifest):

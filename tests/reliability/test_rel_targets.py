@@ -134,8 +134,12 @@ def test_4_decode_follows_the_extension(invoke, tmp_path):
 
 
 def test_5_formats_in_one_folder_keep_their_own_files(invoke, tmp_path, manifest):
-    wav = invoke(*TINY, "--text", "Seed test", "--seed", "5", "--save-codes", "--json")
-    flac = invoke(*TINY, "--text", "Seed test", "--format", "flac", "--save-codes", "--json")
+    # one id given in the lines: derived ids would differ by seed (another seed, another file)
+    seeded, plain = tmp_path / "seeded.jsonl", tmp_path / "plain.jsonl"
+    seeded.write_text('{"id": "Seed_test", "text": "Seed test", "seed": 5}\n')
+    plain.write_text('{"id": "Seed_test", "text": "Seed test"}\n')
+    wav = invoke(*TINY, "--input", seeded, "--save-codes", "--json")
+    flac = invoke(*TINY, "--input", plain, "--format", "flac", "--save-codes", "--json")
     assert wav.exit_code == flac.exit_code == 0, (wav.stderr, flac.stderr)
     first, second = json.loads(wav.stdout), json.loads(flac.stdout)
     assert Path(first["path"]).suffix == ".wav" and Path(second["path"]).suffix == ".flac"
@@ -149,8 +153,8 @@ def test_5_formats_in_one_folder_keep_their_own_files(invoke, tmp_path, manifest
     lines = manifest(task_dir)
     assert sorted((r["path"], r["status"]) for r in lines) == sorted(
         [(first["path"], "ok"), (second["path"], "ok")])
-    for args in (("--seed", "5"), ("--format", "flac")):
-        again = invoke(*TINY, "--text", "Seed test", *args, "--save-codes", "--json")
+    for args in (("--input", seeded), ("--input", plain, "--format", "flac")):
+        again = invoke(*TINY, *args, "--save-codes", "--json")
         assert again.exit_code == 0, again.stderr
         assert json.loads(again.stdout)["status"] == "skipped"
     assert len(manifest(task_dir)) == 2

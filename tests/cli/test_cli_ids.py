@@ -1,0 +1,82 @@
+"""Derived ids name what changes the audio: another seed, style or voice of one sentence is
+another file in the same folder; the default command keeps its names, and outputs that earlier
+versions named by the text alone are still found (issue 22, B)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import soundfile as sf
+
+from mimo_tts.batch.items import Naming, read_items, text_id
+
+TINY = ("synth", "--model", "tiny", "--max-new-groups", "2", "--text", "Hello there.")
+
+
+def _voice(path, freq: float):
+    sf.write(str(path), 0.3 * np.sin(np.arange(12000) * freq / 24000 * 2 * np.pi), 24000)
+    return path
+
+
+def test_b_the_id_hash_covers_seed_instruct_and_voice_and_not_only_the_text():
+    assert text_id("Hello there.") == "Hello_there-95e3ac56"  # as every version named it
+    assert text_id("Hello there.", seed=0) == "Hello_there-95e3ac56"
+    named = {text_id("Hello there.", seed=4), text_id("Hello there.", instruct="calm"),
+             text_id("Hello there.", prompt_audio="a.wav"), text_id("Hello there.", seed=5),
+             text_id("Hello there.", prompt_audio="b.wav"), "Hello_there-95e3ac56"}
+    assert len(named) == 6 and all(n.startswith("Hello_there-") for n in named)
+    assert text_id("Hi", prompt_audio="./v/a.wav") == text_id("Hi", prompt_audio="v/a.wav")
+
+
+def test_b_a_line_seed_and_the_run_seed_name_an_item_alike(tmp_path):
+    batch = tmp_path / "b.jsonl"
+    batch.write_text('{"text": "Hello there.", "seed": 4}\n{"text": "Hello there."}\n'
+                     '{"id": "mine", "text": "Hello there.", "seed": 4}\n')
+    own, run, named = read_items([], [str(batch)], naming=Naming(seed=4))
+    assert own.id == text_id("Hello there.", seed=4) != "Hello_there-95e3ac56"
+    assert own.legacy_id == "Hello_there-95e3ac56" and own.error is None
+    assert run.error is None and run.id == own.id + "-2"  # the same inputs twice
+    assert named.id == "mine" and named.legacy_id is None  # an id given is kept as given
+
+
+def test_b_other_seeds_styles_and_voices_are_other_files_in_one_folder(invoke, tmp_path):
+    folder = tmp_path / "output_audio"
+    first = invoke(*TINY)
+    assert first.exit_code == 0, first.stderr
+    assert first.stdout == "output_audio/tts_sft/Hello_there-95e3ac56.wav\n"
+    seeded = invoke(*TINY, "--seed", "4")
+    assert seeded.exit_code == 0, seeded.stderr  # was: exit 5, "exists from other inputs"
+    assert seeded.stdout != first.stdout
+    again = invoke(*TINY, "--seed", "4")
+    assert again.exit_code == 0 and "0 written, 1 skipped" in again.stderr
+    styles = ("--task", "tts_sft_with_instruct")
+    for style in ("calm", "loud"):
+        run = invoke(*TINY, *styles, "--instruct", style)
+        assert run.exit_code == 0, run.stderr
+    voices = ("--task", "tts_sft_with_audio")
+    for name, freq in (("a.wav", 220.0), ("b.wav", 330.0)):
+        run = invoke(*TINY, *voices, "--prompt-audio", _voice(tmp_path / name, freq))
+        assert run.exit_code == 0, run.stderr
+    assert {task: len(list((folder / task).glob("*.wav"))) for task in (
+        "tts_sft", "tts_sft_with_instruct", "tts_sft_with_audio")} == {
+        "tts_sft": 2, "tts_sft_with_instruct": 2, "tts_sft_with_audio": 2}
+
+
+def test_b_an_output_named_by_its_text_alone_by_an_earlier_version_is_still_skipped(
+        invoke, tmp_path):
+    assert invoke(*TINY, "--seed", "4").exit_code == 0
+    folder = tmp_path / "output_audio" / "tts_sft"
+    new = text_id("Hello there.", seed=4)
+    for suffix in (".wav", ".json"):  # as an earlier version named it: by the text alone
+        (folder / f"{new}{suffix}").rename(folder / f"Hello_there-95e3ac56{suffix}")
+    lines = [json.loads(x) for x in (folder / "results.jsonl").read_text().splitlines()]
+    (folder / "results.jsonl").write_text("".join(
+        json.dumps({**r, "id": "Hello_there-95e3ac56"}) + "\n" for r in lines))
+    again = invoke(*TINY, "--seed", "4", "--json")
+    assert again.exit_code == 0 and "0 written, 1 skipped" in again.stderr
+    (record,) = [json.loads(x) for x in again.stdout.splitlines()]
+    assert record["id"] == "Hello_there-95e3ac56" and record["status"] == "skipped"
+    assert not (folder / f"{new}.wav").exists()
+    other = invoke(*TINY, "--seed", "5")  # the old file is another seed's: not taken for it
+    assert other.exit_code == 0 and "1 written" in other.stderr
