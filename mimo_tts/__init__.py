@@ -34,7 +34,8 @@ __all__ = ["Audio", "AudioChunk", "MiMoTTS", "SynthesisOptions", "VoiceStore", "
            "NotEnoughMemoryError", "OptionTypeError", "OutputError", "UsageError"]
 
 _LIBRARY = "mimo_tts.synthesis.synthesizer"
-_FACE = {"load": _LIBRARY, "MiMoTTS": _LIBRARY, "Audio": _LIBRARY, "AudioChunk": _LIBRARY,
+_FACE = {"load": _LIBRARY, "MiMoTTS": _LIBRARY, "Audio": "mimo_tts.synthesis.speech",
+         "AudioChunk": "mimo_tts.synthesis.speech",
          "SynthesisOptions": "mimo_tts.synthesis.options",
          "VoiceStore": "mimo_tts.synthesis.voices"}
 

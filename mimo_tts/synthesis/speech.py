@@ -1,0 +1,233 @@
+"""Speech in memory: `Audio` and `AudioChunk`, and the library's calls that make them
+(`SpeechCalls`: `synthesize`, `synthesize_batch`, `stream`, `decode`), each argument checked as
+the CLI checks its flag. `MiMoTTS` (synthesizer.py) is the `SpeechCalls` over its loaded stages:
+the calls use its building blocks (`prompts`, `generate`, `run_batch`, `piece`, `finish`,
+`describe`, `stage1`, `engine`, `options`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mimo_tts.errors import InputError, OptionTypeError
+from mimo_tts.runtime import runner_record
+from mimo_tts.synthesis.audio import (
+    PAUSE_FRAMES,
+    check_format_rate,
+    output_format,
+    to_numpy,
+    write_audio,
+)
+from mimo_tts.synthesis.captions import cues, piece_samples, text_pieces
+from mimo_tts.synthesis.options import (
+    DEFAULT_TASK,
+    RunOptions,
+    SynthesisOptions,
+    task_for,
+)
+from mimo_tts.synthesis.pieces import Piece
+from mimo_tts.synthesis.stage1 import check_pause, codes_tensor
+from mimo_tts.synthesis.streaming import stream_chunks
+from mimo_tts.synthesis.text import clean_text
+
+SYNTHESIS_FIELDS = frozenset(f.name for f in fields(SynthesisOptions))
+
+
+@dataclass(frozen=True)
+class Audio:
+    """Synthesised speech, in memory: what `MiMoTTS.synthesize` and `decode` return."""
+
+    samples: np.ndarray
+    """Mono float32 samples [S] in [-1, 1]."""
+
+    sample_rate: int
+    """Samples per second: 24000, the audio tokenizer's rate."""
+
+    provenance: dict
+    """How it was made: checkpoints, placement, task, seed, samplers, text pieces (the CLI's
+    sidecar record)."""
+
+    cues: tuple = ()
+    """`captions.Cue` per text piece when `captions=True`: exact sample spans of the joined
+    audio, pauses between them."""
+
+    @property
+    def seconds(self) -> float:
+        """The length in seconds."""
+        return len(self.samples) / self.sample_rate
+
+    def save(self, path: str | os.PathLike, format: str | None = None) -> Path:
+        """Write the audio to `path` as the CLI's `-o` does (same writer, same bytes), atomically.
+
+        `format` is one of `mimo_tts.synthesis.audio.FORMATS` (`wav`, `wav-float`, `flac`,
+        `mp3`, `opus`, `ogg`); None takes it from the extension. A name and a format that
+        disagree, or an unknown extension without `format`, is a `UsageError`; a file that
+        cannot be written an `OutputError`. Returns the path written.
+        """
+        fmt = output_format(os.fspath(path), format)
+        check_format_rate(fmt, self.sample_rate)
+        return write_audio(path, self.samples, self.sample_rate, fmt)
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    """A part of streamed speech, handed out as soon as Stage-1 decoded it (`MiMoTTS.stream`)."""
+
+    samples: np.ndarray
+    """Mono float32 samples [S_i] in [-1, 1]; the chunks of one call, joined, are its audio."""
+
+    sample_rate: int
+    """Samples per second: 24000."""
+
+    index: int
+    """The chunk's place in its `stream` call: 0, 1, ..."""
+
+
+class SpeechCalls:
+    """The library's calls: text -> `Audio` (numpy, 24 kHz), in memory only."""
+
+    # -- the library face --
+    def synthesize(self, text: str, *, task: str | None = None, instruct: str | None = None,
+                   prompt_audio=None, seed: int | None = None,
+                   options: SynthesisOptions | None = None, **overrides) -> Audio:
+        """Speech for `text` (split on sentence ends past `max_chars`, pieces joined).
+
+        `options` (default `self.options`) holds every sampling and task option; the keywords,
+        and any other `SynthesisOptions` field given by name, override it for this call.
+        `prompt_audio` is a file path or `(samples, sample_rate)` in memory.
+        """
+        o = self._options("synthesize", options, task=task, instruct=instruct,
+                          prompt_audio=prompt_audio, seed=seed, **overrides)
+        return self._synthesize([_text(text, "text")], o, 1)[0]
+
+    def synthesize_batch(self, texts: Sequence[str], *, batch_size: int = 1,
+                         **given) -> list[Audio]:
+        """Speech for several texts with one seed, each text's audio its `synthesize` call's:
+        on a continuous engine the text pieces are jobs of one continuous batch of
+        `batch_size` rows, each sampling from its own generator (as `--batch-size` on the
+        CLI); a static engine (vLLM) runs them together on one seed stream."""
+        batch_size = RunOptions(batch_size=batch_size).batch_size  # typed, >= 1
+        texts = _texts(texts)
+        o = self._options("synthesize_batch", given.pop("options", None), **given)
+        return self._synthesize(texts, o, batch_size)
+
+    def stream(self, text: str, **given) -> Iterator[AudioChunk]:
+        """Speech for `text` in chunks as Stage-1 decodes them (keywords as `synthesize`)."""
+        o = self._options("stream", given.pop("options", None), **given)
+        chunks = stream_chunks(self, self.prompts(_text(text, "text"), o, o.seed), o)
+        for index, chunk in enumerate(chunks):
+            yield AudioChunk(to_numpy(chunk), self.stage1.sample_rate, index)
+
+    def decode(self, codes, pause_frames: int = PAUSE_FRAMES) -> Audio:
+        """Stage-1 alone: codes [8, T] (or one per text piece; torch or numpy integers) ->
+        `Audio`, checked as `mimo-tts decode` checks a codes file (codes out of range:
+        AudioCheckError)."""
+        if isinstance(codes, torch.Tensor | np.ndarray):
+            pieces = [codes_tensor(codes, "codes")]
+        elif isinstance(codes, list | tuple) and codes:
+            pieces = [codes_tensor(c, f"codes[{i}]") for i, c in enumerate(codes)]
+        elif isinstance(codes, list | tuple):
+            raise InputError("codes: no code tensors to decode")
+        else:
+            raise OptionTypeError(f"codes must be a tensor or a list of tensors, not "
+                                  f"{type(codes).__name__}")
+        audio = self.stage1.join(pieces, check_pause(pause_frames), "codes")
+        return Audio(to_numpy(audio), self.stage1.sample_rate,
+                     {"runner": runner_record(),
+                      "tokenizer": self.tok_ref.describe() if self.tok_ref else None})
+
+    def _synthesize(self, texts: list[str], o: SynthesisOptions, rows: int) -> list[Audio]:
+        prompts = [self.prompts(t, o, o.seed) for t in texts]
+        flat = [p for ps in prompts for p in ps]
+        if self.engine.continuous and rows > 1:
+            made = self._run_jobs(flat, o, rows)
+        else:
+            made = self.generate(flat, o.generation_options(o.seed), o.seed, rows)
+        results = []
+        for n, ps in enumerate(prompts):
+            pieces, made = made[:len(ps)], made[len(ps):]
+            audio = self._audio(self.finish(pieces, f"text {n + 1}"), o, pieces)
+            if o.captions:
+                audio = replace(audio, cues=tuple(self.cues(texts[n], o, pieces)))
+            results.append(audio)
+        return results
+
+    def cues(self, text: str, o: SynthesisOptions, pieces: list[Piece]) -> list:
+        """The captions of a text synthesised with `captions=True`: one cue per piece."""
+        spf = self.stage1.samples_per_frame
+        return cues(text_pieces(text, o), [piece_samples(p, spf) for p in pieces],
+                    self.stage1.sample_rate, spf)
+
+    def _run_jobs(self, prompts: list, o: SynthesisOptions, rows: int) -> list[Piece]:
+        """Each prompt a job of one continuous batch (`run_batch`), sampling from its own
+        generator seeded with `o.seed`: its codes are its single run's."""
+        from mimo_tts.lm.batching import Job, JobDone, Jobs, StepFailed
+
+        if not prompts:
+            return []
+        options = o.generation_options(o.seed)
+        made: list[Piece | None] = [None] * len(prompts)
+        jobs = Jobs(Job(p.input_ids, options, key=i) for i, p in enumerate(prompts))
+        for event in self.run_batch(jobs, min(rows, len(prompts))):
+            if isinstance(event, StepFailed):
+                raise event.error
+            if isinstance(event, JobDone):
+                if event.error is not None:
+                    raise event.error
+                index = event.job.key
+                made[index] = self.piece(prompts[index], event.generation, o.seed)
+        return made
+
+    def _options(self, call: str, options, **given) -> SynthesisOptions:
+        """`options` (default `self.options`) with this call's keywords; a keyword that is no
+        `SynthesisOptions` field is a TypeError naming it. No task named (the options' is
+        the default, which takes neither input): a prompt_audio or instruct picks its task,
+        as on the CLI without --task."""
+        unknown = sorted(set(given) - SYNTHESIS_FIELDS)
+        if unknown:
+            raise TypeError(f"{call}() got unexpected keyword argument(s) "
+                            f"{', '.join(map(repr, unknown))} (not SynthesisOptions fields)")
+        if options is None:
+            options = self.options
+        elif not isinstance(options, SynthesisOptions):
+            raise OptionTypeError(f"options must be a SynthesisOptions, not "
+                                  f"{type(options).__name__}")
+        changes = {k: v for k, v in given.items() if v is not None}
+        if "task" not in changes and options.task == DEFAULT_TASK:
+            changes["task"] = task_for(changes.get("instruct", options.instruct),
+                                       changes.get("prompt_audio", options.prompt_audio),
+                                       changes.get("voice", options.voice))
+        return replace(options, **changes)
+
+    def _audio(self, audio: torch.Tensor, o: SynthesisOptions, pieces: list[Piece]) -> Audio:
+        prompt_audio = getattr(o.prompt_audio, "describe", lambda: o.prompt_audio)()
+        record = {"runner": runner_record(), **self.describe(o),
+                  "task": o.task, "instruct": o.instruct, "prompt_audio": prompt_audio,
+                  "voice": o.voice,
+                  "seed": o.seed, "pieces": [p.record() for p in pieces]}
+        return Audio(to_numpy(audio), self.stage1.sample_rate, record)
+
+
+def _text(text, where: str) -> str:
+    """One text as the CLI takes it (`clean_text`: control characters refused, exit 9)."""
+    if not isinstance(text, str):
+        raise OptionTypeError(f"{where} must be a string, not {type(text).__name__}")
+    return clean_text(text, where)
+
+
+def _texts(texts) -> list[str]:
+    if isinstance(texts, str | bytes):
+        raise OptionTypeError(f"texts must be a list of strings, not one {type(texts).__name__}"
+                              " (synthesize takes one text)")
+    try:
+        texts = list(texts)
+    except TypeError:
+        raise OptionTypeError(f"texts must be a list of strings, not "
+                              f"{type(texts).__name__}") from None
+    return [_text(t, f"texts[{i}]") for i, t in enumerate(texts)]
