@@ -28,22 +28,19 @@ from mimo_tts.server.engine import (
     StaticBatcher,
     Ticket,
 )
-from mimo_tts.server.lifecycle import SHUTDOWN_GRACE_S, bind, serve, url_of
+from mimo_tts.server.lifecycle import SHUTDOWN_GRACE_S, loaded, serve, url_of
 from mimo_tts.server.page import page_html, speech_openapi
 from mimo_tts.server.protocol import (
     CAPTIONS_HEADER,
     CLIENT_GONE,
-    SERVE_KEYS,
     STREAMED,
     ApiError,
     RequestParser,
     ServeConfig,
     SpeechParams,
-    encode_voices,
     media_type,
     public_model_name,
     read_body,
-    read_voices,
     serve_config,
     served_formats,
     sse,
@@ -383,20 +380,8 @@ def main(flags: dict, config: str | None, reporter) -> int:
         import uvicorn  # noqa: F401
     except ImportError:
         raise UsageError(EXTRA_HINT) from None
-    from mimo_tts.synthesis.preflight import lengths_for
-    from mimo_tts.synthesis.profiles import load_profile
-    from mimo_tts.synthesis.settings import resolve
-    from mimo_tts.synthesis.synthesizer import MiMoTTS
-
     cfg = serve_config(flags, os.environ)
-    model_flags = {k: v for k, v in flags.items() if k not in (*SERVE_KEYS, "voice")}
-    # Stage-0 and Stage-1 run side by side, as with --stream (thread budgets split the CPU)
-    settings = resolve({**model_flags, "stream": True}, load_profile(config), os.environ)
-    read_voices(cfg.voices)  # before anything loads
-    sock = bind(cfg.host, cfg.port)
-    with sock, MiMoTTS.from_settings(settings, lengths_for(settings, [], cfg.batch_size),
-                                     reporter.log) as tts:
-        encode_voices(tts, cfg.voices, settings.synthesis)
+    with loaded(cfg, flags, config, reporter) as (settings, sock, tts):
         server = SpeechServer(tts, cfg, settings.synthesis,
                               public_model_name(settings.checkpoints.lm[0]), reporter.info)
         reporter.info(serving_line(server, sock, tts))

@@ -83,3 +83,27 @@ def _replaced(record: logging.LogRecord) -> bool:
         return False
     cancelled = record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError)
     return not cancelled
+
+
+@contextlib.contextmanager
+def loaded(cfg, flags: dict, config: str | None, reporter):
+    """What both servers do before they answer: resolve the model's options (Stage-0 and
+    Stage-1 side by side, as with --stream, so the thread budgets split the CPU), check the
+    start-up voices, bind (a taken port fails before anything loads), load once through the one
+    loader and encode the voices -> (settings, the bound socket, the loaded MiMoTTS)."""
+    import os
+
+    from mimo_tts.server.protocol import SERVE_KEYS, encode_voices, read_voices
+    from mimo_tts.synthesis.preflight import lengths_for
+    from mimo_tts.synthesis.profiles import load_profile
+    from mimo_tts.synthesis.settings import resolve
+    from mimo_tts.synthesis.synthesizer import MiMoTTS
+
+    model_flags = {k: v for k, v in flags.items() if k not in (*SERVE_KEYS, "voice")}
+    settings = resolve({**model_flags, "stream": True}, load_profile(config), os.environ)
+    read_voices(cfg.voices)  # before anything loads
+    sock = bind(cfg.host, cfg.port)
+    with sock, MiMoTTS.from_settings(settings, lengths_for(settings, [], cfg.batch_size),
+                                     reporter.log) as tts:
+        encode_voices(tts, cfg.voices, settings.synthesis)
+        yield settings, sock, tts

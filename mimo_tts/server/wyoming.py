@@ -14,7 +14,6 @@ has none): bind another address only on a trusted network.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
 import traceback
@@ -30,18 +29,16 @@ from mimo_tts.server.engine import (
     StaticBatcher,
     Ticket,
 )
-from mimo_tts.server.lifecycle import SHUTDOWN_GRACE_S, STOP_SIGNALS, bind
+from mimo_tts.server.lifecycle import SHUTDOWN_GRACE_S, STOP_SIGNALS, loaded
 from mimo_tts.server.protocol import (
-    SERVE_KEYS,
     ApiError,
     RequestParser,
-    encode_voices,
     public_model_name,
-    read_voices,
     serve_config,
 )
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, pcm16
 from mimo_tts.synthesis.text import clean_text
+from mimo_tts.synthesis.voices import VoiceStore
 
 EXTRA_HINT = "mimo-tts wyoming needs the wyoming extra: pip install 'mimo-tts[wyoming]'"
 DEFAULT_PORT = 10200  # the port Home Assistant's Wyoming integration suggests for TTS
@@ -70,7 +67,9 @@ class WyomingSpeech:
         self.counts = {"ok": 0, "failed": 0, "cancelled": 0, "rejected": 0}
 
     def voices(self) -> list[str]:
-        return ["default", "natural", *self.cfg.voices]
+        """The default, the natural-instruction style, the start-up voices and the registry's."""
+        stored = [n for n in VoiceStore().names() if n not in self.cfg.voices]
+        return ["default", "natural", *self.cfg.voices, *stored]
 
     def info(self):
         """The `info` event's body: one TTS program (the model) and its voices."""
@@ -92,8 +91,9 @@ class WyomingSpeech:
             text = clean_text(self.parser.bounded(text, "text"), "text")
         except MimoTTSError as exc:  # empty, control characters
             raise ApiError.of(exc) from None
-        task, prompt_audio = self.parser.voice(voice or "default", None)
-        return text, replace(self.base, task=task, instruct=None, prompt_audio=prompt_audio)
+        task, prompt_audio, stored = self.parser.voice(voice or "default", None)
+        return text, replace(self.base, task=task, instruct=None, prompt_audio=prompt_audio,
+                             voice=stored)
 
     async def speak(self, text: str, voice: str | None, send) -> None:
         """One text: audio-start, audio-chunks as Stage-1 decodes them (its pieces apart by the
@@ -279,20 +279,9 @@ def main(flags: dict, config: str | None, reporter) -> int:
         import wyoming  # noqa: F401
     except ImportError:
         raise UsageError(EXTRA_HINT) from None
-    from mimo_tts.synthesis.preflight import lengths_for
-    from mimo_tts.synthesis.profiles import load_profile
-    from mimo_tts.synthesis.settings import resolve
-    from mimo_tts.synthesis.synthesizer import MiMoTTS
-
     cfg = serve_config({"port": DEFAULT_PORT, **{k: v for k, v in flags.items()
                                                  if v is not None}}, {})  # no key
-    model_flags = {k: v for k, v in flags.items() if k not in (*SERVE_KEYS, "voice")}
-    settings = resolve({**model_flags, "stream": True}, load_profile(config), os.environ)
-    read_voices(cfg.voices)  # before anything loads
-    sock = bind(cfg.host, cfg.port)
-    with sock, MiMoTTS.from_settings(settings, lengths_for(settings, [], cfg.batch_size),
-                                     reporter.log) as tts:
-        encode_voices(tts, cfg.voices, settings.synthesis)
+    with loaded(cfg, flags, config, reporter) as (settings, sock, tts):
         speech = WyomingSpeech(tts, cfg, settings.synthesis,
                                public_model_name(settings.checkpoints.lm[0]), reporter.info)
         host, port = sock.getsockname()[:2]

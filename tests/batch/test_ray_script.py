@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from mimo_tts.batch.plan import SynthRequest
-from mimo_tts.synthesis.options import OptionValues
+from mimo_tts.synthesis.settings import OptionValues
 from tests.helpers import REPO
 
 SCRIPT = REPO / "scripts" / "ray_synth.py"
