@@ -40,14 +40,6 @@ def check_binary_stdout(to_stdout: bool, flag: str) -> None:
            "redirect it (> file)")
 
 
-def check_raw_format(run) -> None:
-    """`--raw` is PCM16 without a header: a --format that names a file format is refused, not
-    silently ignored (beside `RunOptions.check_combinations`' `--raw` rules)."""
-    _check(not (run.raw and run.format != "wav"),
-           f"--raw streams 16-bit PCM without a header; --format {run.format} cannot be used "
-           f"with it (use -o - --format {run.format} for a {run.format} file on stdout)")
-
-
 @dataclass(frozen=True)
 class SynthRequest:
     """What one `mimo-tts synth` (or a Ray run, or a preflight) asks for: the texts and input
@@ -93,7 +85,6 @@ def plan_synth(request: SynthRequest, stdin=None, log=None) -> Plan:
     profile = load_profile(request.config)
     settings = resolve_options(request.options, profile)
     run = settings.run
-    check_raw_format(run)
     _check(not (request.as_json and run.to_stdout),
            "--json prints to stdout, which -o - / --raw already use")
     check_binary_stdout(run.to_stdout, "--raw" if run.raw else "-o -")

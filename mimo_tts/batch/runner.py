@@ -243,7 +243,8 @@ def check_inputs(item: Item, o) -> None:
     before its output's name is looked at: a bad input is never reported as a collision."""
     instruct, prompt_audio = item.instruct or o.instruct, item.prompt_audio or o.prompt_audio
     try:
-        validate_inputs(TASKS[o.task], item.text, instruct, bool(prompt_audio))
+        o.check_item(item.instruct, item.prompt_audio)  # a missing input names its flag
+        validate_inputs(TASKS[o.task], item.text, instruct, bool(prompt_audio or o.voice))
         if prompt_audio and not Path(prompt_audio).is_file():
             raise InputError(f"prompt audio not found: {prompt_audio}")
     except InputError as exc:

@@ -308,7 +308,7 @@ def preflight_report(request: SynthRequest) -> dict:
     checked as a run reads them (stdin is left alone), and their texts with `--text` size the
     memory plan; the shard is the one the run would take."""
     from mimo_tts.batch.items import read_items
-    from mimo_tts.batch.plan import check_raw_format, check_unicode, shard_for
+    from mimo_tts.batch.plan import check_unicode, shard_for
     from mimo_tts.synthesis.preflight import preflight
     from mimo_tts.synthesis.profiles import load_profile
 
@@ -316,7 +316,6 @@ def preflight_report(request: SynthRequest) -> dict:
     texts = [t for t in request.texts if t != "-"]
     files = [f for f in request.inputs if f != "-"]
     settings = resolve(request.options, load_profile(request.config), os.environ)
-    check_raw_format(settings.run)
     items = read_items([], files) if files else []
     shard = shard_for(settings, request.shard)
     report = preflight(settings, texts + [i.text for i in items if isinstance(i.text, str)])

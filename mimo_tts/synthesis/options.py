@@ -303,8 +303,9 @@ class RunOptions:
                "--captions writes files beside each output; it cannot be used with stdout "
                "(-o - or --raw)")
         _check(not (self.raw and self.format != "wav"),
-               f"--raw streams PCM16 without a container; --format {self.format} cannot be "
-               "used with it")
+               f"--raw streams 16-bit PCM without a header; --format {self.format} cannot be "
+               f"used with it (use -o - --format {self.format} for a {self.format} file on "
+               "stdout)")
         return self
 
     @property
