@@ -50,7 +50,8 @@ def test_b_each_line_runs_in_its_own_task_and_folder(invoke, tmp_path):
         "tts_sft", "tts_sft_with_instruct", "tts_sft_with_natural_instruction")}
     assert lines["tts_sft"]["a"]["status"] == "ok" and lines["tts_sft"]["d"]["exit_code"] == 9
     assert lines["tts_sft_with_instruct"]["b"]["status"] == "ok"
-    assert "needs an instruct" in lines["tts_sft_with_instruct"]["e"]["error"]
+    assert "needs a style instruction: give --instruct" in \
+        lines["tts_sft_with_instruct"]["e"]["error"]
     assert lines["tts_sft_with_instruct"]["e"]["exit_code"] == EXIT_INPUT
     assert {i: r["status"] for i, r in lines["tts_sft_with_natural_instruction"].items()} == {
         "c": "ok", "a": "ok"}
