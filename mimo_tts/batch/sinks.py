@@ -22,14 +22,20 @@ None), `write(result, samples, codes, record)` and `finished(result, task)`.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import stat
-import time
 from pathlib import Path
 
 from mimo_tts.batch import files as mio
-from mimo_tts.batch.files import iter_jsonl
+from mimo_tts.batch.manifest import (
+    LOCK_NAME,
+    SHARED_LOCK_WAIT_S,
+    Manifest,
+    done_record,
+    flock,
+    lock_name,
+    manifest_name,
+    sidecar_result,
+)
 from mimo_tts.batch.shards import parse_tag
 from mimo_tts.errors import OutputError
 from mimo_tts.runtime.paths import (
@@ -42,162 +48,6 @@ from mimo_tts.runtime.paths import (
     write_json,
 )
 from mimo_tts.synthesis.audio import FORMATS, SAMPLE_RATE, encode_audio
-
-LOCK_NAME = ".mimo-tts.lock"
-MANIFEST_NAME = "results.jsonl"
-SHARED_LOCK_WAIT_S = 2.0  # a shard waits this long for another shard's temp-file clean-up
-
-
-def manifest_name(shard=None) -> str:
-    """`results.jsonl`, or `results.shard-K-of-N.jsonl` for shard K of N."""
-    return MANIFEST_NAME if shard is None else f"results.{shard.tag}.jsonl"
-
-
-def lock_name(shard=None) -> str:
-    return LOCK_NAME if shard is None else f".mimo-tts.{shard.tag}.lock"
-
-
-class Manifest:
-    """`results.jsonl`: one line per item and format (the last line wins), crash tolerant.
-
-    A new item is appended; a re-recorded one rewrites the file atomically, so the file always
-    holds one line per item and format. An identical record is not written again (bad lines
-    re-reported by a resumed run cost nothing). A manifest path that is a directory, a link or
-    a device is an OutputError: it is never read through or appended to.
-    """
-
-    def __init__(self, path: Path):
-        self.path = path
-        if path.is_symlink() or (path.exists() and not path.is_file()):
-            kind = "a symbolic link" if path.is_symlink() else "not a regular file"
-            raise OutputError(f"{path} is {kind}; remove it or use another --output-dir")
-        self.records: dict[tuple[str, str], dict] = {}
-        lines = 0
-        try:
-            for record in iter_jsonl(path):
-                lines += 1
-                if "id" in record:
-                    self.records[_manifest_key(record)] = record
-            needs_compaction = self._needs_compaction(lines)
-        except OSError as exc:
-            raise OutputError(f"cannot read {path}: {exc.strerror or exc}") from None
-        if needs_compaction:
-            self.compact()
-
-    def _needs_compaction(self, parsed: int) -> bool:
-        if not self.path.is_file():
-            return False
-        data = self.path.read_bytes()
-        complete = data.endswith(b"\n") or not data
-        return not complete or data.count(b"\n") != parsed or parsed != len(self.records)
-
-    def compact(self) -> None:
-        """Rewrite the file with exactly one line per item and format (atomically)."""
-        payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.records.values())
-        atomic_write(self.path, lambda f: f.write(payload.encode("utf-8")))
-
-    def get(self, item_id: str, fmt: str | None = None) -> dict | None:
-        return self.records.get((item_id, _suffix(fmt)))
-
-    def add(self, record: dict) -> None:
-        """Record an item: append a line, or rewrite the file when it is already present."""
-        key = _manifest_key(record)
-        previous = self.records.get(key)
-        if previous == record:
-            return
-        self.records[key] = record
-        if previous is not None:
-            self.compact()
-            return
-        line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
-        try:
-            with open_no_follow(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT) as handle:
-                handle.write(line)
-                handle.flush()
-                os.fsync(handle.fileno())
-        except OSError as exc:
-            del self.records[key]
-            raise OutputError(f"cannot write {self.path}: {exc.strerror or exc}") from None
-        except OutputError:
-            del self.records[key]
-            raise
-
-
-def _suffix(fmt: str | None) -> str:
-    """The audio file extension of a format (lines from before formats were recorded: wav)."""
-    return FORMATS.get(fmt or "wav", FORMATS["wav"])[2]
-
-
-def _manifest_key(record: dict) -> tuple[str, str]:
-    """Lines are per item and audio file: wav and flac of one id each keep their own line."""
-    return str(record["id"]), _suffix(record.get("format"))
-
-
-def _done_record(audio: Path, sidecar: Path, key: str) -> dict | None:
-    """The result of a finished item with this input key, or None.
-
-    The sidecar (holding the key, the result and the audio file's size) is written before the
-    audio, so an audio file of that size whose sidecar carries the same key is complete, even
-    if the run was then killed before anything else was recorded. A file cut short (a full
-    disk, a copy stopped half-way) is not done.
-    """
-    data = read_sidecar(sidecar)
-    result = data.get("result") if data else None
-    if not isinstance(result, dict) or result.get("key") != key or result.get("status") != "ok":
-        return None
-    return result if audio_problem(audio, data) is None else None
-
-
-def read_sidecar(sidecar: Path) -> dict | None:
-    """A sidecar's JSON object, or None (absent, a link, unreadable, not an object)."""
-    if sidecar.is_symlink():
-        return None
-    try:
-        data = json.loads(sidecar.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _sidecar_result(sidecar: Path) -> dict | None:
-    result = (read_sidecar(sidecar) or {}).get("result")
-    return result if isinstance(result, dict) else None
-
-
-def audio_problem(audio: Path, sidecar: dict) -> str | None:
-    """Why an audio file is not the whole output its sidecar describes, or None: gone, or a
-    size other than the recorded one (sidecars from before sizes were recorded: empty, or a
-    WAV whose RIFF header states another length)."""
-    try:
-        info = audio.stat()
-    except OSError:
-        return "audio file gone"
-    if not stat.S_ISREG(info.st_mode):
-        return "audio file is not a regular file"
-    expected = (sidecar.get("audio") or {}).get("bytes") if isinstance(sidecar.get("audio"),
-                                                                     dict) else None
-    if isinstance(expected, int) and not isinstance(expected, bool):
-        return None if info.st_size == expected else \
-            f"audio file cut ({info.st_size} of {expected} bytes)"
-    if info.st_size == 0:
-        return "audio file empty"
-    if audio.suffix.lower() == ".wav":
-        riff = _riff_size(audio)
-        if riff is not None and riff != info.st_size:
-            return f"audio file cut ({info.st_size} of {riff} bytes)"
-    return None
-
-
-def _riff_size(audio: Path) -> int | None:
-    """The file size a WAV's RIFF header states (its chunk size + 8), or None."""
-    try:
-        with open(audio, "rb") as handle:
-            head = handle.read(12)
-    except OSError:
-        return None
-    if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
-        return None
-    return int.from_bytes(head[4:8], "little") + 8
 
 
 def _skip(result, path: Path, done: dict) -> None:
@@ -299,11 +149,11 @@ class FileSink(Sink):
         if self.overwrite or is_special_file(path):
             return
         if not self.audio_only:
-            done = _done_record(path, sidecar, result.key)
+            done = done_record(path, sidecar, result.key)
             if done is not None:
                 _skip(result, path, done)
                 return
-        ours = not self.audio_only and (_sidecar_result(sidecar) or {}).get("key") == result.key
+        ours = not self.audio_only and (sidecar_result(sidecar) or {}).get("key") == result.key
         mine = () if self.audio_only or ours else (sidecar, codes) if self.save_codes else (
             sidecar,)
         for taken in () if ours else (path, *mine):  # ours, not done: its audio is cut
@@ -381,7 +231,7 @@ class DirectorySink(FileSink):
                               f"{exc.strerror or exc}") from None
         folder, own = self._locks[0], self._locks[-1]
         try:
-            alone = _flock(folder, exclusive=True)
+            alone = flock(folder, exclusive=True)
             if alone:
                 clean_temp_files(self.dir)
             if self.shard is None:
@@ -391,9 +241,9 @@ class DirectorySink(FileSink):
                                       "--output-dir)")
                 self._hold(folder, alone, f"is writing to {self.dir}", record=True)
             else:  # shared folder lock (waiting out a clean-up), then this shard's own lock
-                self._hold(folder, _flock(folder, exclusive=False, wait=SHARED_LOCK_WAIT_S),
+                self._hold(folder, flock(folder, exclusive=False, wait=SHARED_LOCK_WAIT_S),
                            f"is writing to {self.dir} unsharded")
-                self._hold(own, _flock(own, exclusive=True),
+                self._hold(own, flock(own, exclusive=True),
                            f"is writing shard {self.shard.label} to {self.dir}", record=True)
             self.manifest = Manifest(self.dir / manifest_name(self.shard))
         except BaseException:
@@ -462,7 +312,7 @@ class DirectorySink(FileSink):
             if line.get("status") != "ok" or line.get("key") != result.key:
                 self.manifest.add({"format": self.fmt, **done})  # killed before its line
         elif (path.exists() or path.is_symlink()) and not self.overwrite and \
-                (_sidecar_result(self.sidecar_path(item.id)) or {}).get("key") != result.key:
+                (sidecar_result(self.sidecar_path(item.id)) or {}).get("key") != result.key:
             # (a sidecar with this key beside audio that is not done: its audio was cut, redo it)
             raise OutputError(f"{path} exists from other inputs; use --overwrite to replace it")
 
@@ -483,8 +333,8 @@ class DirectorySink(FileSink):
         return mio.companion_paths(self.audio_path(item_id))[1]
 
     def done_record(self, item_id: str, key: str) -> dict | None:
-        """The result of a finished item with this input key, or None (`_done_record`)."""
-        return _done_record(self.audio_path(item_id), self.sidecar_path(item_id), key)
+        """The result of a finished item with this input key, or None (`done_record`)."""
+        return done_record(self.audio_path(item_id), self.sidecar_path(item_id), key)
 
 
 class TaskDirectories(Sink):
@@ -527,18 +377,3 @@ class TaskDirectories(Sink):
         self.of(result).finished(result, task)
 
 
-def _flock(handle, exclusive: bool, wait: float = 0.0) -> bool:
-    """Take (or convert to) an exclusive or shared `flock` without blocking, retrying for
-    `wait` seconds; False when another process holds it."""
-    import fcntl
-
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            fcntl.flock(handle.fileno(), (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-                        | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.05)

@@ -21,15 +21,10 @@ from pathlib import Path
 
 from mimo_tts.batch.files import companion_paths, jsonl_records
 from mimo_tts.batch.items import Naming, read_items
+from mimo_tts.batch.manifest import MANIFEST_NAME, audio_problem, manifest_name, read_sidecar
 from mimo_tts.batch.runner import item_inputs, resume_key
 from mimo_tts.batch.shards import Shard, parse_tag, shard_of
-from mimo_tts.batch.sinks import (
-    MANIFEST_NAME,
-    DirectorySink,
-    audio_problem,
-    manifest_name,
-    read_sidecar,
-)
+from mimo_tts.batch.sinks import DirectorySink
 from mimo_tts.errors import EXIT_INCOMPLETE, EXIT_OK, OutputError
 from mimo_tts.lm.tasks import TASKS
 
@@ -163,7 +158,7 @@ class _Judge:
         return record, self.problem(record, item) if record.get("status") == "ok" else None
 
     def problem(self, record: dict, item) -> str | None:
-        """Why an `ok` line's output is not done (`sinks._done_record`): its sidecar gone or
+        """Why an `ok` line's output is not done (`manifest.done_record`): its sidecar gone or
         from other inputs, the item's key (`runner.item_key`, from the run's part recorded in
         the sidecar) another, its audio gone or cut; None when it is done."""
         audio = self.folder / Path(str(record.get("path"))).name
