@@ -27,6 +27,7 @@ from mimo_tts.server.engine import (
     SpeechWorker,
     StaticBatcher,
     Ticket,
+    deliver_on,
 )
 from mimo_tts.server.lifecycle import SHUTDOWN_GRACE_S, loaded, serve, url_of
 from mimo_tts.server.page import page_html, speech_openapi
@@ -210,7 +211,7 @@ class Speech:
         self.queues = [asyncio.Queue() for _ in prompts]
         options = params.options.generation_options(params.options.seed)
         self.jobs = [SpeechJob(prompt, options, params.options.seed, params.fmt in STREAMED,
-                         _deliver(loop, q), ticket, label, (serial, i))
+                         deliver_on(loop, q), ticket, label, (serial, i))
                      for i, (prompt, q) in enumerate(zip(prompts, self.queues, strict=True))]
         self.usage = {"input_tokens": sum(p.n_groups for p in prompts), "output_tokens": 0}
         self.released = False
@@ -354,17 +355,6 @@ class _Aborts:
             await self.app(scope, receive, send)
         except StreamAborted:
             pass
-
-
-def _deliver(loop, events: asyncio.Queue):
-    """A job's `deliver`: from the worker threads into the request's queue on the loop."""
-    def deliver(event: tuple) -> None:
-        try:
-            loop.call_soon_threadsafe(events.put_nowait, event)
-        except RuntimeError:  # the loop is closed: the server is shutting down
-            pass
-
-    return deliver
 
 
 def _zeros(n: int):

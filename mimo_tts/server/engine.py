@@ -390,3 +390,16 @@ class SpeechWorker:
         audio = self.tts.finish([piece], job.label)  # no audio tokens, NaN, silence: errors
         job.deliver(("done", {"audio": audio, "groups": len(piece.new_text_ids),
                               "frames": int(piece.codes.shape[1])}))
+
+
+def deliver_on(loop, events):
+    """A job's `deliver` for a face on an asyncio loop: each event from the worker threads goes
+    into that request's queue (`events`, an asyncio.Queue) on the loop; none once the loop is
+    closed (the server is shutting down)."""
+    def deliver(event: tuple) -> None:
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:
+            pass
+
+    return deliver

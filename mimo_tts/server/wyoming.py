@@ -28,6 +28,7 @@ from mimo_tts.server.engine import (
     SpeechWorker,
     StaticBatcher,
     Ticket,
+    deliver_on,
 )
 from mimo_tts.server.lifecycle import SHUTDOWN_GRACE_S, STOP_SIGNALS, loaded
 from mimo_tts.server.protocol import (
@@ -113,7 +114,7 @@ class WyomingSpeech:
                 self.serial += 1
                 queues = [asyncio.Queue() for _ in prompts]
                 generation = options.generation_options(options.seed)
-                jobs = [SpeechJob(prompt, generation, options.seed, True, _deliver(loop, q),
+                jobs = [SpeechJob(prompt, generation, options.seed, True, deliver_on(loop, q),
                                   ticket, f"wyoming-{self.serial}", (self.serial, i))
                         for i, (prompt, q) in enumerate(zip(prompts, queues, strict=True))]
                 self.worker.submit(jobs)
@@ -228,17 +229,6 @@ class Connection:
 
 def _voice_name(voice) -> str | None:
     return getattr(voice, "name", None)
-
-
-def _deliver(loop, events: asyncio.Queue):
-    """A job's `deliver`: from the worker threads into the request's queue on the loop."""
-    def deliver(event: tuple) -> None:
-        try:
-            loop.call_soon_threadsafe(events.put_nowait, event)
-        except RuntimeError:  # the loop is closed: the server is shutting down
-            pass
-
-    return deliver
 
 
 async def serve_wyoming(speech: WyomingSpeech, sock) -> str:
