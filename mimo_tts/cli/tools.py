@@ -202,12 +202,19 @@ def serve(
         tokenizer_device=tokenizer_device, dtype=dtype, tokenizer_dtype=tokenizer_dtype,
         cuda_graph=cuda_graph, no_memory_check=no_memory_check, lm_threads=lm_threads,
         tokenizer_threads=tokenizer_threads)
+    run_server("mimo_tts.server.app", serving, options, config, verbose, debug)
+
+
+def run_server(module: str, serving: dict, options: OptionValues, config: str | None,
+               verbose: bool, debug: bool) -> None:
+    """A server face's body (`serve`, `wyoming`): its `main` gets the server's own settings,
+    then the model's options by name (`settings.resolve`); imported only when it runs."""
     reporter = Reporter(verbose=verbose, debug=debug)
 
     def body() -> int:
-        from mimo_tts.server import app as server
+        import importlib
 
-        # the server's own settings, then the model's options by name (`options.resolve`)
-        return server.main({**serving, **options.given()}, config, reporter)
+        return importlib.import_module(module).main({**serving, **options.given()}, config,
+                                                    reporter)
 
     run_command(reporter, body)

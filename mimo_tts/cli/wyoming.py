@@ -23,7 +23,7 @@ from mimo_tts.cli.params import (
     TokThreads,
     Verbose,
 )
-from mimo_tts.cli.report import Reporter, run_command
+from mimo_tts.cli.tools import run_server
 from mimo_tts.synthesis.settings import OptionValues
 
 
@@ -61,11 +61,4 @@ def wyoming(
         tokenizer_device=tokenizer_device, dtype=dtype, tokenizer_dtype=tokenizer_dtype,
         cuda_graph=cuda_graph, no_memory_check=no_memory_check, lm_threads=lm_threads,
         tokenizer_threads=tokenizer_threads)
-    reporter = Reporter(verbose=verbose, debug=debug)
-
-    def body() -> int:
-        from mimo_tts.server import wyoming as server
-
-        return server.main({**serving, **options.given()}, config, reporter)
-
-    run_command(reporter, body)
+    run_server("mimo_tts.server.wyoming", serving, options, config, verbose, debug)
