@@ -64,10 +64,12 @@ class DecodeAudio:
     """Audio for Stage-0's pieces on the tokenizer device: decode, join, check, resample."""
 
     def __init__(self, settings):
+        from mimo_tts.synthesis.preflight import lengths_for
         from mimo_tts.synthesis.stage1 import Stage1
 
         self.settings = settings
-        self.stage1 = Stage1.from_settings(settings)
+        self.stage1 = Stage1.from_settings(  # decodes: the encoder is not read
+            settings, lengths=lengths_for(settings, [], encodes=False))
 
     def __call__(self, batch: Mapping) -> dict:
         out = []

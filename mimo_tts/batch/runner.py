@@ -70,8 +70,12 @@ class BatchRunner:
         if self.tts is None:
             from mimo_tts.synthesis.synthesizer import MiMoTTS
 
+            refs = self.resolve()
+            if not self.lengths.encodes and self.settings.synthesis.voice:
+                self.lengths = replace(self.lengths, encodes=reencodes(
+                    self.settings.synthesis.voice, refs[1]))
             self.tts = MiMoTTS.from_settings(self.settings, self.lengths, self.log, self.env,
-                                             self.resolve())
+                                             refs)
             self.threads = self.tts.threads
             self.timings.update(self.tts.timings)
         return self.tts
@@ -112,8 +116,10 @@ class BatchRunner:
         """
         items = list(items)
         texts = [i.text for i in items if isinstance(i.text, str)]
+        prompt_audio = self.settings.synthesis.prompt_audio or any(i.prompt_audio for i in items)
         self.lengths = lengths_for(self.settings, texts,
-                                   1 if self.settings.run.stream else self.batch_window())
+                                   1 if self.settings.run.stream else self.batch_window(),
+                                   encodes=bool(prompt_audio))
         if self.continuous():
             yield from ContinuousRun(self, [self.prepare(item, sink) for item in items], sink)
             return
@@ -236,6 +242,18 @@ class BatchRunner:
                 "resume": run_inputs(self.settings, self.refs),
                 "tokenizer": str(self.refs[1].path), "threads": self.threads,
                 "timings": dict(self.timings), "argv": [printable(a) for a in sys.argv[1:]]}
+
+
+def reencodes(voice: str, tok_ref) -> bool:
+    """Whether a stored voice's codes come from another audio tokenizer, so that it is
+    re-encoded from its source (the memory preflight then counts the encoder)."""
+    from mimo_tts.synthesis.voices import tokenizer_record
+
+    try:
+        record = VoiceStore().record(voice)
+    except MimoTTSError:  # unknown or unreadable: the item fails with that error
+        return False
+    return record.get("tokenizer", {}).get("id") != tokenizer_record(tok_ref)["id"]
 
 
 def check_inputs(item: Item, o) -> None:

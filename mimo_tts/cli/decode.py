@@ -38,6 +38,7 @@ from mimo_tts.synthesis.audio import (
     output_format,
     resample,
 )
+from mimo_tts.synthesis.preflight import lengths_for
 from mimo_tts.synthesis.settings import OptionValues, resolve
 
 
@@ -123,7 +124,8 @@ def decode_files(codes: list[str], options: OptionValues, log, *, output: str | 
     if first is not None:  # at least one readable file: load the tokenizer once
         ref = _decode_tokenizer(settings, first[1])
         log(f"decoding with {ref.path} on {settings.placement.tokenizer_device.value}")
-        stage1 = Stage1.from_settings(settings, ref, log)
+        stage1 = Stage1.from_settings(settings, ref, log,  # decodes: encodes nothing
+                                      lengths=lengths_for(settings, [], encodes=False))
     for path, found in loaded.items():
         result = DecodeResult(path)
         try:

@@ -318,7 +318,10 @@ def preflight_report(request: SynthRequest) -> dict:
     settings = resolve(request.options, load_profile(request.config), os.environ)
     items = read_items([], files) if files else []
     shard = shard_for(settings, request.shard)
-    report = preflight(settings, texts + [i.text for i in items if isinstance(i.text, str)])
+    encodes = bool(settings.synthesis.prompt_audio or any(i.prompt_audio for i in items)
+                   or settings.synthesis.voice)  # a voice may be re-encoded: sized as if
+    report = preflight(settings, texts + [i.text for i in items if isinstance(i.text, str)],
+                       encodes=encodes)
     report["shard"] = (shard.describe() if shard else
                        {"shard": None, "source": "default: every item"})
     if files:

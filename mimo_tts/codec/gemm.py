@@ -188,7 +188,6 @@ def faster() -> tuple[bool, float, float]:
             round(flops / best["torch"] / 1e9))
 
 
-HEADROOM = 4 << 30  # bytes left beside both stages' weights for the process and the cache
 
 
 def choose(beside: int = 0, weights: int = 0, mode: str = "auto") -> Choice:
@@ -199,7 +198,7 @@ def choose(beside: int = 0, weights: int = 0, mode: str = "auto") -> Choice:
 
     Packed, the tokenizer's `weights` bytes become anonymous memory, which the kernel can no
     longer drop and re-read like the checkpoint's file pages; with `beside` bytes of LM weights
-    on the CPU (file pages the LM reads every step) auto packs only when both and HEADROOM fit
+    on the CPU (file pages the LM reads every step) auto packs only when both and PACK_HEADROOM fit
     in the machine's memory (`machine.cpu_total`): on a 24 GiB machine with the full-size LM the
     squeezed page cache made Stage-0 re-read its weights from disk (1.48 s a group, not 1.19).
     """
@@ -214,12 +213,11 @@ def choose(beside: int = 0, weights: int = 0, mode: str = "auto") -> Choice:
     if mode == "on":
         return Choice(True, f"on ({CODEC_KERNEL_ENV}=1): bf16x3 AMX products")
     if beside:
-        from mimo_tts.runtime.machine import cpu_total, gib
+        from mimo_tts.runtime.machine import PACK_HEADROOM, cpu_total, gib, packed_fits
 
-        total = cpu_total()
-        if total is not None and beside + weights + HEADROOM > total:
+        if not packed_fits(beside, weights):
             return Choice(False, f"auto: off, {gib(weights)} of packed tokenizer weights beside "
                                  f"{gib(beside)} of LM weights would leave under "
-                                 f"{gib(HEADROOM)} of {gib(total)}")
+                                 f"{gib(PACK_HEADROOM)} of {gib(cpu_total())}")
     ok, gemm, eager = faster()
     return Choice(ok, f"auto: bf16x3 AMX {gemm} vs float32 {eager} GFLOP/s measured")

@@ -110,6 +110,16 @@ def cpu_total(env: Mapping[str, str] | None = None) -> int | None:
     return min(found) if found else None
 
 
+PACK_HEADROOM = 4 << 30  # bytes left beside both stages' weights for the process and the cache
+
+
+def packed_fits(beside: int, weights: int, env: Mapping[str, str] | None = None) -> bool:
+    """Whether `weights` bytes of packed (anonymous) tokenizer weights fit beside `beside`
+    bytes of the LM's file-backed weights with PACK_HEADROOM to spare (`codec.gemm.choose`)."""
+    total = cpu_total(env)
+    return total is None or beside + weights + PACK_HEADROOM <= total
+
+
 def available(device: str, env: Mapping[str, str] | None = None) -> tuple[int | None, str]:
     """(bytes available on `device`, where the number comes from); None when unknown."""
     env = os.environ if env is None else env

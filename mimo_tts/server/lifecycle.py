@@ -103,7 +103,8 @@ def loaded(cfg, flags: dict, config: str | None, reporter):
     settings = resolve({**model_flags, "stream": True}, load_profile(config), os.environ)
     read_voices(cfg.voices)  # before anything loads
     sock = bind(cfg.host, cfg.port)
-    with sock, MiMoTTS.from_settings(settings, lengths_for(settings, [], cfg.batch_size),
-                                     reporter.log) as tts:
+    # requests' audio may decode together: a batch of rows; uploads encode voices
+    lengths = lengths_for(settings, [], cfg.batch_size, decode_rows=cfg.batch_size)
+    with sock, MiMoTTS.from_settings(settings, lengths, reporter.log) as tts:
         encode_voices(tts, cfg.voices, settings.synthesis)
         yield settings, sock, tts

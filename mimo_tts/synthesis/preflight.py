@@ -11,23 +11,31 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.util import find_spec
 from pathlib import Path
 
 from mimo_tts import presets
 from mimo_tts.errors import CheckpointError, DeviceError, NotEnoughMemoryError, UsageError
 from mimo_tts.lm.engine import engine_spec
-from mimo_tts.runtime.devices import DTYPE_BYTES, Probe
-from mimo_tts.runtime.machine import GIB, available, gib, stated
+from mimo_tts.runtime.devices import DTYPE_BYTES, Probe, cpu_flags
+from mimo_tts.runtime.machine import GIB, available, gib, packed_fits, stated
+from mimo_tts.synthesis.captions import text_pieces
 from mimo_tts.synthesis.settings import Settings
 
 
-def lengths_for(settings: Settings, texts: list[str], rows: int | None = None) -> Lengths:
-    """The run's sizes memory depends on: `rows` prompts at a time (default `batch_size`)."""
+def lengths_for(settings: Settings, texts: list[str], rows: int | None = None,
+                encodes: bool = True, decode_rows: int | None = None) -> Lengths:
+    """The run's sizes memory depends on: `rows` prompts at a time (default `batch_size`);
+    `encodes`: whether it may encode a prompt recording (the tokenizer's encoder is read);
+    `decode_rows`: audios Stage-1 decodes at once (default: an item's most text pieces, which
+    `synth` decodes together)."""
     o = settings.synthesis
-    return Lengths.for_run(texts, settings.run.batch_size if rows is None else rows,
-                                  o.max_chars, o.max_new_groups)
+    lengths = Lengths.for_run(texts, settings.run.batch_size if rows is None else rows,
+                              o.max_chars, o.max_new_groups)
+    if decode_rows is None:
+        decode_rows = max((len(text_pieces(t, o)) for t in texts), default=1)
+    return replace(lengths, encodes=encodes, decode_rows=max(1, decode_rows))
 
 
 def memory_needs(settings: Settings, lm_path: Path | None, tok_path: Path | None,
@@ -37,9 +45,21 @@ def memory_needs(settings: Settings, lm_path: Path | None, tok_path: Path | None
     if lm_path is not None and not engine_spec(settings.engine.engine).sizes_own_memory:
         needs.append(lm_need(lm_path, p.lm_device.value, p.lm_dtype.value, lengths))
     if tok_path is not None:
-        needs.append(tokenizer_need(tok_path, p.tokenizer_device.value,
-                                           p.tokenizer_dtype.value, lengths))
+        device, dtype = p.tokenizer_device.value, p.tokenizer_dtype.value
+        packs = device == "cpu" and dtype == "float32" and may_pack(
+            weights_bytes(lm_path, p.lm_dtype.value) if lm_path and p.lm_device.value == "cpu"
+            else 0, weights_bytes(tok_path, dtype), p.codec_kernel.value)
+        needs.append(tokenizer_need(tok_path, device, dtype, lengths, packs))
     return needs
+
+
+def may_pack(beside: int, weights: int, mode: str) -> bool:
+    """Whether Stage-1 could pack its float32 CPU linears for the AMX GEMM (`codec.gemm.choose`
+    decides at load, by measurement; this only rules out what cannot pack). Packing reads every
+    layer, the encoder's too, into anonymous memory."""
+    if mode == "off" or not {"amx_tile", "amx_bf16"} <= set(cpu_flags()):
+        return False
+    return mode == "on" or not beside or packed_fits(beside, weights)
 
 
 def check_memory(settings: Settings, refs, lengths: Lengths,
@@ -70,9 +90,10 @@ def engine_record(settings: Settings, loaded: dict | None = None) -> dict:
     return record
 
 
-def preflight(settings: Settings, texts: list[str] = (), env: Mapping[str, str] | None = None
-              ) -> dict:
-    """Placement with sources, CUDA facts, checkpoint presence and the memory plan.
+def preflight(settings: Settings, texts: list[str] = (), env: Mapping[str, str] | None = None,
+              encodes: bool = True) -> dict:
+    """Placement with sources, CUDA facts, checkpoint presence and the memory plan (`encodes`:
+    whether the run may encode a prompt recording, see `lengths_for`).
 
     `memory_error` is set when the run would be refused (the CLI then exits 4).
     """
@@ -87,7 +108,7 @@ def preflight(settings: Settings, texts: list[str] = (), env: Mapping[str, str] 
         report["checkpoints"][role] = {"name": name, "source": src, "status": status,
                                        "path": str(path) if path else None}
     paths = [report["checkpoints"][r]["path"] for r in ("model", "tokenizer")]
-    lengths = lengths_for(settings, list(texts))
+    lengths = lengths_for(settings, list(texts), encodes=encodes)
     try:
         needs = memory_needs(settings, *(Path(x) if x else None for x in paths), lengths)
         report["memory"] = plan(needs, env)
@@ -115,6 +136,16 @@ FLOAT32_BUFFERS = re.compile(r".*\._codebook\.embed|.*\.istft\.window")
 PACKED = re.compile(r".*layers\.\d+\.(self_attn\.(q|k|v|out)_proj|fc1|fc2)\.(weight|bias)")
 
 
+# Memory-mapped tensors a run reads only in part (see `resident_bytes`): the LM's text
+# embedding (the rows of the tokens it sees) and the tokenizer's encoder (all but the
+# quantizer's codebooks, which decoding reads), untouched unless a prompt recording is encoded.
+ENCODER = re.compile(r"encoder\.(?!quantizer\.).*")
+
+# safetensors dtype codes of the run dtypes: a tensor stored so is used in place.
+STORED = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+PAGE = 4096
+
 RUNTIME_BYTES = 600 << 20  # the interpreter, torch, oneDNN/CUDA context and allocator slack
 
 
@@ -134,6 +165,8 @@ class Lengths:
     batch: int = 1
     prompt_groups: int = PROMPT_GROUPS
     new_groups: int = 256
+    encodes: bool = True  # a prompt recording may be encoded (the faces that cannot tell)
+    decode_rows: int = 1  # audios Stage-1 decodes in one call
 
     @staticmethod
     def for_run(texts: list[str], batch_size: int, max_chars: int, max_new_groups: int | None,
@@ -188,6 +221,30 @@ def weights_bytes(path: Path, dtype: str) -> int:
     return total
 
 
+def resident_bytes(path: Path, dtype: str, device: str, unread=None,
+                   partial: dict | None = None) -> int:
+    """Bytes of the loaded weights that become resident in a run, in `dtype`.
+
+    Weights copied to a device or converted to another dtype are all resident. On the CPU, a
+    tensor stored in the run dtype stays memory-mapped, and only the pages a run reads become
+    resident: none of those matching `unread`, and at most `partial[name]` bytes of the others
+    named there (an embedding's rows). Everything else counts whole, as in `weights_bytes`.
+    """
+    total = 0
+    for name, (count, stored) in header_numel(path).items():
+        if UNLOADED.fullmatch(name):
+            continue
+        keep = FLOAT32_BUFFERS.fullmatch(name)
+        size = count * (4 if keep else DTYPE_BYTES[dtype])
+        mapped = device == "cpu" and stored == STORED["float32" if keep else dtype]
+        if mapped and unread is not None and unread.fullmatch(name):
+            continue
+        if mapped and partial and name in partial:
+            size = min(size, partial[name])
+        total += size
+    return total
+
+
 def lm_need(path: Path, device: str, dtype: str, lengths: Lengths) -> StageNeed:
     """LM weights, KV cache (backbone for prompt + new groups, patch decoder) and workspace."""
     from mimo_tts.lm.config import LMConfig
@@ -204,12 +261,18 @@ def lm_need(path: Path, device: str, dtype: str, lengths: Lengths) -> StageNeed:
     # Prefill activations of the widest layer (gate/up) and float32 logits rows.
     work = lengths.batch * lengths.prompt_groups * (2 * ffn + 4 * hidden) * size
     work += lengths.batch * vocab * 4 * 4
-    return StageNeed("LM", device, dtype, {"weights": weights_bytes(path, dtype),
-                                           "kv_cache": kv_bytes, "workspace": work}, path)
+    # The text embedding's rows read: at most one per token the run sees, each on its pages.
+    rows = lengths.batch * groups * cfg.group_size
+    embedding = {"model.embed_tokens.weight": rows * (hidden * size + PAGE)}
+    weights = resident_bytes(path, dtype, device, partial=embedding)
+    return StageNeed("LM", device, dtype, {"weights": weights, "kv_cache": kv_bytes,
+                                           "workspace": work}, path)
 
 
-def tokenizer_need(path: Path, device: str, dtype: str, lengths: Lengths) -> StageNeed:
-    """Audio-tokenizer weights and the decode workspace for the run's longest audio."""
+def tokenizer_need(path: Path, device: str, dtype: str, lengths: Lengths,
+                   packs: bool = False) -> StageNeed:
+    """Audio-tokenizer weights and the decode workspace for the run's longest audio; the
+    encoder's weights only where read: a prompt encoded, or all layers packed (`packs`)."""
     from mimo_tts.codec.config import CodecConfig
     from mimo_tts.runtime.safetensors import parse_config
 
@@ -217,9 +280,11 @@ def tokenizer_need(path: Path, device: str, dtype: str, lengths: Lengths) -> Sta
     d_model, ffn, heads = cfg.d_model, cfg.decoder_ffn_dim, cfg.decoder_attention_heads
     frames = 2 * 4 * (lengths.prompt_groups + lengths.new_groups)  # 25 Hz codes -> 50 Hz
     size = max(DTYPE_BYTES[dtype], 4)  # norms and attention run in float32
-    work = lengths.batch * frames * (4 * d_model + ffn) * size
-    work += lengths.batch * heads * frames * min(frames, 1024) * 4  # attention blocks
-    parts = {"weights": weights_bytes(path, dtype), "workspace": work}
+    work = lengths.decode_rows * frames * (4 * d_model + ffn) * size
+    work += lengths.decode_rows * heads * frames * min(frames, 1024) * 4  # attention blocks
+    weights = resident_bytes(path, dtype, device,
+                             None if lengths.encodes or packs else ENCODER)
+    parts = {"weights": weights, "workspace": work}
     if device == "cpu" and dtype == "bfloat16":
         parts["packed_weights"] = sum(2 * n for name, (n, _) in header_numel(path).items()
                                       if PACKED.fullmatch(name))

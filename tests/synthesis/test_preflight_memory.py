@@ -17,6 +17,7 @@ from mimo_tts.runtime import machine as memory
 from mimo_tts.synthesis.preflight import (
     PROMPT_GROUPS,
     RUNTIME_BYTES,
+    UNLOADED,
     Lengths,
     check,
     header_numel,
@@ -65,6 +66,59 @@ def test_kv_cache_is_sized_for_the_run_not_the_context(full_size):
     assert long.parts["kv_cache"] - short.parts["kv_cache"] == 800 * per_group
     assert batch.parts["kv_cache"] > 7 * short.parts["kv_cache"]
     assert short.parts["kv_cache"] < 64 << 20  # not 8192 positions (1.2 GiB a row)
+
+
+def test_only_weights_a_run_reads_count_on_the_cpu(full_size):
+    """Memory-mapped weights stay on disk until read (issue 22): plain TTS never reads the
+    tokenizer's encoder, and the LM reads only the text embedding's rows of its tokens. Copies
+    (another device, another dtype) are resident whole."""
+    lm, tok = full_size
+    names = header_numel(tok)
+    encoder = sum(n * 4 for name, (n, _) in names.items()
+                  if name.startswith("encoder.") and not name.startswith("encoder.quantizer.")
+                  and not UNLOADED.fullmatch(name))
+    quantizer = sum(n * 4 for name, (n, _) in names.items()
+                    if name.startswith("encoder.quantizer.") and not UNLOADED.fullmatch(name))
+    assert encoder > 2 * GIB and quantizer > 0
+    speaks, clones = Lengths(encodes=False), Lengths(encodes=True)
+    plain = tokenizer_need(tok, "cpu", "float32", speaks).parts["weights"]
+    assert tokenizer_need(tok, "cpu", "float32", clones).parts["weights"] == plain + encoder
+    assert plain + encoder == weights_bytes(tok, "float32")  # the codebooks always count
+    assert tokenizer_need(tok, "cuda:0", "float32", speaks).parts["weights"] == plain + encoder
+    # converted to bfloat16 as it loads: every tensor is a copy
+    assert tokenizer_need(tok, "cpu", "bfloat16", speaks).parts["weights"] == \
+        weights_bytes(tok, "bfloat16")
+    # the AMX GEMM packs every layer, the encoder's too
+    assert tokenizer_need(tok, "cpu", "float32", speaks, packs=True).parts["weights"] == \
+        weights_bytes(tok, "float32")
+    embedding = names_bytes(lm, "model.embed_tokens.weight")
+    on_cpu = lm_need(lm, "cpu", "bfloat16", speaks).parts["weights"]
+    cfg = json.loads((lm / "config.json").read_text())
+    rows = speaks.batch * (speaks.prompt_groups + speaks.new_groups) * cfg["group_size"]
+    row_bytes = cfg["hidden_size"] * 2 + 4096  # a row in bfloat16, on its pages
+    assert weights_bytes(lm, "bfloat16") - on_cpu == embedding - rows * row_bytes
+    assert weights_bytes(lm, "bfloat16") - on_cpu < embedding
+    assert lm_need(lm, "cuda:0", "bfloat16", speaks).parts["weights"] == \
+        weights_bytes(lm, "bfloat16")
+    assert lm_need(lm, "cpu", "float32", speaks).parts["weights"] == weights_bytes(lm, "float32")
+
+
+def names_bytes(path, name: str) -> int:
+    count, dtype = header_numel(path)[name]
+    return count * {"BF16": 2, "F32": 4}[dtype]
+
+
+def test_amx_packing_is_ruled_in_only_where_it_can_happen(monkeypatch):
+    from mimo_tts.synthesis import preflight
+
+    monkeypatch.setattr(preflight, "cpu_flags", lambda: ("avx2", "avx512f"))
+    assert not preflight.may_pack(0, GIB, "on")  # no AMX: the GEMM cannot run
+    monkeypatch.setattr(preflight, "cpu_flags", lambda: ("amx_tile", "amx_bf16"))
+    assert not preflight.may_pack(0, GIB, "off")
+    assert preflight.may_pack(15 * GIB, 5 * GIB, "on")
+    monkeypatch.setenv(memory.AVAILABLE_ENV, "23GiB")
+    assert not preflight.may_pack(15 * GIB, 5 * GIB, "auto")  # codec.gemm.choose's memory rule
+    assert preflight.may_pack(15 * GIB, 4 * GIB, "auto")
 
 
 def test_lengths_follow_the_inputs():
@@ -188,3 +242,31 @@ def test_no_memory_check_still_runs(tmp_path):
     forced = _cli([*args, "--no-memory-check"], {memory.AVAILABLE_ENV: "64M"}, tmp_path)
     assert forced.returncode == EXIT_OK, forced.stderr
     assert (tmp_path / "a.wav").stat().st_size > 44
+
+
+def test_the_run_sizes_what_it_reads(tmp_path):
+    """`lengths_for`: Stage-1 decodes an item's pieces together (its most pieces, not the LM's
+    rows); the runner counts the encoder only for runs with a prompt recording."""
+    from mimo_tts.batch.items import Item
+    from mimo_tts.batch.runner import BatchRunner
+    from mimo_tts.batch.sinks import MemorySink
+    from mimo_tts.synthesis.preflight import lengths_for
+    from mimo_tts.synthesis.settings import resolve
+    from mimo_tts.synthesis.text import split_text
+
+    settings = resolve({"max_chars": 20, "batch_size": 4}, env={})
+    long = "A first sentence here. A second one here. And a third sentence."
+    lengths = lengths_for(settings, ["One. Two.", long])
+    assert (lengths.batch, lengths.encodes) == (2, True)
+    assert lengths.decode_rows == len(split_text(long, 20)) > lengths.batch
+    assert lengths_for(settings, [], decode_rows=4, encodes=False).decode_rows == 4
+    runner = BatchRunner(resolve({"model": "tiny", "max_new_groups": 2}, env={}), env={})
+    list(runner.run([Item(id="a", text="Hello.", source="s")], MemorySink()))
+    assert not runner.lengths.encodes  # plain TTS: the encoder stays on disk
+    wav = tmp_path / "voice.wav"
+    import soundfile
+
+    soundfile.write(wav, [0.1, -0.1] * 12000, 24000)
+    list(runner.run([Item(id="b", text="Hello.", source="s", prompt_audio=str(wav))],
+                    MemorySink()))
+    assert runner.lengths.encodes
