@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from mimo_tts.errors import UsageError
-from mimo_tts.lm.model import KVCache, MiMoAudioLM, linear
+from mimo_tts.lm.model import KVCache, Matmul, MiMoAudioLM, linear, upcast_linear
 from mimo_tts.lm.step import EagerStep
 from mimo_tts.runtime.devices import KERNEL_MODES, Choice
 from mimo_tts.runtime.kernels import build
@@ -245,6 +245,41 @@ class CpuKernelStep(EagerStep):
     def local_logits(self, x: Tensor, step: int, channels: Sequence[int]) -> list[Tensor]:
         hidden = self.local(x, step, self.local_cache, step)[:, 0]
         return self.model.local_transformer_lm_heads.logits(channels, hidden, self.matmul)
+
+
+@functools.cache
+def upcast_faster() -> tuple[bool, float, float]:
+    """Whether `model.upcast_linear` multiplies a prefill's rows faster than PyTorch's bfloat16
+    GEMM on this machine: (faster by 1.5x or more, its GFLOP/s, PyTorch's), best of 3
+    alternating rounds of 64 rows by a 1024 x 4096 matrix, measured once per process."""
+    weight = torch.full((1024, 4096), 0.01, dtype=torch.bfloat16)
+    x = torch.full((64, 4096), 0.5, dtype=torch.bfloat16)
+    best = {"upcast": float("inf"), "torch": float("inf")}
+    for _ in range(3):
+        for name, product in (("upcast", upcast_linear), ("torch", torch.nn.functional.linear)):
+            start = time.perf_counter()
+            product(x, weight)
+            best[name] = min(best[name], time.perf_counter() - start)
+    flops = 2 * x.shape[0] * weight.numel() / 1e9
+    return (best["upcast"] * 1.5 <= best["torch"], round(flops / best["upcast"], 1),
+            round(flops / best["torch"], 1))
+
+
+def prefill_products(model: MiMoAudioLM) -> tuple[Matmul, Choice]:
+    """How a prefill multiplies (its many rows never go to the kernel, which takes <= 16):
+    `upcast_linear` for bfloat16 weights on a CPU where it measured faster, else `linear`;
+    "off" (the kernel mode) keeps PyTorch's products everywhere."""
+    weight = model.lm_head.weight
+    if model.cpu_kernel == "off" or weight.device.type != "cpu":
+        return linear, Choice(False, "PyTorch's products")
+    if weight.dtype not in (torch.bfloat16, torch.int8) or model.model.norm.weight.dtype != \
+            torch.bfloat16:
+        return linear, Choice(False, "PyTorch's products (not bfloat16)")
+    faster, upcast, eager = upcast_faster()
+    words = f"{upcast} vs {eager} GFLOP/s measured"
+    if faster:
+        return upcast_linear, Choice(True, f"float32 blocks of the bfloat16 weights, {words}")
+    return linear, Choice(False, f"PyTorch's bfloat16 GEMM, {words}")
 
 
 def check_mode(mode: str) -> str:

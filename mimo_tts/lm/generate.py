@@ -150,12 +150,15 @@ def resolve_stop_ids(special, names: Sequence[str]) -> list[int]:
 @torch.inference_mode()
 def prefill(model: MiMoAudioLM, prompts: Sequence[Tensor], options: GenerationOptions,
             special) -> BatchState:
-    """Embed, left-pad and run every prompt; allocate the caches for the whole generation."""
+    """Embed, left-pad and run every prompt; allocate the caches for the whole generation.
+    Its products are `cpu_kernel.prefill_products`' (PyTorch's, or float32 blocks on CPUs
+    whose bfloat16 GEMM is slow)."""
     device = model.lm_head.weight.device
     parts = [split_prompt(model, p.to(device), special.empty) for p in prompts]
     if not parts:
         raise InputError("no prompts to generate from")
-    embeds = [model.embed_groups(t[None], c[None], special.empty)[0] for t, c in parts]
+    matmul = cpu_kernel.prefill_products(model)[0]
+    embeds = [model.embed_groups(t[None], c[None], special.empty, matmul)[0] for t, c in parts]
     sizes = [e.shape[0] for e in embeds]
     if max(sizes) >= MAX_GROUPS:
         raise InputError(f"prompt of {max(sizes)} groups leaves no room under {MAX_GROUPS}")
@@ -178,7 +181,7 @@ def prefill(model: MiMoAudioLM, prompts: Sequence[Tensor], options: GenerationOp
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
         eye = torch.eye(width, dtype=torch.bool, device=device)  # pad rows see themselves
         mask = ((causal & valid[:, None, :width]) | eye).unsqueeze(1)  # [B, 1, G, G]
-    hidden = model.backbone(padded, positions, cache, 0, width, mask)[:, -1]
+    hidden = model.backbone(padded, positions, cache, 0, width, mask, matmul)[:, -1]
     return BatchState(hidden, lengths, budgets, cache, local, width, valid,
                   resolve_stop_ids(special, options.stop_tokens))
 

@@ -81,6 +81,34 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+# Weight rows converted to float32 at a time by `upcast_linear`: bounds the copy (8 MiB of a
+# 4096-wide matrix) so it stays in cache while the rows use it.
+UPCAST_BLOCK = 512
+
+
+def upcast_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`linear` for many rows of bfloat16 (a prefill) on a CPU whose bfloat16 GEMM is slow (no
+    AVX512-BF16 or AMX: PyTorch's reaches ~8 GFLOP/s there, float32 ~70): the weight goes
+    to float32 a block of rows at a time and the rows are multiplied in float32, rounded to
+    bfloat16 once, as the bfloat16 GEMM rounds its float32 sums. Few rows (decode steps) and
+    other dtypes go to `linear`; an int8 weight is dequantized to bfloat16 first, as there."""
+    rows = x.numel() // weight.shape[1]
+    if (x.device.type != "cpu" or x.dtype != torch.bfloat16 or rows <= SMALL_ROWS
+            or weight.dtype not in (torch.bfloat16, torch.int8)):
+        return linear(x, weight, bias)
+    flat = x.reshape(rows, weight.shape[1]).float()
+    out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+    scale = getattr(weight, "scale", None)
+    for start in range(0, weight.shape[0], UPCAST_BLOCK):
+        block = weight[start:start + UPCAST_BLOCK].float()
+        if weight.dtype == torch.int8:  # as `int8.dequantize`: scaled, rounded to bfloat16
+            block = (block * scale[start:start + UPCAST_BLOCK, None]).to(x.dtype).float()
+        torch.mm(flat, block.T, out=out[:, start:start + UPCAST_BLOCK])
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
 # matmul(x [..., in], weight [out, in], bias [out] | None) -> [..., out]: how a stack multiplies
 # by its weights (`linear`, or the CPU kernel's products, mimo_tts/lm/cpu_kernel.py).
 Matmul = Callable[[Tensor, Tensor, Tensor | None], Tensor]

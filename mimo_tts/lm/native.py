@@ -33,15 +33,16 @@ class NativeEngine:
 
     def describe(self) -> dict:
         """The sidecar's record: bfloat16 sums round differently in the CPU kernel."""
-        choice = cpu_kernel.choose(self.model)
+        choice, prefill = cpu_kernel.choose(self.model), cpu_kernel.prefill_products(self.model)[1]
         return {"name": self.name, "cpu_kernel": choice.active,
-                "cpu_kernel_reason": choice.reason,
+                "cpu_kernel_reason": choice.reason, "prefill_products": prefill.reason,
                 **({} if self.model.quant is None else {"lm_quant": self.model.quant})}
 
     def kernel_words(self) -> str:
         """Whether the decode steps run in the fused CPU kernel, and why (not): the load log."""
         choice = cpu_kernel.choose(self.model)
-        return ("on, " if choice.active else "off, ") + choice.reason
+        return (("on, " if choice.active else "off, ") + choice.reason + "; prefill: "
+                + cpu_kernel.prefill_products(self.model)[1].reason)
 
     def close(self) -> None:
         """Nothing to free beyond the model itself."""

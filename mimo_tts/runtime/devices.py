@@ -269,12 +269,17 @@ def dtype_name(value: object, what: str, source: str) -> str:
     return name
 
 
-def auto_dtype(checkpoint: str | None, device: str, probe: Probe | None = None) -> Choice:
-    """The checkpoint's own dtype where the device computes it natively, else the nearest.
+def auto_dtype(checkpoint: str | None, device: str, probe: Probe | None = None,
+               stage: str = "LM") -> Choice:
+    """The checkpoint's own dtype where the device computes it well, else the nearest.
 
     A float32 checkpoint (the tiny ones) stays float32, so fixture comparisons stay exact. A
-    bfloat16 checkpoint (the published LM) runs in bfloat16 on CPUs with AVX512-BF16 or AMX and
-    on GPUs with bf16 support, in float16 on older GPUs and in float32 on other CPUs.
+    bfloat16 checkpoint (the published LM) runs in bfloat16 on GPUs with bf16 support and on
+    every CPU for the LM: a decode step streams the weights, and half the bytes of float32 is
+    faster even without bfloat16 dot products, while the prefill's many rows go through float32
+    blocks where PyTorch's bfloat16 GEMM is slow (`lm.cpu_kernel.prefill_products`); the 7B LM
+    in float32 would not fit a 24 GB machine either. A bfloat16 tokenizer runs in float32 on
+    CPUs without AVX512-BF16 or AMX (its products have no such path), in float16 on older GPUs.
     """
     if checkpoint is None:
         return Choice("float32", "default (checkpoint dtype unknown)")
@@ -286,6 +291,9 @@ def auto_dtype(checkpoint: str | None, device: str, probe: Probe | None = None) 
         if probe.cpu_bf16:
             return Choice("bfloat16", f"checkpoint (torch_dtype {name}; the CPU has "
                                       f"{'/'.join(probe.cpu_bf16)})")
+        if stage == "LM" and name == "bfloat16":
+            return Choice("bfloat16", f"checkpoint (torch_dtype {name}; the CPU has no "
+                                      "AVX512-BF16/AMX: prefill in float32 blocks)")
         return Choice("float32", f"device (torch_dtype {name}, but the CPU has no "
                                  "AVX512-BF16/AMX: float32)")
     if device.startswith("cuda") and name == "bfloat16" and not probe.cuda_bf16:
@@ -301,7 +309,7 @@ def resolve_dtype(flag: str | None, config: str | None, device: str, stage: str,
     env_name = DTYPE_ENV if stage == "LM" else TOKENIZER_DTYPE_ENV
     picked = _pick(flag, env_name, env, config)
     if picked is None or str(picked[0]).strip().lower() == "auto":
-        auto = auto_dtype(checkpoint, device, probe)
+        auto = auto_dtype(checkpoint, device, probe, stage)
         if picked is None:
             return auto
         return Choice(auto.value, f"{picked[1]} auto: {auto.source}")

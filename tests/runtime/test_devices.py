@@ -196,7 +196,8 @@ OLD_GPU = Probe(cuda_count=1, cuda_current=0, mps=False, cuda_bf16=False)
     ("float32", "cpu", BF16_CPU, "float32", "checkpoint (torch_dtype float32)"),  # tiny ones
     ("float32", "cuda:0", TWO_GPUS, "float32", "checkpoint"),
     ("bfloat16", "cpu", BF16_CPU, "bfloat16", "the CPU has avx512_bf16"),
-    ("bfloat16", "cpu", NO_GPU, "float32", "device (torch_dtype bfloat16, but the CPU has no"),
+    ("bfloat16", "cpu", NO_GPU, "bfloat16", "no AVX512-BF16/AMX: prefill in float32 blocks"),
+    ("float16", "cpu", NO_GPU, "float32", "device (torch_dtype float16, but the CPU has no"),
     ("bfloat16", "cuda:0", TWO_GPUS, "bfloat16", "checkpoint (torch_dtype bfloat16)"),
     ("bfloat16", "cuda:0", OLD_GPU, "float16", "the GPU has no bf16"),
     ("float16", "cuda:0", TWO_GPUS, "float16", "checkpoint"),
@@ -204,10 +205,19 @@ OLD_GPU = Probe(cuda_count=1, cuda_current=0, mps=False, cuda_bf16=False)
     (None, "cpu", BF16_CPU, "float32", "checkpoint dtype unknown"),
 ])
 def test_auto_dtype_follows_checkpoint_and_device(checkpoint, device, probe, value, why):
+    """(The LM's choice; a bfloat16 tokenizer on a CPU without bfloat16 runs in float32:
+    `test_a_bfloat16_tokenizer_upcasts_on_cpus_without_bfloat16`.)"""
     choice = resolve_dtype(None, None, device, "LM", checkpoint, env={}, probe=probe)
     assert choice.value == value
     assert why in choice.source
     assert resolve_dtype("auto", None, device, "LM", checkpoint, env={}, probe=probe).value == value
+
+
+def test_a_bfloat16_tokenizer_upcasts_on_cpus_without_bfloat16():
+    tok = resolve_dtype(None, None, "cpu", "tokenizer", "bfloat16", env={}, probe=NO_GPU)
+    assert tok.value == "float32" and "no AVX512-BF16/AMX" in tok.source
+    lm = resolve_dtype(None, None, "cpu", "LM", "bfloat16", env={}, probe=NO_GPU)
+    assert lm.value == "bfloat16"
 
 
 def test_dtype_precedence_flag_env_profile_auto():
