@@ -172,7 +172,8 @@ def serve(
                                              help="Port (default 8000).")] = None,
     api_key: Annotated[str | None, typer.Option(rich_help_panel=SERVE, metavar="KEY",
                                                 show_default=False,
-        help="Require 'Authorization: Bearer KEY' on /v1 (env MIMO_TTS_API_KEY).")] = None,
+        help="Require 'Authorization: Bearer KEY' on /v1 and /metrics (env "
+             "MIMO_TTS_API_KEY).")] = None,
     voice: Annotated[list[str] | None, typer.Option(rich_help_panel=SERVE, metavar="VOICE",
         help="Register a voice-clone voice: NAME=PROMPT.wav (repeatable).")] = None,
     batch_size: Annotated[int | None, typer.Option(rich_help_panel=SERVE, metavar="N",

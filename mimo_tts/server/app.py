@@ -1,10 +1,11 @@
 """`mimo-tts serve`: an OpenAI-compatible speech endpoint on the worker of `server/engine.py`.
 
-`POST /v1/audio/speech` (the fields of `protocol.py`), `GET /v1/models`, `GET /health`, on FastAPI
-and uvicorn (the optional `serve` extra). The status of a request is decided when its first audio
-bytes are ready, so every failure before them is an OpenAI-style JSON error with the CLI's
-message; `pcm` and `wav` stream as Stage-1 decodes them (a WAV header of unknown length), the
-other formats come whole, decoded one-shot as `synth` does. Loopback by default, an optional
+`POST /v1/audio/speech` (the fields of `protocol.py`), `GET /v1/models`, `GET /health`,
+`GET /metrics` (Prometheus, `metrics.py`), on FastAPI and uvicorn (the optional `serve` extra).
+The status of a request is decided when its first audio bytes are ready, so every failure
+before them is an OpenAI-style JSON error with the CLI's message; `pcm` and `wav` stream as
+Stage-1 decodes them (a WAV header of unknown length), the other formats come whole, decoded
+one-shot as `synth` does. Loopback by default, an optional
 bearer token, bounded input, queue and concurrency (503 with Retry-After), a per-request timeout
 that bounds every send too (a client that stops reading loses its place); a client that goes
 away cancels its jobs. Binding, signals and the bounded shutdown are `server/lifecycle.py`'s.
@@ -30,6 +31,7 @@ from mimo_tts.server.engine import (
     deliver_on,
 )
 from mimo_tts.server.lifecycle import SHUTDOWN_GRACE_S, loaded, serve, url_of
+from mimo_tts.server.metrics import ServerMetrics, Tally, outcome_of, tally_of
 from mimo_tts.server.page import page_html, speech_openapi
 from mimo_tts.server.protocol import (
     CAPTIONS_HEADER,
@@ -77,9 +79,10 @@ class SpeechServer:
         self.formats = served_formats()
         self.parser = RequestParser(cfg, base, model, tuple(self.formats))
         self.requests = RequestQueue(cfg.max_queue, cfg.max_concurrent)
+        self.metrics = ServerMetrics(self.requests)
         strategy = ContinuousStrategy if tts.engine.continuous else StaticBatcher
         self.worker = SpeechWorker(tts, self.requests, strategy(tts, cfg.batch_size, self.log),
-                                   base, self.log)
+                                   base, self.log, self.metrics)
         self.counts = {"ok": 0, "failed": 0, "cancelled": 0, "rejected": 0}
         self.serial = 0
         self.live: set[Speech] = set()
@@ -91,9 +94,10 @@ class SpeechServer:
         from starlette.concurrency import run_in_threadpool
 
         params = self.parser.parse(await read_body(request))
-        ticket = Ticket()
+        ticket, tally = Ticket(), tally_of(request)
         if not self.requests.admit(ticket):
             self.counts["rejected"] += 1
+            tally.outcome = "rejected"
             raise ApiError(503, "the server is busy (queue full); retry later", code="busy",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
         try:
@@ -105,15 +109,14 @@ class SpeechServer:
                 raise ApiError.of(exc) from None
             raise
         self.serial += 1
-        speech = Speech(self, params, prompts, ticket, self.serial)
+        speech = Speech(self, params, prompts, ticket, self.serial, tally)
         body = speech.body(request)
         try:
             first = await anext(body)
         except BaseException as exc:  # the JSON error (or a bug's 500) follows; the place goes
-            gone = getattr(exc, "status", None) == CLIENT_GONE or \
-                isinstance(exc, asyncio.CancelledError)  # the client, or the server's stop
-            speech.release("cancelled" if gone else "failed")
+            speech.release(outcome_of(exc))  # the client gone or the server's stop: cancelled
             raise
+        tally.first_audio(params.fmt in STREAMED)
         headers = {"X-MiMo-Batch-Rows": str(speech.jobs[0].rows)}
         if params.fmt not in STREAMED and not params.sse:
             if params.captions:
@@ -171,7 +174,8 @@ class SpeechServer:
         app.delete("/v1/audio/voices/{name}", dependencies=[auth])(delete)
 
     def app(self):
-        """The FastAPI application: the three endpoints, errors as OpenAI-style JSON."""
+        """The FastAPI application: its routes, errors as OpenAI-style JSON, each API request
+        counted by `ServerMetrics.wrap`."""
         from fastapi import Depends, FastAPI, Request
         from fastapi.responses import JSONResponse
         from starlette.exceptions import HTTPException
@@ -195,16 +199,18 @@ class SpeechServer:
         app.get("/", include_in_schema=False)(self.page)
         app.get("/v1/models", dependencies=[Depends(auth)])(lambda: JSONResponse(self.models()))
         app.get("/health")(lambda: JSONResponse(self.health()))
+        app.get("/metrics", dependencies=[Depends(auth)], include_in_schema=False)(
+            self.metrics.response)
         self.voice_routes(app, Depends(auth))
-        return _Aborts(app)
+        return _Aborts(self.metrics.wrap(app))
 
 
 class Speech:
     """One request's jobs (one per text piece) and the events they send to the event loop."""
 
     def __init__(self, server: SpeechServer, params: SpeechParams, prompts: list,
-                 ticket: Ticket, serial: int):
-        self.server, self.params, self.ticket = server, params, ticket
+                 ticket: Ticket, serial: int, tally: Tally):
+        self.server, self.params, self.ticket, self.tally = server, params, ticket, tally
         label = f"speech-{serial}"
         loop = asyncio.get_running_loop()
         self.deadline = loop.time() + server.cfg.timeout
@@ -220,12 +226,15 @@ class Speech:
         server.worker.submit(self.jobs)
 
     def release(self, outcome: str) -> None:
-        """The request is over: its jobs are cancelled, its place freed (once)."""
+        """The request is over (`outcome`: one of `metrics.OUTCOMES`): its jobs are cancelled,
+        its place freed (once)."""
         if not self.released:
             self.released = True
             self.server.worker.cancel(self.jobs)
             self.server.requests.release(self.ticket)
-            self.server.counts[outcome] += 1
+            self.tally.outcome = outcome
+            counts = self.server.counts  # /health folds the failures into one count
+            counts[outcome if outcome in counts else "failed"] += 1
             self.server.live.discard(self)
 
     def cues(self) -> list[dict]:
@@ -246,7 +255,7 @@ class Speech:
             except TimeoutError:
                 self.server.log(f"{self.jobs[0].label}: the client stopped reading; closed "
                                 f"at --timeout ({self.server.cfg.timeout:g} s)")
-                self.release("failed")
+                self.release("timeout")
                 raise StreamAborted from None
 
         return send_by_deadline
@@ -272,8 +281,10 @@ class Speech:
         audios = []
         for i in range(len(self.jobs)):
             if i and fmt in STREAMED:
+                self.tally.samples += pause
                 yield pcm16(_zeros(pause))
             while (event := await self.next_event(i, request))[0] == "audio":
+                self.tally.samples += int(event[1].shape[-1])
                 yield header + pcm16(event[1])
                 header, request = b"", None
             if event[0] == "error":
@@ -286,6 +297,7 @@ class Speech:
 
             joined = join_pieces(audios, PAUSE_FRAMES,
                                      self.server.tts.stage1.samples_per_frame)
+            self.tally.samples += int(joined.shape[-1])
             yield await run_in_threadpool(encode_audio, joined, SAMPLE_RATE, fmt)
 
     async def rest(self, first: bytes, body):
@@ -297,7 +309,7 @@ class Speech:
             self.release("ok")
         except ApiError as exc:
             self.server.log(f"{self.jobs[0].label}: aborted: {exc.message}")
-            self.release("failed")
+            self.release(outcome_of(exc))
             raise StreamAborted from None
         finally:
             self.release("cancelled")
@@ -316,7 +328,7 @@ class Speech:
             yield sse(done)
             self.release("ok")
         except ApiError as exc:
-            self.release("failed")
+            self.release(outcome_of(exc))
             yield sse({"type": "error", "error": {"message": exc.message, "code": exc.code}})
         finally:
             self.release("cancelled")
@@ -367,6 +379,7 @@ def main(flags: dict, config: str | None, reporter) -> int:
     """`mimo-tts serve`: check the options and voices, bind, load once, serve until a signal."""
     try:
         import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
         raise UsageError(EXTRA_HINT) from None
@@ -385,12 +398,12 @@ def main(flags: dict, config: str | None, reporter) -> int:
 
 def serving_line(server: SpeechServer, sock, tts) -> str:
     """The start-up line: the model (its directory here, in the server's own log), the real
-    address (`--port 0` too), whether /v1 needs a key, batching, formats, voices."""
+    address (`--port 0` too), whether /v1 and /metrics need a key, batching, formats, voices."""
     port = sock.getsockname()[1]
     path = getattr(getattr(tts, "lm_ref", None), "path", None)
     source = f" (from {path})" if path is not None else ""
-    auth = "API key required on /v1" if server.cfg.api_key is not None else \
-        "no API key: /v1 is open"
+    auth = "API key required on /v1 and /metrics" if server.cfg.api_key is not None else \
+        "no API key: /v1 and /metrics are open"
     voices = ", ".join(["default", "natural", *server.cfg.voices])
     return (f"serving {server.model}{source} on {url_of(server.cfg.host, port)} ({auth}; "
             f"batch {server.cfg.batch_size}; formats {', '.join(server.formats)}; "

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from mimo_tts.errors import MimoTTSError
 from mimo_tts.runtime.guards import oom_advice, thread_budget
+from mimo_tts.server.metrics import Meter
 from mimo_tts.synthesis.streaming import FrameCollector, chunk_cap, chunk_schedule
 
 
@@ -278,9 +279,11 @@ class _QueueFeed:
 class SpeechWorker:
     """The Stage-0 thread (through a batching strategy) and the Stage-1 thread of the server."""
 
-    def __init__(self, tts, requests: RequestQueue, batcher, options, log=None):
+    def __init__(self, tts, requests: RequestQueue, batcher, options, log=None,
+                 meter: Meter | None = None):
         self.tts, self.requests, self.batcher = tts, requests, batcher
         self.log = log or (lambda message: None)
+        self.meter = meter or Meter()  # what the server's metrics hear of the work
         first = options.stream_chunk_groups
         self.schedule = (first, chunk_cap(options.stream_mode, first,
                                           options.stream_max_chunk_groups))
@@ -319,18 +322,21 @@ class SpeechWorker:
                         self._event(event)
                 except Exception:  # a bug in the strategy: log it and take the next jobs
                     self.log(traceback.format_exc())
+                    self.meter.engine_error("stage0")
 
     def _event(self, event) -> None:
         try:
             self._route(event)
         except Exception as exc:  # a bug routing one job: that job fails
             self.log(traceback.format_exc())
+            self.meter.engine_error("stage0")
             self._fail(event.job, MimoTTSError(f"unexpected {type(exc).__name__}: {exc}"))
 
     def _route(self, event) -> None:
         job = event.job
         if isinstance(event, Started):
             job.rows = event.rows
+            self.meter.row_started()
             self.stats["rows"] += 1
             self.stats["last_batch_rows"] = event.rows
             self.stats["max_batch_rows"] = max(self.stats["max_batch_rows"], event.rows)
@@ -339,8 +345,10 @@ class SpeechWorker:
             if codes is not None and job.stream:
                 self._queue_decode(job, codes, False)
         elif event.error is not None:
+            self.meter.row_finished(failed=not job.cancelled.is_set())
             self._fail(job, event.error)
         else:
+            self.meter.row_finished()
             self._queue_decode(job, job.frames.close(), True)
 
     def _queue_decode(self, job: SpeechJob, codes, last: bool) -> None:
@@ -359,7 +367,8 @@ class SpeechWorker:
                     job.decoder = None
                     continue
                 try:
-                    self._decode(job, codes, last)
+                    with self.meter.stage("stage1"):  # its time; a failure is an engine error
+                        self._decode(job, codes, last)
                 except MimoTTSError as exc:
                     self._fail(job, exc)
                 except Exception as exc:  # a bug decoding one job: that job fails

@@ -271,5 +271,5 @@ def test_bodies_json_refuses_and_odd_field_names_are_400s(client):
 
 
 def test_the_serving_line_says_v1_is_open(url):
-    assert "(no API key: /v1 is open;" in url.stderr().splitlines()[0]
+    assert "(no API key: /v1 and /metrics are open;" in url.stderr().splitlines()[0]
     assert "Traceback" not in url.stderr()

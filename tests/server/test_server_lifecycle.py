@@ -86,7 +86,8 @@ def test_the_serving_line_names_the_real_port_the_path_and_the_key(by_path, pres
     """Before: `--port 0` printed port 0, and the line did not say whether /v1 needs a key."""
     line = by_path.stderr().splitlines()[0]
     port = int(by_path.rsplit(":", 1)[1])
-    assert port > 0 and f"on http://127.0.0.1:{port} (API key required on /v1;" in line
+    assert port > 0 and \
+        f"on http://127.0.0.1:{port} (API key required on /v1 and /metrics;" in line
     assert line.startswith(f"serving lm (from {preset[0]}) on ")  # the path: log only
 
 
