@@ -24,7 +24,7 @@ from pathlib import Path
 from mimo_tts.batch.items import Item, sanitize_id
 from mimo_tts.batch.plan import Plan, SynthRequest, plan_synth
 from mimo_tts.book.read import Book, Chapter, read_book
-from mimo_tts.errors import UsageError
+from mimo_tts.errors import OutputError, UsageError
 from mimo_tts.runtime.paths import atomic_write
 from mimo_tts.synthesis.audio import FORMATS, SAMPLE_RATE
 from mimo_tts.synthesis.captions import caption_pieces
@@ -152,8 +152,13 @@ def item_lines(items: list[Item], task: str) -> bytes:
 
 
 def write_items(path: Path, items: list[Item], task: str) -> Path:
-    """The items file, atomically; an unchanged one is left as it is (its mtime too)."""
+    """The items file, atomically (its folder made); an unchanged one is left as it is (its
+    mtime too)."""
     data = item_lines(items, task)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create {path.parent}: {exc.strerror or exc}") from None
     return atomic_write(path, lambda f: f.write(data), keep_same=True)
 
 
