@@ -76,14 +76,6 @@ def _all(root, name: str) -> list:
     return [e for e in root.iter() if _local(e.tag) == name]
 
 
-def _attr(element, name: str) -> str | None:
-    """An attribute by its local name, whatever its namespace (`epub:type`, `opf:role`)."""
-    for key, value in element.attrib.items():
-        if _local(key) == name:
-            return value
-    return None
-
-
 def _read(archive: zipfile.ZipFile, name: str) -> bytes:
     try:
         info = archive.getinfo(name)

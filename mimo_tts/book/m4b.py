@@ -19,8 +19,8 @@ from mimo_tts.errors import OutputError, UsageError
 from mimo_tts.runtime.paths import create_temp, publish, temp_beside
 
 EXTRA = "pip install 'mimo-tts[book]'"
-BIT_RATE = 64_000  # AAC-LC, mono speech
-FRAME_SAMPLES = 1024  # samples per AAC frame: a chapter mark is exact to within one
+BIT_RATE = 64_000  # AAC-LC, mono speech (a chapter mark read back is within one AAC frame,
+# 1024 samples, of the sample it was set at)
 
 
 def require_av():
