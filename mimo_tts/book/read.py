@@ -228,6 +228,8 @@ def read_md(text: str) -> tuple[str | None, str | None, list[Section]]:
                 continue
             sections.append(Section(markdown_inline(body)))
         sections[-1].add(markdown_inline(body), heading=kind == "heading")
+    if not sections[0].texts:  # only the title heading before the first chapter: no note
+        sections.pop(0)
     return title, meta.get("author"), sections
 
 
