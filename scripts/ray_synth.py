@@ -4,7 +4,10 @@ codes.
     python scripts/ray_synth.py lines.txt --output-dir out --address auto \
         --stage0-actors 4 --stage0-gpus 1 --stage1-actors 16
 
-The synth options below mean what `mimo-tts synth`'s of the same names mean.
+The synth options below mean what `mimo-tts synth`'s of the same names mean. A book's pieces
+run here too: `mimo-tts book BOOK --output-dir DIR --items-out DIR/book-items.jsonl`, then this
+script on that file with `--output-dir DIR` (and the book's --voice or model options), then
+the same `mimo-tts book` command again, which finds the pieces done and assembles the book.
 """
 
 import argparse
@@ -17,6 +20,7 @@ SYNTH_OPTIONS = [
     ("--task", str, "prompt task (default tts_sft)"),
     ("--instruct", str, "style instruction"),
     ("--prompt-audio", str, "voice prompt audio file"),
+    ("--voice", str, "a stored voice (mimo-tts voices add)"),
     ("--seed", int, "sampling seed (default 0)"),
     ("--max-new-groups", int, "cap on generated groups (one group = 160 ms)"),
     ("--batch-size", int, "prompts generated together per Stage-0 call (default 1)"),

@@ -178,9 +178,10 @@ def entry_point() -> Path:
 
 # --- CI: an installed extra must not skip its tests ----------------------------------------------
 
-# MIMO_TTS_REQUIRE_EXTRAS=serve,wyoming,vllm,ray (.ci/run*) names the extras the venv installed;
-# a skip in their folders then means a broken install, and is reported as a failure.
-EXTRA_FOLDERS = {"serve": "server", "wyoming": "wyoming", "vllm": "vllm", "ray": "ray"}
+# MIMO_TTS_REQUIRE_EXTRAS=serve,wyoming,book,vllm,ray (.ci/run*) names the extras the venv
+# installed; a skip in their folders then means a broken install, and is reported as a failure.
+EXTRA_FOLDERS = {"serve": "server", "wyoming": "wyoming", "book": "book", "vllm": "vllm",
+                 "ray": "ray"}
 REQUIRED = pytest.StashKey[tuple[Path, ...]]()
 
 

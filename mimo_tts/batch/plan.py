@@ -77,9 +77,10 @@ class Plan:
         return sink_for(self.settings, self.shard, [i.task for i in self.items if i.task])
 
 
-def plan_synth(request: SynthRequest, stdin=None, log=None) -> Plan:
+def plan_synth(request: SynthRequest, stdin=None, log=None, make_items=None) -> Plan:
     """Settings, items and shard of a request; usage errors up front, then input errors, then
-    device and checkpoint-name errors."""
+    device and checkpoint-name errors. `make_items(settings)` gives the run's items where a
+    caller makes its own (a book's pieces), instead of the request's texts and inputs."""
     log = log or (lambda message: None)
     check_unicode(request)
     profile = load_profile(request.config)
@@ -89,8 +90,8 @@ def plan_synth(request: SynthRequest, stdin=None, log=None) -> Plan:
            "--json prints to stdout, which -o - / --raw already use")
     check_binary_stdout(run.to_stdout, "--raw" if run.raw else "-o -")
     o = settings.synthesis
-    items = read_items(request.texts, request.inputs, stdin,
-                       Naming(o.seed, o.instruct, o.prompt_audio, o.task))
+    items = make_items(settings) if make_items is not None else read_items(
+        request.texts, request.inputs, stdin, Naming(o.seed, o.instruct, o.prompt_audio, o.task))
     _check(bool(items), "nothing to say: give --text, --input FILE or --input -")
     _check(run.output is None or run.raw or len(items) == 1,
            f"-o/--output takes exactly one item, got {len(items)}; use --output-dir")

@@ -1,11 +1,10 @@
 """`mimo-tts`: the command line (Typer + rich). Thin: parse -> options -> batch runner -> report.
 
-One module per command (`synth.py`: synth, devices; `decode.py`; `tools.py`: status, download,
-selftest, serve; `wyoming.py`), their shared options in `params.py`, messages and exit codes
-in `report.py`;
-this module is the app: the group, its parse-error handling, the registration and `main`.
-torch is never imported at import: the command bodies import what they need, and `--help`,
-`devices`, `status` and `synth --dry-run` never import it.
+One module per command (`synth.py`: synth, devices; `book.py`; `decode.py`; `tools.py`: status,
+download, selftest, serve; `wyoming.py`), their shared options in `params.py`, messages and exit
+codes in `report.py`; this module is the app: the group, its parse-error handling, the
+registration and `main`. torch is never imported at import: the command bodies import what they
+need, and `--help`, `devices`, `status`, `synth --dry-run` and `book --list` never import it.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from mimo_tts import __version__
 from mimo_tts.batch.files import _broken_pipe
-from mimo_tts.cli import decode, synth, tools, voices, wyoming
+from mimo_tts.cli import book, decode, synth, tools, voices, wyoming
 from mimo_tts.cli.params import EXAMPLES
 from mimo_tts.cli.report import Reporter
 from mimo_tts.errors import EXIT_IO, EXIT_USAGE
@@ -117,6 +116,7 @@ def main_callback(
 # In this order in the help: the run, its preflight, then the other commands.
 app.command(cls=Command, epilog=EXAMPLES)(synth.synth)
 app.command(cls=Command)(synth.devices)
+app.command(cls=Command)(book.book)
 app.command(cls=Command)(tools.status)
 app.command(cls=Command)(decode.decode)
 app.command(cls=Command)(tools.download)

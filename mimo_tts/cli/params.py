@@ -10,7 +10,8 @@ from typing import Annotated
 
 import typer
 
-from mimo_tts.lm.config import MAX_GROUPS
+from mimo_tts.lm.config import LM_QUANTS, MAX_GROUPS, task_samplers
+from mimo_tts.lm.tasks import TASKS
 from mimo_tts.lm.vllm import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_SEQS,
@@ -26,7 +27,7 @@ from mimo_tts.runtime.devices import (
     TOKENIZER_DTYPE_ENV,
 )
 from mimo_tts.synthesis.audio import FORMATS
-from mimo_tts.synthesis.options import ENGINES
+from mimo_tts.synthesis.options import ENGINES, SynthesisOptions
 
 EXAMPLES = """\
 [b]Examples[/b]
@@ -42,6 +43,8 @@ EXAMPLES = """\
 """
 IN, MODELS, DEV, GEN, OUT, RUN = "Inputs", "Models", "Devices", "Generation", "Outputs", "Run"
 VLLM, SERVE = "vLLM engine", "Server"
+# The default task's (text, audio) samplers: the help's "task default" (every TTS task has them)
+TEXT, AUDIO = task_samplers(TASKS[SynthesisOptions.task].sampler)
 
 Model = Annotated[str | None, typer.Option(
     "--model", "-m", rich_help_panel=MODELS, metavar="MODEL",
@@ -91,6 +94,48 @@ TensorParallelSize = Annotated[int | None, typer.Option(
 MaxModelLen = Annotated[int | None, typer.Option(
     rich_help_panel=VLLM, metavar="GROUPS",
     help=f"vLLM: longest sequence in groups, prompt included (default {MAX_GROUPS}).")]
+AllowDownload = Annotated[bool | None, typer.Option(
+    "--allow-download/--offline", rich_help_panel=MODELS, show_default=False,
+    help="Download missing checkpoints (default offline).")]
+LmQuant = Annotated[str | None, typer.Option(
+    rich_help_panel=DEV, metavar="QUANT",
+    help=f"Opt-in weight-only LM quantization on CPU: {', '.join(LM_QUANTS)} (faster, "
+         "slightly less exact; default off).")]
+# What to say and how to sample it (synth, book).
+Instruct = Annotated[str | None, typer.Option(rich_help_panel=IN, metavar="TEXT",
+                                              help="Style instruction.")]
+PromptAudio = Annotated[str | None, typer.Option(rich_help_panel=IN, metavar="FILE",
+                                                 help="Voice prompt audio file.")]
+Voice = Annotated[str | None, typer.Option(
+    rich_help_panel=IN, metavar="NAME",
+    help="A stored voice (mimo-tts voices add): clones it as --prompt-audio its file would.")]
+Seed = Annotated[int | None, typer.Option(rich_help_panel=GEN, metavar="SEED",
+                                          help="Sampling seed (default 0).")]
+Temperature = Annotated[float | None, typer.Option(
+    rich_help_panel=GEN, metavar="T",
+    help=f"Text temperature (0 = greedy; task default {TEXT.temperature:g}).")]
+TopK = Annotated[int | None, typer.Option(rich_help_panel=GEN, metavar="K", help="Text top-k.")]
+TopP = Annotated[float | None, typer.Option(rich_help_panel=GEN, metavar="P",
+                                            help="Text top-p.")]
+AudioTemperature = Annotated[float | None, typer.Option(
+    rich_help_panel=GEN, metavar="T",
+    help=f"Audio temperature (0 = greedy; task default {AUDIO.temperature:g}).")]
+AudioTopK = Annotated[int | None, typer.Option(rich_help_panel=GEN, metavar="K",
+                                               help="Audio top-k.")]
+AudioTopP = Annotated[float | None, typer.Option(rich_help_panel=GEN, metavar="P",
+                                                 help="Audio top-p.")]
+MaxNewGroups = Annotated[int | None, typer.Option(
+    rich_help_panel=GEN, metavar="N", help="Cap on generated groups (one group = 160 ms).")]
+BatchSize = Annotated[int | None, typer.Option(rich_help_panel=GEN, metavar="N",
+                                               help="Prompts generated together.")]
+Overwrite = Annotated[bool | None, typer.Option(
+    "--overwrite", rich_help_panel=OUT, help="Redo items already done and replace existing "
+    "files.")]
+Shard = Annotated[str | None, typer.Option(
+    rich_help_panel=RUN, metavar="K/N",
+    help="Run shard K of N (K from 1) of the items, split by id, with its own manifest in the "
+         "output folder (default: from SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT, or "
+         "JOB_COMPLETION_INDEX with MIMO_TTS_SHARD_COUNT).")]
 Config = Annotated[str | None, typer.Option(
     "--config", "-c", rich_help_panel=RUN, metavar="PROFILE",
     help="TOML profile: a path, or a name in ~/.config/mimo-tts (MIMO_TTS_CONFIG_DIR) or the "

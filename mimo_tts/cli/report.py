@@ -49,21 +49,35 @@ class Reporter:
         write_stdout_line(text)
 
     @contextlib.contextmanager
-    def bar(self, total: int):
-        """A progress bar on stderr, only on a terminal and never with --quiet/--json."""
+    def bar(self, total: int, description: str = "synthesising", eta: bool = False):
+        """A progress bar on stderr, only on a terminal and never with --quiet/--json; it
+        yields `advance(description=None)`, which can also say where the run is now. With
+        `eta` it shows the time left."""
         if self.quiet or self.as_json or not self.err.is_terminal or total < 2:
-            yield lambda: None
+            yield lambda description=None: None
             return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
+        columns = ["[progress.description]{task.description}", BarColumn(),
+                   MofNCompleteColumn(), TimeElapsedColumn(),
+                   *([TimeRemainingColumn()] if eta else [])]
         # Data lines stay on stdout: rich may only route them above the bar when stdout is
         # the very terminal the bar is drawn on.
-        with Progress("[progress.description]{task.description}", BarColumn(),
-                      MofNCompleteColumn(), TimeElapsedColumn(), console=self.err,
-                      transient=True, redirect_stdout=_same_terminal(),
-                      redirect_stderr=False) as progress:
-            task = progress.add_task("synthesising", total=total)
-            yield lambda: progress.advance(task)
+        with Progress(*columns, console=self.err, transient=True,
+                      redirect_stdout=_same_terminal(), redirect_stderr=False) as progress:
+            task = progress.add_task(description, total=total)
+
+            def advance(description: str | None = None) -> None:
+                progress.update(task, advance=1, **({"description": description}
+                                                    if description else {}))
+
+            yield advance
 
     def item(self, result, task: str) -> None:
         record = result.record(task)

@@ -13,13 +13,15 @@ import typer
 from rich.console import Console
 
 from mimo_tts.cli.params import (
-    DEV,
-    GEN,
     IN,
-    MODELS,
     OUT,
     RUN,
+    AllowDownload,
     AsJson,
+    AudioTemperature,
+    AudioTopK,
+    AudioTopP,
+    BatchSize,
     Config,
     Debug,
     DevicesJson,
@@ -28,34 +30,41 @@ from mimo_tts.cli.params import (
     Fmt,
     GpuMemoryUtilization,
     Graph,
+    Instruct,
     LmDevice,
+    LmQuant,
     LmThreads,
     MaxModelLen,
+    MaxNewGroups,
     MaxNumSeqs,
     Model,
     NoMemoryCheck,
+    Overwrite,
+    PromptAudio,
     Quiet,
     Rate,
+    Seed,
+    Shard,
+    Temperature,
     TensorParallelSize,
     TokDevice,
     TokDtype,
     Tokenizer,
     TokThreads,
+    TopK,
+    TopP,
     Verbose,
+    Voice,
 )
 from mimo_tts.cli.report import Reporter, quiet_libraries, run_command
 from mimo_tts.codec.config import STREAM_MODES
 from mimo_tts.errors import EXIT_CHECKPOINT, EXIT_DEVICE, EXIT_OK
-from mimo_tts.lm.config import LM_QUANTS, task_samplers
 from mimo_tts.lm.tasks import TASKS
 from mimo_tts.synthesis.options import SynthesisOptions
 from mimo_tts.synthesis.settings import OptionValues, resolve
 
 if TYPE_CHECKING:
     from mimo_tts.batch.plan import SynthRequest
-
-# The default task's (text, audio) samplers: the help's "task default" (every TTS task has them)
-TEXT, AUDIO = task_samplers(TASKS[SynthesisOptions.task].sampler)
 
 
 def synth(
@@ -68,13 +77,9 @@ def synth(
              "task); '-' reads stdin.")] = None,
     task: Annotated[str | None, typer.Option(rich_help_panel=IN, metavar="TASK",
         help=f"Prompt task: {', '.join(TASKS)} (default {SynthesisOptions.task}).")] = None,
-    instruct: Annotated[str | None, typer.Option(rich_help_panel=IN, metavar="TEXT",
-                                                 help="Style instruction.")] = None,
-    prompt_audio: Annotated[str | None, typer.Option(rich_help_panel=IN, metavar="FILE",
-                                                     help="Voice prompt audio file.")] = None,
-    voice: Annotated[str | None, typer.Option(rich_help_panel=IN, metavar="NAME",
-        help="A stored voice (mimo-tts voices add): clones it as --prompt-audio its file "
-             "would.")] = None,
+    instruct: Instruct = None,
+    prompt_audio: PromptAudio = None,
+    voice: Voice = None,
     captions: Annotated[str | None, typer.Option(rich_help_panel=OUT, metavar="FORMATS",
         help="Write captions beside each output: srt, vtt or srt,vtt. Each sentence is then "
              "synthesised as its own piece, so the audio differs from a run without.")] = None,
@@ -84,38 +89,25 @@ def synth(
         help="Split longer text on sentence ends (default 300; 0 = never).")] = None,
     model: Model = None,
     tokenizer: Tokenizer = None,
-    allow_download: Annotated[bool | None, typer.Option(
-        "--allow-download/--offline", rich_help_panel=MODELS, show_default=False,
-        help="Download missing checkpoints (default offline).")] = None,
+    allow_download: AllowDownload = None,
     lm_device: LmDevice = None,
     tokenizer_device: TokDevice = None,
     dtype: Dtype = None,
     tokenizer_dtype: TokDtype = None,
     cuda_graph: Graph = None,
     no_memory_check: NoMemoryCheck = None,
-    lm_quant: Annotated[str | None, typer.Option(rich_help_panel=DEV, metavar="QUANT",
-        help=f"Opt-in weight-only LM quantization on CPU: {', '.join(LM_QUANTS)} (faster, "
-             "slightly less exact; default off).")] = None,
+    lm_quant: LmQuant = None,
     lm_threads: LmThreads = None,
     tokenizer_threads: TokThreads = None,
-    seed: Annotated[int | None, typer.Option(rich_help_panel=GEN, metavar="SEED",
-                                             help="Sampling seed (default 0).")] = None,
-    temperature: Annotated[float | None, typer.Option(rich_help_panel=GEN, metavar="T",
-        help=f"Text temperature (0 = greedy; task default {TEXT.temperature:g}).")] = None,
-    top_k: Annotated[int | None, typer.Option(rich_help_panel=GEN, metavar="K",
-                                              help="Text top-k.")] = None,
-    top_p: Annotated[float | None, typer.Option(rich_help_panel=GEN, metavar="P",
-                                                help="Text top-p.")] = None,
-    audio_temperature: Annotated[float | None, typer.Option(rich_help_panel=GEN, metavar="T",
-        help=f"Audio temperature (0 = greedy; task default {AUDIO.temperature:g}).")] = None,
-    audio_top_k: Annotated[int | None, typer.Option(rich_help_panel=GEN, metavar="K",
-                                                    help="Audio top-k.")] = None,
-    audio_top_p: Annotated[float | None, typer.Option(rich_help_panel=GEN, metavar="P",
-                                                      help="Audio top-p.")] = None,
-    max_new_groups: Annotated[int | None, typer.Option(rich_help_panel=GEN, metavar="N",
-        help="Cap on generated groups (one group = 160 ms).")] = None,
-    batch_size: Annotated[int | None, typer.Option(rich_help_panel=GEN, metavar="N",
-        help="Prompts generated together.")] = None,
+    seed: Seed = None,
+    temperature: Temperature = None,
+    top_k: TopK = None,
+    top_p: TopP = None,
+    audio_temperature: AudioTemperature = None,
+    audio_top_k: AudioTopK = None,
+    audio_top_p: AudioTopP = None,
+    max_new_groups: MaxNewGroups = None,
+    batch_size: BatchSize = None,
     output_dir: Annotated[str | None, typer.Option(rich_help_panel=OUT, metavar="DIR",
         help="Root of <dir>/<task>/<id>.wav (default output_audio).")] = None,
     output: Annotated[str | None, typer.Option("--output", "-o", rich_help_panel=OUT,
@@ -124,8 +116,7 @@ def synth(
     sample_rate: Rate = None,
     save_codes: Annotated[bool | None, typer.Option("--save-codes", rich_help_panel=OUT,
         help="Also write the Stage-0 codes (<id>.codes.safetensors).")] = None,
-    overwrite: Annotated[bool | None, typer.Option("--overwrite", rich_help_panel=OUT,
-        help="Redo items already done and replace existing files.")] = None,
+    overwrite: Overwrite = None,
     stream: Annotated[bool | None, typer.Option("--stream", rich_help_panel=OUT,
         help="Decode audio while the LM generates (streaming Stage-1).")] = None,
     raw: Annotated[bool | None, typer.Option("--raw", rich_help_panel=OUT,
@@ -140,10 +131,7 @@ def synth(
     tensor_parallel_size: TensorParallelSize = None,
     max_model_len: MaxModelLen = None,
     config: Config = None,
-    shard: Annotated[str | None, typer.Option(rich_help_panel=RUN, metavar="K/N",
-        help="Run shard K of N (K from 1) of the items, split by id, with its own manifest "
-             "in the output folder (default: from SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT, "
-             "or JOB_COMPLETION_INDEX with MIMO_TTS_SHARD_COUNT).")] = None,
+    shard: Shard = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", rich_help_panel=RUN,
         help="Preflight only (devices, checkpoints, memory); load nothing.")] = False,
     as_json: AsJson = False,

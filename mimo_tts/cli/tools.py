@@ -60,20 +60,26 @@ def status(
     """Done / failed / missing items across all shards' manifests of an output folder.
 
     Give it synth's --input and the --seed, --instruct and --prompt-audio the run had: they
-    name the items. Exits 0 when every item is done, 10 when some are failed or missing.
+    name the items. A book's folder (mimo-tts book) names its own pieces, with a line per
+    chapter. Exits 0 when every item is done, 10 when some are failed or missing.
     """
     reporter = Reporter(as_json=as_json, debug=debug)
 
     def body() -> int:
         from mimo_tts.batch import status as folder_status
         from mimo_tts.batch.items import Naming
+        from mimo_tts.book import status as book_status
 
-        report = folder_status.report(output_dir, task, input or [], merge,
-                                      Naming(seed, instruct, prompt_audio, task))
+        if not input and book_status.is_book(output_dir):
+            report, lines = book_status.report(output_dir, merge), book_status.lines
+        else:
+            report = folder_status.report(output_dir, task, input or [], merge,
+                                          Naming(seed, instruct, prompt_audio, task))
+            lines = folder_status.lines
         if as_json:
             reporter.data(report)
         else:
-            for line in folder_status.lines(report):
+            for line in lines(report):
                 reporter.data(line)
         return folder_status.exit_code(report)
 

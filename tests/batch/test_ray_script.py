@@ -34,11 +34,11 @@ def test_b_synth_options_map_onto_the_synth_request():
         "tts_sft_with_instruct", "--seed", "7", "--instruct", "calm", "--tokenizer", "tok",
         "--lm-device", "cuda", "--tokenizer-device", "cpu", "--dtype", "bfloat16",
         "--tokenizer-dtype", "float32", "--model", "tiny", "--max-new-groups", "6",
-        "--save-codes", "--config", "ci-smoke", "--stage0-actors", "2"])
+        "--save-codes", "--config", "ci-smoke", "--stage0-actors", "2", "--voice", "narrator"])
     assert script.request(args) == SynthRequest(OptionValues(
         output_dir="o", batch_size=4, task="tts_sft_with_instruct", seed=7, instruct="calm",
         tokenizer="tok", lm_device="cuda", tokenizer_device="cpu", dtype="bfloat16",
-        tokenizer_dtype="float32", model="tiny", max_new_groups=6, save_codes=True),
-        inputs=("book.jsonl",), config="ci-smoke")
+        tokenizer_dtype="float32", model="tiny", max_new_groups=6, save_codes=True,
+        voice="narrator"), inputs=("book.jsonl",), config="ci-smoke")
     plain = script.request(script.parser().parse_args(["lines.txt"]))
     assert plain == SynthRequest(OptionValues(output_dir="output_audio"), inputs=("lines.txt",))

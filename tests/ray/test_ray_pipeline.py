@@ -8,7 +8,6 @@ Runs in its own venv (`.ci/run-ray`); without Ray installed the module skips its
 from __future__ import annotations
 
 import json
-import os
 import pickle
 
 import pytest
@@ -22,20 +21,6 @@ from mimo_tts.synthesis.settings import OptionValues  # noqa: E402
 ITEMS = [{"id": f"item-{i}", "text": f"Ray sentence number {i}, spoken once."} for i in range(8)]
 ITEMS[2]["seed"], ITEMS[5]["seed"] = 7, 11  # per-item seeds beside the run's --seed
 OPTIONS = {"model": "tiny", "max_new_groups": 6, "seed": 3}
-
-
-@pytest.fixture(scope="module")
-def local_ray(base_env):
-    """A local Ray instance whose workers see the test env (the tiny preset's cache)."""
-    saved = dict(os.environ)
-    os.environ.update({k: base_env[k] for k in ("MIMO_TTS_CACHE", "HF_HUB_OFFLINE", "HF_HOME",
-                                                "OMP_NUM_THREADS")})
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    yield
-    ray.shutdown()
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def _batch(tmp_path, items):

@@ -1,0 +1,224 @@
+"""A book run, planned: the book read (`read.py`), its chapters selected (`--chapters 1-3,7`),
+each chapter cut into pieces (one per sentence, as captions cut text: `captions.caption_pieces`)
+and each piece an `Item` of the batch runner, then synth's own plan (`batch.plan.plan_synth`:
+settings, devices, checkpoint names, shard).
+
+A piece's id is its place, `c003-p0042` (chapter 3, piece 42), and so is its seed: a hash of
+the book's `--seed`, the chapter's number and the piece's number (`piece_seed`). A re-run of one
+chapter, alone or in shards, gives the same audio; another `--seed` gives another reading.
+
+The pieces are written as JSON lines (`ITEMS_NAME` in the book's folder, or `--items-out`):
+the items `mimo-tts synth --input` and the Ray pipeline read, and what `mimo-tts status` judges
+the folder by. No torch here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mimo_tts.batch.items import Item, sanitize_id
+from mimo_tts.batch.plan import Plan, SynthRequest, plan_synth
+from mimo_tts.book.read import Book, Chapter, read_book
+from mimo_tts.errors import OutputError, UsageError
+from mimo_tts.runtime.paths import atomic_write
+from mimo_tts.synthesis.audio import FORMATS, SAMPLE_RATE
+from mimo_tts.synthesis.captions import caption_pieces
+from mimo_tts.synthesis.options import MAX_SEED
+from mimo_tts.synthesis.settings import OptionValues, Settings
+
+ITEMS_NAME = "book-items.jsonl"
+PIECES_FORMAT = "wav"  # pieces are PCM16 at 24 kHz, joined losslessly into chapters
+# Speech rate for `--list`'s estimate: about 150 words (900 characters) a minute in alphabetic
+# scripts, about 250 characters a minute in Chinese, Japanese and Korean.
+CHARS_PER_MINUTE, CJK_CHARS_PER_MINUTE = 900, 250
+_CJK = re.compile(r"[\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af\uf900-\ufaff]")
+_RANGE = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?")
+
+
+@dataclass(frozen=True)
+class BookRequest:
+    """What one `mimo-tts book` asks for: the book file, the synthesis options (as synth's),
+    the chapters, the book's outputs, shard and profile."""
+
+    input: str
+    options: OptionValues = field(default_factory=OptionValues)
+    chapters: str | None = None  # --chapters 1-3,7; None: every chapter
+    title: str | None = None  # --title / --author: instead of the book's own
+    author: str | None = None
+    format: str = "wav"  # the chapter files' format
+    m4b: bool = True
+    shard: str | None = None
+    config: str | None = None
+    as_json: bool = False
+
+    @property
+    def folder(self) -> Path:
+        """The book's folder: --output-dir, else output_audio/<the input's stem>."""
+        given = self.options.output_dir
+        return Path(given) if given else Path("output_audio") / Path(self.input).stem
+
+
+@dataclass
+class BookPlan:
+    """A planned book: the book, the chapters this run takes, every chapter's pieces (the
+    whole book's items) and synth's plan of this run's items (its shard's)."""
+
+    request: BookRequest
+    book: Book
+    selected: tuple[int, ...]
+    chapters: dict[int, list[Item]]
+    plan: Plan
+
+    @property
+    def folder(self) -> Path:
+        return self.request.folder
+
+    @property
+    def settings(self) -> Settings:
+        return self.plan.settings
+
+    def chapter_of(self, item: Item) -> Chapter:
+        return self.book.chapter(chapter_number(item.id))
+
+
+def read(request: BookRequest) -> Book:
+    return read_book(request.input, request.title, request.author)
+
+
+def select_chapters(spec: str | None, count: int) -> tuple[int, ...]:
+    """`--chapters 1-3,7` -> (1, 2, 3, 7), in book order; every chapter when None. A number
+    outside the book is a UsageError naming the book's range."""
+    if spec is None:
+        return tuple(range(1, count + 1))
+    chosen: set[int] = set()
+    for part in spec.split(","):
+        match = _RANGE.fullmatch(part)
+        if match is None:
+            raise UsageError(f"--chapters takes numbers and ranges such as 1-3,7, got {spec!r}")
+        low, high = int(match[1]), int(match[2] or match[1])
+        if low > high:
+            raise UsageError(f"--chapters {part.strip()}: the range runs backwards")
+        if low < 1 or high > count:
+            raise UsageError(f"--chapters {part.strip()}: the book has {count} chapter"
+                             f"{'s' if count != 1 else ''} (1-{count})")
+        chosen.update(range(low, high + 1))
+    return tuple(sorted(chosen))
+
+
+def piece_id(chapter: int, piece: int) -> str:
+    return f"c{chapter:03d}-p{piece:04d}"
+
+
+def chapter_number(item_id: str) -> int:
+    return int(item_id[1:item_id.index("-")])
+
+
+def piece_seed(seed: int, chapter: int, piece: int) -> int:
+    """A piece's sampling seed: the book's seed and the piece's place, hashed (so neighbouring
+    pieces do not get neighbouring seeds), in [0, MAX_SEED]."""
+    digest = hashlib.sha256(f"mimo-tts book {seed} {chapter} {piece}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & MAX_SEED
+
+
+def chapter_pieces(chapter: Chapter, max_chars: int) -> list[str]:
+    """A chapter's pieces: each paragraph's sentences, long ones cut at clauses (captions' cut,
+    at most `max_chars` when that is smaller), so each piece is one cue."""
+    return [piece for paragraph in chapter.paragraphs
+            for piece in caption_pieces(paragraph, max_chars)]
+
+
+def book_items(book: Book, settings: Settings) -> dict[int, list[Item]]:
+    """Every chapter's pieces as items: id and seed from their place, the run's voice prompt."""
+    o = settings.synthesis
+    prompt = os.path.abspath(o.prompt_audio) if isinstance(o.prompt_audio, str) else None
+    return {c.number: [Item(id=piece_id(c.number, k), text=text, source_id=piece_id(c.number, k),
+                            seed=piece_seed(o.seed, c.number, k), prompt_audio=prompt,
+                            source=f"{book.source.name} chapter {c.number}")
+                       for k, text in enumerate(chapter_pieces(c, o.max_chars), 1)]
+            for c in book.chapters}
+
+
+def item_lines(items: list[Item], task: str) -> bytes:
+    """The items as JSON lines, as `synth --input` and the Ray pipeline read them."""
+    lines = [json.dumps({"id": i.id, "text": i.text, "seed": i.seed, "task": task,
+                         **({"prompt_audio": i.prompt_audio} if i.prompt_audio else {})},
+                        ensure_ascii=False) for i in items]
+    return "".join(line + "\n" for line in lines).encode("utf-8")
+
+
+def write_items(path: Path, items: list[Item], task: str) -> Path:
+    """The items file, atomically (its folder made); an unchanged one is left as it is (its
+    mtime too)."""
+    data = item_lines(items, task)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create {path.parent}: {exc.strerror or exc}") from None
+    return atomic_write(path, lambda f: f.write(data), keep_same=True)
+
+
+def plan_book(request: BookRequest, log=None, outputs: bool = True) -> BookPlan:
+    """Read the book, select its chapters, then synth's plan of their pieces: usage and input
+    errors here, before anything is written (with `outputs`, also a missing `book` extra)."""
+    book = read(request)
+    selected = select_chapters(request.chapters, len(book.chapters))
+    if request.format not in FORMATS:
+        raise UsageError(f"--format must be one of {', '.join(FORMATS)}")
+    if request.m4b and outputs:
+        from mimo_tts.book.m4b import require_av
+
+        require_av()
+    options = OptionValues.of({**request.options.given(), "output_dir": str(request.folder),
+                               "format": PIECES_FORMAT, "sample_rate": SAMPLE_RATE})
+    synth = SynthRequest(options, shard=request.shard, config=request.config,
+                         as_json=request.as_json)
+    chosen = set(selected)
+    plan = plan_synth(synth, log=log, make_items=lambda settings: [
+        item for number, items in book_items(book, settings).items() if number in chosen
+        for item in items])
+    run = plan.settings.run
+    if run.output or run.raw or run.stream:
+        raise UsageError("a book is written to its --output-dir; a profile's output, raw or "
+                         "stream cannot be used with it")
+    return BookPlan(request, book, selected, book_items(book, plan.settings), plan)
+
+
+def chapter_name(chapter: Chapter, fmt: str) -> str:
+    """A chapter file's name: `003-The_Return.wav`."""
+    return f"{chapter.number:03d}-{sanitize_id(chapter.title)[:48]}{FORMATS[fmt][2]}"
+
+
+def minutes(text: str) -> float:
+    """The estimated reading time of `text` (CHARS_PER_MINUTE, CJK_CHARS_PER_MINUTE)."""
+    cjk = len(_CJK.findall(text))
+    return (len(text) - cjk) / CHARS_PER_MINUTE + cjk / CJK_CHARS_PER_MINUTE
+
+
+def table(book: Book) -> dict:
+    """`--list`: the book and its chapters (number, title, characters, estimated minutes)."""
+    rows = [{"number": c.number, "title": c.title, "characters": c.characters,
+             "minutes": round(minutes(c.text), 1)} for c in book.chapters]
+    return {"title": book.title, "author": book.author, "source": str(book.source),
+            "chapters": rows, "characters": sum(r["characters"] for r in rows),
+            "minutes": round(sum(minutes(c.text) for c in book.chapters), 1),
+            "notes": list(book.notes)}
+
+
+def table_lines(listing: dict) -> list[str]:
+    """`--list` as aligned text: a header, one row per chapter, the total."""
+    rows = [(str(r["number"]), r["title"], str(r["characters"]), f"{r['minutes']:.1f}")
+            for r in listing["chapters"]]
+    count = len(rows)
+    total = ("", f"{count} chapter{'s' if count != 1 else ''}", str(listing["characters"]),
+             f"{listing['minutes']:.1f}")
+    header = ("#", "title", "characters", "minutes")
+    width = [max(len(r[i]) for r in [header, *rows, total]) for i in range(4)]
+    byline = f" by {listing['author']}" if listing["author"] else ""
+    return [f"{listing['title']}{byline}"] + [
+        f"{r[0]:>{width[0]}}  {r[1]:<{width[1]}}  {r[2]:>{width[2]}}  {r[3]:>{width[3]}}"
+        .rstrip() for r in [header, *rows, total]]

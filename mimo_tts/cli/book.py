@@ -1,0 +1,253 @@
+"""`mimo-tts book`: a book (.txt, .md, .epub) read aloud into a folder: its pieces through the
+batch runner (resumable, shardable), then a file per chapter, book.m4b, captions and
+book.json (`mimo_tts/book/`). `--list` shows the chapters without loading anything."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from mimo_tts.cli.params import (
+    OUT,
+    RUN,
+    AllowDownload,
+    AudioTemperature,
+    AudioTopK,
+    AudioTopP,
+    BatchSize,
+    Config,
+    Debug,
+    Dtype,
+    EngineName,
+    GpuMemoryUtilization,
+    Graph,
+    Instruct,
+    LmDevice,
+    LmQuant,
+    LmThreads,
+    MaxModelLen,
+    MaxNewGroups,
+    MaxNumSeqs,
+    Model,
+    NoMemoryCheck,
+    Overwrite,
+    PromptAudio,
+    Quiet,
+    Seed,
+    Shard,
+    Temperature,
+    TensorParallelSize,
+    TokDevice,
+    TokDtype,
+    Tokenizer,
+    TokThreads,
+    TopK,
+    TopP,
+    Verbose,
+    Voice,
+)
+from mimo_tts.cli.report import Reporter, quiet_libraries, run_command
+from mimo_tts.errors import EXIT_OK
+from mimo_tts.synthesis.audio import FORMATS
+from mimo_tts.synthesis.settings import OptionValues
+
+BOOK = "Book"
+
+
+def book(
+    input: Annotated[str, typer.Argument(
+        metavar="BOOK", help="The book: .txt (chapters at headings such as 'Chapter 3'), .md "
+                             "(chapters at headings) or .epub (the spine's documents).")],
+    output_dir: Annotated[str | None, typer.Option(
+        rich_help_panel=OUT, metavar="DIR", help="The book's folder: pieces, chapters/, "
+        "book.m4b, book.srt, book.vtt, book.json (default output_audio/<the book's name>).")
+    ] = None,
+    list_chapters: Annotated[bool, typer.Option(
+        "--list", rich_help_panel=BOOK, help="Print the chapters (number, title, characters, "
+        "estimated minutes) and exit; loads no model.")] = False,
+    chapters: Annotated[str | None, typer.Option(
+        rich_help_panel=BOOK, metavar="LIST",
+        help="The chapters to read, such as 1-3,7 (default: all).")] = None,
+    title: Annotated[str | None, typer.Option(
+        rich_help_panel=BOOK, metavar="TEXT", help="The book's title (default: its own, or "
+                                                   "the file's name).")] = None,
+    author: Annotated[str | None, typer.Option(
+        rich_help_panel=BOOK, metavar="TEXT", help="The book's author (default: its own).")
+    ] = None,
+    format: Annotated[str, typer.Option(
+        "--format", rich_help_panel=OUT, metavar="FORMAT",
+        help=f"The chapter files' format: {', '.join(FORMATS)} (default wav).")] = "wav",
+    no_m4b: Annotated[bool, typer.Option(
+        "--no-m4b", rich_help_panel=OUT, help="No book.m4b (it needs pip install "
+        "'mimo-tts\\[book]').")] = False,
+    items_out: Annotated[str | None, typer.Option(
+        rich_help_panel=BOOK, metavar="FILE", help="Write the pieces as JSON lines (id, text, "
+        "seed, task) for synth --input or scripts/ray_synth.py, and exit.")] = None,
+    voice: Voice = None,
+    prompt_audio: PromptAudio = None,
+    instruct: Instruct = None,
+    model: Model = None,
+    tokenizer: Tokenizer = None,
+    allow_download: AllowDownload = None,
+    lm_device: LmDevice = None,
+    tokenizer_device: TokDevice = None,
+    dtype: Dtype = None,
+    tokenizer_dtype: TokDtype = None,
+    cuda_graph: Graph = None,
+    no_memory_check: NoMemoryCheck = None,
+    lm_quant: LmQuant = None,
+    lm_threads: LmThreads = None,
+    tokenizer_threads: TokThreads = None,
+    seed: Seed = None,
+    temperature: Temperature = None,
+    top_k: TopK = None,
+    top_p: TopP = None,
+    audio_temperature: AudioTemperature = None,
+    audio_top_k: AudioTopK = None,
+    audio_top_p: AudioTopP = None,
+    max_new_groups: MaxNewGroups = None,
+    batch_size: BatchSize = None,
+    overwrite: Overwrite = None,
+    engine: EngineName = None,
+    gpu_memory_utilization: GpuMemoryUtilization = None,
+    max_num_seqs: MaxNumSeqs = None,
+    tensor_parallel_size: TensorParallelSize = None,
+    max_model_len: MaxModelLen = None,
+    config: Config = None,
+    shard: Shard = None,
+    as_json: Annotated[bool, typer.Option("--json", rich_help_panel=RUN,
+        help="JSON on stdout: the chapter table (--list), or one object per piece and one "
+             "for the book.")] = False,
+    quiet: Quiet = False,
+    verbose: Verbose = False,
+    debug: Debug = False,
+) -> None:
+    """Read a book aloud: [b]DIR/chapters/[/b], [b]book.m4b[/b], captions, book.json."""
+    from mimo_tts.book.plan import BookRequest
+
+    options = OptionValues(
+        output_dir=output_dir, voice=voice, prompt_audio=prompt_audio, instruct=instruct,
+        model=model, tokenizer=tokenizer, allow_download=allow_download, lm_device=lm_device,
+        tokenizer_device=tokenizer_device, dtype=dtype, tokenizer_dtype=tokenizer_dtype,
+        cuda_graph=cuda_graph, no_memory_check=no_memory_check, lm_quant=lm_quant,
+        lm_threads=lm_threads, tokenizer_threads=tokenizer_threads, seed=seed,
+        temperature=temperature, top_k=top_k, top_p=top_p, audio_temperature=audio_temperature,
+        audio_top_k=audio_top_k, audio_top_p=audio_top_p, max_new_groups=max_new_groups,
+        batch_size=batch_size, overwrite=overwrite, engine=engine,
+        gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+        tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len)
+    request = BookRequest(input, options, chapters, title, author, format, not no_m4b, shard,
+                          config, as_json)
+    reporter = Reporter(quiet, verbose, as_json, debug)
+    run_command(reporter, lambda: (listing(reporter, request) if list_chapters
+                                   else read_aloud(reporter, request, items_out)))
+
+
+def listing(reporter: Reporter, request) -> int:
+    """`--list`: the chapter table on stdout (notes on stderr); nothing loads."""
+    from mimo_tts.book.plan import read, select_chapters, table, table_lines
+
+    found = read(request)
+    select_chapters(request.chapters, len(found.chapters))  # a bad --chapters says so
+    listed = table(found)
+    for note in listed["notes"]:
+        reporter.info(f"note: {note}")
+    if reporter.as_json:
+        reporter.data(listed)
+    else:
+        for line in table_lines(listed):
+            reporter.data(line)
+    return EXIT_OK
+
+
+def read_aloud(reporter: Reporter, request, items_out: str | None) -> int:
+    """Plan, synthesise the pieces (progress on stderr), assemble, report."""
+    from mimo_tts.batch.files import stdout_stream
+    from mimo_tts.batch.results import exit_code_for
+    from mimo_tts.batch.runner import BatchRunner
+    from mimo_tts.book.assemble import assemble
+    from mimo_tts.book.plan import ITEMS_NAME, plan_book, write_items
+
+    stdout_stream()  # a run reports on stdout: a closed one ends it before any work
+    if reporter.quiet:
+        quiet_libraries()
+    bplan = plan_book(request, reporter.log, outputs=items_out is None)
+    for note in bplan.book.notes:
+        reporter.info(f"note: {note}")
+    task = bplan.settings.synthesis.task
+    if items_out is not None:
+        reporter.data(str(write_items(Path(items_out), bplan.plan.items, task)))
+        return EXIT_OK
+    _check_voice(reporter, bplan.settings.synthesis)
+    bplan.folder.mkdir(parents=True, exist_ok=True)
+    write_items(bplan.folder / ITEMS_NAME, [i for v in bplan.chapters.values() for i in v], task)
+    runner = BatchRunner(bplan.settings, log=reporter.log)
+    start = time.perf_counter()
+    with runner:  # closes the engine (vLLM)
+        results = _synthesize(reporter, bplan, runner)
+    elapsed = time.perf_counter() - start
+    done = assemble(bplan, runner.resolve(), reporter.log)
+    _report(reporter, bplan, done, results, runner, elapsed)
+    return exit_code_for(results)
+
+
+def _check_voice(reporter: Reporter, o) -> None:
+    """A stored voice is loaded before anything runs (an unknown one: exit 2 or 9)."""
+    if o.voice:
+        from mimo_tts.synthesis.voices import VoiceStore
+
+        VoiceStore().load(o.voice)
+    elif o.prompt_audio is None:
+        reporter.info("note: no --voice or --prompt-audio: each piece is read in the model's "
+                      "own voice, which may change from piece to piece")
+
+
+def _synthesize(reporter: Reporter, bplan, runner) -> list:
+    """Each piece through the batch runner, in book order; the bar says the chapter."""
+    from mimo_tts.batch.plan import run_synth
+
+    items, count, task = bplan.plan.items, len(bplan.book.chapters), bplan.settings.synthesis.task
+    results = []
+    with reporter.bar(len(items), "reading", eta=True) as advance:
+        for result in run_synth(runner, items, bplan.plan.sink()):
+            results.append(result)
+            if reporter.as_json or result.status == "error":
+                reporter.item(result, task)
+            chapter = bplan.chapter_of(result.item)
+            advance(f"chapter {chapter.number}/{count} {chapter.title[:24]}")
+    return results
+
+
+def _report(reporter: Reporter, bplan, done, results: list, runner, elapsed: float) -> None:
+    from mimo_tts.cli.synth import summary
+
+    if reporter.as_json:
+        reporter.data({"book": str(bplan.folder), "complete": done.complete,
+                       "seconds": done.record["seconds"], "waiting": done.waiting,
+                       "outputs": [str(p) for p in done.outputs]})
+    else:
+        for path in done.outputs:
+            reporter.data(str(path))
+    reporter.info(summary(results, runner, elapsed))
+    reporter.info(book_line(bplan, done))
+
+
+def book_line(bplan, done) -> str:
+    """The book's one line: its length and folder, or what it still waits for."""
+    count = len(bplan.book.chapters)
+    if done.complete:
+        seconds = done.record["seconds"]
+        return (f"book: {count} chapters, {_clock(seconds)} of audio in {bplan.folder}"
+                + ("" if bplan.request.m4b else " (no m4b)"))
+    waiting = ", ".join(map(str, done.waiting))
+    outputs = "book.m4b and the captions" if bplan.request.m4b else "the captions"
+    return (f"book: {count - len(done.waiting)} of {count} chapters done; {outputs} wait for "
+            f"{sum(done.waiting.values())} piece(s) of chapter(s) {waiting}")
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"

@@ -1,0 +1,269 @@
+"""`mimo-tts book` on the tiny preset with the three-chapter EPUB (a cover and a nav page):
+`--list` (no model, no torch), the whole book (the m4b read back against book.json, one cue
+per sentence, status), a re-run that rewrites nothing, `--chapters 2` alone (the same audio as
+in the whole book), shards, `kill -9` and the same command again (each piece written once),
+and bad inputs (one line, an exit code, nothing written)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import soundfile as sf
+
+from mimo_tts.batch.shards import shard_of
+from mimo_tts.book.assemble import CHAPTER_PAUSE_FRAMES
+from mimo_tts.errors import EXIT_INCOMPLETE, EXIT_INPUT, EXIT_USAGE
+from mimo_tts.synthesis.audio import PAUSE_FRAMES
+from tests.book.books import AUTHOR, SENTENCES, THREE, TITLE, encryption_xml, write_epub
+from tests.helpers import ENTRY_POINT, error_line, read_lines
+
+HAS_AV = importlib.util.find_spec("av") is not None
+needs_av = pytest.mark.skipif(not HAS_AV, reason="PyAV is not installed (pip install "
+                              "'mimo-tts[book]'): book.m4b cannot be written or read")
+TINY = ("--model", "tiny", "--max-new-groups", "4")
+IDS = [f"c{c:03d}-p{p:04d}" for c in (1, 2, 3) for p in (1, 2, 3)]
+SPF, RATE = 960, 24000
+AAC_FRAME_S = 1024 / RATE
+
+
+def _book(tmp_path: Path) -> Path:
+    return write_epub(tmp_path / "small-sea.epub")
+
+
+def _files(folder: Path) -> dict[str, int]:
+    """Every output file (not the hidden locks) -> its mtime."""
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in folder.rglob("*")
+            if p.is_file() and not p.name.startswith(".")}
+
+
+def _run(args, env, cwd, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([str(ENTRY_POINT), "book", *map(str, args)], capture_output=True,
+                          text=True, env=env, cwd=cwd, stdin=subprocess.DEVNULL, timeout=300,
+                          **kw)
+
+
+@pytest.fixture(scope="module")
+def whole(base_env, tmp_path_factory):
+    """The whole book, once, by the installed command in a real process."""
+    root = tmp_path_factory.mktemp("whole")
+    done = _run([_book(root), "--output-dir", root / "out", *TINY,
+                 *([] if HAS_AV else ["--no-m4b"])], base_env, root)
+    assert done.returncode == 0, done.stderr
+    return root / "out", done
+
+
+def test_list_prints_the_table_without_torch(base_env, tmp_path):
+    trace = ("import atexit, sys; atexit.register(lambda: sys.stderr.write("
+             "'\\nTORCH %s\\n' % ('torch' in sys.modules))); sys.argv = ['mimo-tts', "
+             "*sys.argv[1:]]; from mimo_tts.cli import main; main()")
+    done = subprocess.run([sys.executable, "-c", trace, "book", str(_book(tmp_path)), "--list"],
+                          capture_output=True, text=True, env=base_env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "The Small Sea by Ada Writer",
+        "#  title           characters  minutes",
+        "1  The Harbour             77      0.1",
+        "2  The Lighthouse          81      0.1",
+        "3  The Return              68      0.1",
+        "   3 chapters             226      0.3"]
+    assert "TORCH False" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["small-sea.epub"]  # nothing written
+
+
+def test_whole_book(whole, invoke):
+    out, done = whole
+    record = json.loads((out / "book.json").read_text())
+    assert record["complete"] and (record["title"], record["author"]) == (TITLE, AUTHOR)
+    assert [c["title"] for c in record["chapters"]] == [name for name, _, _ in THREE]
+    pieces = sorted((out / "tts_sft").glob("*.wav"))
+    assert [p.stem for p in pieces] == IDS
+    lengths = {p.stem: sf.info(str(p)).frames for p in pieces}
+    start = 0
+    for number, chapter in enumerate(record["chapters"], 1):  # starts from the samples
+        ids = [i for i in IDS if i.startswith(f"c{number:03d}")]
+        samples = sum(lengths[i] for i in ids) + (len(ids) - 1) * PAUSE_FRAMES * SPF
+        assert chapter["start_sample"] == start and chapter["end_sample"] == start + samples
+        assert sf.info(str(out / chapter["file"])).frames == samples
+        start += samples + CHAPTER_PAUSE_FRAMES * SPF
+    assert record["seconds"] == round(record["chapters"][-1]["end_sample"] / RATE, 6)
+    cues = [b.splitlines() for b in (out / "book.srt").read_text().split("\n\n") if b.strip()]
+    assert len(cues) == SENTENCES == len(IDS)  # one cue per sentence
+    assert [c[2] for c in cues[3:6]] == ["Chapter 2: The Lighthouse",
+                                         "The keeper climbed the stairs.",
+                                         "His lamp burned all night."]
+    hours, minutes, seconds = cues[3][1].split(" --> ")[0].replace(",", ".").split(":")
+    assert float(seconds) == round(record["chapters"][1]["start"], 3)  # chapter 2's first cue
+    assert (out / "book.vtt").read_text().startswith("WEBVTT\n\n1\n00:00:00.000 --> ")
+    assert done.stdout.splitlines()[-1] == str(out / "book.json")
+    assert re.search(r"9 written, 0 skipped, 0 failed \| load [\d.]+ s \| synthesis [\d.]+ s "
+                     r"for [\d.]+ s of audio \(RTF [\d.]+\)", done.stderr)
+    assert "book: 3 chapters, 0:00:" in done.stderr
+    status = invoke("status", out, "--json")
+    report = json.loads(status.stdout)
+    assert status.exit_code == 0 and report["done"] == 9 and report["items"] == 9
+    assert report["chapters"]["2"] == {"pieces": 3, "done": 3, "failed": 0, "missing": 0}
+
+
+@needs_av
+def test_m4b_chapters_and_metadata_equal_book_json(whole):
+    from mimo_tts.book.m4b import read_chapters
+
+    out, _ = whole
+    record = json.loads((out / "book.json").read_text())
+    marks = read_chapters(out / "book.m4b")
+    assert [m["title"] for m in marks] == [c["title"] for c in record["chapters"]]
+    for mark, chapter in zip(marks, record["chapters"], strict=True):
+        assert abs(mark["start"] - chapter["start"]) <= AAC_FRAME_S
+    import av
+
+    with av.open(str(out / "book.m4b")) as container:
+        assert container.metadata["title"] == TITLE and container.metadata["artist"] == AUTHOR
+        (stream,) = container.streams.audio
+        assert (stream.codec_context.name, stream.rate) == ("aac", RATE)
+        assert abs(container.duration / 1e6 - record["seconds"]) <= AAC_FRAME_S
+
+
+def test_rerun_rewrites_nothing(whole, invoke):
+    out, _ = whole
+    before = _files(out)
+    again = invoke("book", out.parent / "small-sea.epub", "--output-dir", out, *TINY,
+                   *([] if HAS_AV else ["--no-m4b"]))
+    assert again.exit_code == 0, again.output
+    assert "0 written, 9 skipped, 0 failed" in again.stderr
+    assert _files(out) == before  # every output kept, mtimes included
+
+
+def test_one_chapter_alone_is_the_same_audio(whole, invoke, tmp_path):
+    out, _ = whole
+    one = tmp_path / "one"
+    done = invoke("book", out.parent / "small-sea.epub", "--output-dir", one, "--chapters", "2",
+                  *TINY)
+    assert done.exit_code == 0, done.output
+    assert sorted(p.stem for p in (one / "tts_sft").glob("*.wav")) == IDS[3:6]
+    (chapter,) = (one / "chapters").iterdir()
+    assert chapter.read_bytes() == (out / "chapters" / chapter.name).read_bytes()
+    assert not (one / "book.m4b").exists() and not (one / "book.srt").exists()
+    record = json.loads((one / "book.json").read_text())
+    assert not record["complete"] and [c["done"] for c in record["chapters"]] == [0, 3, 0]
+    assert "book: 1 of 3 chapters done; " in done.stderr and "6 piece(s) of chapter(s) 1, 3" \
+        in done.stderr
+    status = invoke("status", one)
+    assert status.exit_code == EXIT_INCOMPLETE
+    assert status.stdout.splitlines()[1:4] == [f"book {one}: 1 of 3 chapters done",
+                                               "chapter 1: 0 of 3 pieces done",
+                                               "chapter 3: 0 of 3 pieces done"]
+
+
+def test_two_shards_make_the_same_book(whole, invoke, tmp_path):
+    out, _ = whole
+    shards = tmp_path / "shards"
+    owned = {k: [i for i in IDS if shard_of(i, 2) == k] for k in (1, 2)}
+    assert owned[1] and owned[2]
+    extra = [] if HAS_AV else ["--no-m4b"]
+    first = invoke("book", out.parent / "small-sea.epub", "--output-dir", shards, "--shard",
+                   "1/2", *TINY, *extra)
+    assert first.exit_code == 0, first.output
+    assert f"{len(owned[1])} written, 0 skipped" in first.stderr
+    assert not (shards / "book.srt").exists()  # shard 2's pieces are missing yet
+    second = invoke("book", out.parent / "small-sea.epub", "--output-dir", shards, "--shard",
+                    "2/2", *TINY, *extra)
+    assert second.exit_code == 0, second.output
+    lines = {k: [r["id"] for r in read_lines(shards / "tts_sft" / f"results.shard-{k}-of-2.jsonl")]
+             for k in (1, 2)}
+    assert {k: sorted(v) for k, v in lines.items()} == owned
+    for name in ["book.srt", "book.json", *(["book.m4b"] if HAS_AV else []),
+                 *(f"chapters/{p.name}" for p in (out / "chapters").iterdir())]:
+        assert (shards / name).read_bytes() == (out / name).read_bytes() or name == "book.json"
+    assert json.loads((shards / "book.json").read_text())["chapters"] == json.loads(
+        (out / "book.json").read_text())["chapters"]
+
+
+@pytest.mark.slow
+def test_kill_9_then_the_same_command_writes_each_piece_once(whole, base_env, tmp_path):
+    out, _ = whole
+    args = [out.parent / "small-sea.epub", "--output-dir", tmp_path / "book", *TINY,
+            *([] if HAS_AV else ["--no-m4b"])]
+    pieces = tmp_path / "book" / "tts_sft"
+    proc = subprocess.Popen([str(ENTRY_POINT), "book", *map(str, args)], cwd=tmp_path,
+                            env=base_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and len(list(pieces.glob("*.wav"))) < 2:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    kept = {p.name: p.stat().st_mtime_ns for p in pieces.glob("*.wav")}
+    assert 2 <= len(kept) < len(IDS), "the run must be killed mid-book"
+    again = _run(args, base_env, tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert f"{len(IDS) - len(kept)} written, {len(kept)} skipped, 0 failed" in again.stderr
+    after = {p.name: p.stat().st_mtime_ns for p in pieces.glob("*.wav")}
+    assert sorted(after) == [f"{i}.wav" for i in IDS]
+    assert all(after[name] == mtime for name, mtime in kept.items())  # not written again
+    assert Counter(r["id"] for r in read_lines(pieces / "results.jsonl")) == Counter(IDS)
+    for name in ["book.srt", *(["book.m4b"] if HAS_AV else [])]:  # the book it would have been
+        assert (tmp_path / "book" / name).read_bytes() == (out / name).read_bytes()
+
+
+@pytest.mark.parametrize("make, args, code, words", [
+    (lambda p: p.write_bytes(b"not a zip"), (), EXIT_INPUT, "is not a readable EPUB"),
+    (lambda p: write_epub(p, encryption=encryption_xml("OEBPS/text/chap2.xhtml")), (),
+     EXIT_INPUT, "is DRM-protected"),
+    (lambda p: write_epub(p, [("Cover only", None, [])]), (), EXIT_INPUT, "has no text to read"),
+    (write_epub, ("--chapters", "4"), EXIT_USAGE, "--chapters 4: the book has 3 chapters"),
+    (write_epub, ("--chapters", "2-x"), EXIT_USAGE, "--chapters takes numbers and ranges"),
+])
+def test_bad_input_is_one_line_an_exit_code_and_nothing_written(invoke, tmp_path, make, args,
+                                                                code, words):
+    path = tmp_path / "bad.epub"
+    make(path)
+    for listing in ((), ("--list",)):
+        done = invoke("book", path, "--output-dir", tmp_path / "out", *TINY, *args, *listing)
+        assert done.exit_code == code, done.output
+        assert words in error_line(done.stderr) and not done.stdout
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.epub"]
+
+
+def test_items_out_writes_the_pieces_for_synth_and_ray(whole, invoke, tmp_path):
+    out, _ = whole
+    items = tmp_path / "items.jsonl"
+    done = invoke("book", out.parent / "small-sea.epub", "--output-dir", tmp_path / "out",
+                  "--chapters", "1,3", "--items-out", items, *TINY)
+    assert done.exit_code == 0, done.output
+    assert done.stdout.strip() == str(items) and not (tmp_path / "out").exists()
+    whole_items = (out / "book-items.jsonl").read_text().splitlines()
+    assert items.read_text().splitlines() == whole_items[:3] + whole_items[6:]
+    assert json.loads(whole_items[0]) == {"id": "c001-p0001", "text": "Chapter 1: The Harbour",
+                                          "seed": json.loads(whole_items[0])["seed"],
+                                          "task": "tts_sft"}
+
+
+def test_without_the_extra(base_env, tmp_path):
+    """Without PyAV: --list works, a run naming no --no-m4b is refused (exit 2) before
+    anything is written."""
+    code = ("import sys; sys.modules['av'] = None; sys.argv = ['mimo-tts', *sys.argv[1:]]; "
+            "from mimo_tts.cli import main; main()")
+    text = tmp_path / "story.txt"
+    text.write_text("Chapter 1\n\nOnce upon a time.\n\nChapter 2\n\nThe end.\n")
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-c", code, "book", str(text), *args],
+                              capture_output=True, text=True, env=base_env, cwd=tmp_path)
+
+    listed = run("--list")
+    assert listed.returncode == 0 and "2  Chapter 2" in listed.stdout
+    refused = run("--output-dir", "out", *TINY)
+    assert refused.returncode == EXIT_USAGE
+    assert error_line(refused.stderr) == ("Error: writing book.m4b needs PyAV: pip install "
+                                          "'mimo-tts[book]' (or give --no-m4b)")
+    assert not (tmp_path / "out").exists()
