@@ -293,6 +293,15 @@ class IncrementalDecoder:
         self._surplus: Tensor | None = None  # [1, n_mels, k - s] dconv2 frames still open
         self.finished = False
 
+    @property
+    def first_audio_frames(self) -> int:
+        """The fewest code frames after which a push (not the last) returns audio: the norm
+        warm-up, or the vocoder's exact look-ahead plus the ISTFT overlap (40.4 frames at full
+        size), whichever is longer. How the frames were cut into pushes does not matter."""
+        istft = self.decoder.vocoder.head.istft
+        held = len(self.decoder.vocoder.layers) * self.vocoder.right * istft.hop + istft.pad
+        return max(self.warmup, held // self.tokenizer.samples_per_frame + 1)
+
     def push(self, codes: Tensor, last: bool = False) -> Tensor | None:
         """codes [K, n] -> new waveform samples [S] float32 on the tokenizer device, or None."""
         if self.finished:

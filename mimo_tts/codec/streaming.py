@@ -59,6 +59,14 @@ class StreamingDecoder:
             self.incremental.reset()
 
     @property
+    def first_audio_frames(self) -> int:
+        """The fewest code frames after which a push (not the last) returns audio: official,
+        one more than `right_overlap`; incremental, `IncrementalDecoder.first_audio_frames`."""
+        if self.incremental is not None:
+            return self.incremental.first_audio_frames
+        return self.right_overlap + 1
+
+    @property
     def cache_length(self) -> int:
         return 0 if self._cache is None else self._cache.shape[0]
 

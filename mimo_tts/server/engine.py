@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from mimo_tts.errors import MimoTTSError
 from mimo_tts.runtime.guards import oom_advice, thread_budget
-from mimo_tts.synthesis.streaming import FrameCollector, chunk_cap, chunk_schedule
+from mimo_tts.synthesis.streaming import FrameCollector, push_schedule
 
 
 @dataclass(eq=False)
@@ -281,9 +281,8 @@ class SpeechWorker:
     def __init__(self, tts, requests: RequestQueue, batcher, options, log=None):
         self.tts, self.requests, self.batcher = tts, requests, batcher
         self.log = log or (lambda message: None)
-        first = options.stream_chunk_groups
-        self.schedule = (first, chunk_cap(options.stream_mode, first,
-                                          options.stream_max_chunk_groups))
+        self.schedule = (options.stream_mode, options.stream_chunk_groups,
+                         options.stream_max_chunk_groups)
         self.stream_mode = options.stream_mode
         self.stats = {"rows": 0, "max_batch_rows": 0, "last_batch_rows": 0}
         self.decodes: queue.PriorityQueue = queue.PriorityQueue()  # (order, seq, task)
@@ -295,7 +294,7 @@ class SpeechWorker:
 
     def submit(self, jobs: list[SpeechJob]) -> None:
         for job in jobs:
-            job.frames = FrameCollector(self.tts, chunk_schedule(*self.schedule))
+            job.frames = FrameCollector(self.tts, push_schedule(self.tts, *self.schedule))
         self.requests.put(jobs)
 
     def cancel(self, jobs: list[SpeechJob]) -> None:
