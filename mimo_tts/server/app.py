@@ -79,7 +79,7 @@ class SpeechServer:
         self.requests = RequestQueue(cfg.max_queue, cfg.max_concurrent)
         strategy = ContinuousStrategy if tts.engine.continuous else StaticBatcher
         self.worker = SpeechWorker(tts, self.requests, strategy(tts, cfg.batch_size, self.log),
-                                   base, self.log)
+                                   base, self.log, cfg.stage1_batch)
         self.counts = {"ok": 0, "failed": 0, "cancelled": 0, "rejected": 0}
         self.serial = 0
         self.live: set[Speech] = set()
