@@ -185,7 +185,9 @@ def step_streams(caches: list[DecoderCache], xs: list[Tensor]) -> list[Tensor]:
     bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
     ropes = [decoder.rotary.at(c.position, n, x.device, x.dtype)
              for c, n, x in zip(caches, sizes, xs, strict=True)]
-    x = xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)  # [1, N, d]
+    # One contiguous [1, N, d] whatever the streams: the first layer's residual is then fused
+    # into out_proj as in every later layer (a strided one is added apart, rounding twice).
+    x = xs[0].contiguous() if len(xs) == 1 else torch.cat(xs, dim=1)  # [1, N, d]
     for index, layer in enumerate(decoder.layers):
         attn = layer.self_attn
         q, k, v = attn.project(layer_norm_fp32(layer.self_attn_layer_norm, x))  # [1, H, N, D]
