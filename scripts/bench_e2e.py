@@ -39,6 +39,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -187,17 +188,22 @@ def before_profile(folder: Path) -> Path:
 
 
 def compare_streams(runs: dict) -> dict | None:
-    """Before / after ratios of the two back-to-back stream runs (> 1: the new one is faster)."""
-    before = runs.get("stream_before")
-    if not before or before.get("exit_code"):
-        return None
+    """Before / after ratios of the stream runs, paired round by round (`stream#2` with
+    `stream_before#2`, ...), and their median (> 1: the new one is faster)."""
     out = {}
     for name in ("stream", "stream_split"):
-        after = runs.get(name)
-        if after and not after.get("exit_code"):
-            out[name] = {key: round(before[key] / after[key], 3)
-                         for key in ("first_audio_s", "stage0_s", "wall_s")
-                         if after.get(key) and before.get(key)}
+        rows = []
+        for key, before in runs.items():
+            if key.split("#")[0] != "stream_before" or before.get("exit_code"):
+                continue
+            after = runs.get(key.replace("stream_before", name))
+            if after and not after.get("exit_code"):
+                rows.append({k: before[k] / after[k] for k in ("first_audio_s", "stage0_s",
+                                                              "wall_s")
+                             if after.get(k) and before.get(k)})
+        if rows:
+            out[name] = {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}
+            out[name]["rounds"] = len(rows)
     return out or None
 
 
@@ -211,6 +217,8 @@ def main() -> None:
     ap.add_argument("--runs", default="batch1,stream,stream_split,stream_before,instruct,batch",
                     help="comma-separated: batch1, stream, stream_split, stream_before, "
                          "instruct, batch")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the runs this many times, every other round reversed")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args()
     dirs = checkpoint_dirs(args.preset)
@@ -238,11 +246,14 @@ def main() -> None:
                 "instruct": ["--text", TEXT, "--task", "tts_sft_with_instruct",
                              "--instruct", "calm and slow"],
                 "batch": ["--input", str(items), "--batch-size", str(batch)]}
-        for name in args.runs.split(","):
-            key = f"batch{batch}" if name == "batch" else name
-            print(f"bench_e2e: {key} ...", file=sys.stderr, flush=True)
-            run = run_synth(common + argv[name], Path(tmp) / name)
-            report["runs"][key] = summarise(run, weights)
+        names = args.runs.split(",")
+        for round_ in range(args.rounds):  # every other round in the reverse order
+            for name in names if round_ % 2 == 0 else names[::-1]:
+                key = f"batch{batch}" if name == "batch" else name
+                key += f"#{round_ + 1}" if round_ else ""
+                print(f"bench_e2e: {key} ...", file=sys.stderr, flush=True)
+                run = run_synth(common + argv[name], Path(tmp) / name)
+                report["runs"][key] = summarise(run, weights)
     report["stream_vs_before"] = compare_streams(report["runs"])
     report["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     text = json.dumps(report, indent=2, ensure_ascii=False)

@@ -16,7 +16,7 @@ tolerance) and the first audio comes when `first_audio_frames` says. Without CUD
 and exits 0 unless `--device cpu` asks for the CPU (tests/test_gpu_check.py runs it so).
 
     .venv/bin/python scripts/check_stream_cuda.py [--device cuda|cpu] [--streams 8]
-        [--tokenizer DIR] [--threads N]
+        [--tokenizer DIR] [--threads N] [--sections schedule,together]
 """
 
 from __future__ import annotations
@@ -129,6 +129,16 @@ def check_together(codec, streams: int) -> dict:
             "ok": all(same) and max(diffs) <= TOLERANCE}
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else "cpu"."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            return next((line.split(":", 1)[1].strip() for line in info
+                         if line.startswith("model name")), "cpu")
+    except OSError:
+        return "cpu"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -136,6 +146,8 @@ def main() -> int:
     parser.add_argument("--tokenizer", type=Path, default=TINY_A / "tokenizer",
                         help="an audio tokenizer directory (default: tiny-a's)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
+    parser.add_argument("--sections", default="schedule,together",
+                        help="comma-separated: schedule, together")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print(json.dumps({"cuda": False, "note": "no CUDA device: nothing checked"}))
@@ -146,10 +158,14 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     codec = load_audio_tokenizer(args.tokenizer, device=args.device, dtype="float32")
     codes = torch.randint(0, 128, (8, 241), generator=torch.Generator().manual_seed(0))
-    report = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-              "schedule": check_schedule(codec, codes),
-              "together": check_together(codec, args.streams)}
-    report["ok"] = report["schedule"]["ok"] and report["together"]["ok"]
+    report = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else cpu_name(),
+              "tokenizer": str(args.tokenizer), "threads": torch.get_num_threads()}
+    sections = args.sections.split(",")
+    if "schedule" in sections:
+        report["schedule"] = check_schedule(codec, codes)
+    if "together" in sections:
+        report["together"] = check_together(codec, args.streams)
+    report["ok"] = all(report[name]["ok"] for name in sections)
     print(json.dumps(report, indent=2))
     return 0 if report["ok"] else 1
 

@@ -119,6 +119,7 @@ class DecoderCache:
         self.values: list[Tensor] = []
         self.used = 0  # filled slots
         self.position = 0  # absolute latent index of the next frame
+        self._span, self._frame_mask = 0, None  # of the push in progress (set by layer 0)
 
     @property
     def capacity(self) -> int:
