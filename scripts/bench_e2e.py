@@ -8,7 +8,14 @@ tokenizer in float32; random weights whose control circuit speaks a few seconds 
 Three runs, each a fresh `mimo-tts synth --model DIR/lm --tokenizer DIR/tokenizer` child:
 
 - `batch1`: one item (--text): load s, prefill s, s per group, Stage-0 / Stage-1 shares, RTF;
-- `stream`: the same item with --stream: time to first audio;
+- `stream`: the same item with --stream: time to first audio (first_audio_s) beside its own
+  prefill_s and s_per_group, the issue-24 target `first_audio_s <= prefill_s + 2 * s_per_group
+  + 1` (`first_audio_target_s`, `meets_first_audio_target`) and the floor of an exact stream,
+  `prefill_s + lead_groups * s_per_group` (no audio before the decoder's look-ahead is generated);
+- `stream_before`: the same stream as before issue 24, back to back with `stream`: Stage-0 and
+  Stage-1 on one thread each, side by side, and a first push of 5 groups past the look-ahead
+  (the first audio after 15 groups, as the old 5-then-10 schedule); `stream_vs_before` holds the
+  ratios before / after;
 - `instruct`: the same item as tts_sft_with_instruct ("calm and slow"): the circuit's other
   layout (three `<|im_start|>`), which speaks longer;
 - `batch8`: eight items (--input file, --batch-size 8): RTF over the batch.
@@ -21,7 +28,10 @@ from the sidecar JSON the CLI writes next to each wav: `rtf` = synthesis seconds
 generate + decode) / audio seconds, `e2e_rtf` = the child's whole wall time (start-up and load
 included) / audio seconds; `s_per_group` = (Stage-0 seconds - prefill) / the batch's steps (one
 group for every row). --quick caps each item at 8 groups and runs a batch of 2 (`batch2`). Run
-it alone (20 GB): under the lock above, on a quiet machine.
+it alone (20 GB): under the lock above, on a quiet machine. `--preset tiny` runs the tiny
+preset instead (seconds, any machine), and `--preset mid --max-new-groups 40`
+bench_overlap.py's mid-size pair (LM hidden 1024, codec 10 decoder layers; it never stops by
+itself).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -141,38 +152,104 @@ def summarise(run: dict, weights: dict) -> dict:
         out["stage0_share"] = round(stage0 / (stage0 + stage1), 3)
         out["stage1_share"] = round(stage1 / (stage0 + stage1), 3)
     if "first_audio_s" in first["timings"]:
-        t = first["timings"]
-        out |= {k: round(t[k], 3) for k in ("first_audio_s", "stage0_s", "stage1_s",
-                                            "stage1_wait_s") if k in t}
+        out |= stream_figures(first, max(groups))
     return out
 
 
-def weights_by_dtype(preset: Path) -> dict:
+def stream_figures(sidecar: dict, groups: int) -> dict:
+    """A --stream item's first audio against its own prefill and group step (the issue-24
+    target), and the floor any exact stream has: the decoder's look-ahead must be generated."""
+    t, piece = sidecar["timings"], sidecar["pieces"][0]["timings"]
+    out = {k: round(t[k], 3) for k in ("first_audio_s", "stage0_s", "stage1_s",
+                                       "stage1_wait_s") if k in t}
+    out["threads"] = sidecar.get("threads")
+    if "prefill_s" not in piece:
+        return out
+    prefill, lead = piece["prefill_s"], piece.get("lead_groups", 0)
+    step = (t["stage0_s"] - prefill) / max(groups - 1, 1)  # group 0 comes from the prefill
+    target = prefill + 2 * step + 1
+    out |= {"prefill_s": round(prefill, 3), "s_per_group": round(step, 3),
+            "lead_groups": int(lead), "first_audio_target_s": round(target, 3),
+            "meets_first_audio_target": t["first_audio_s"] <= target,
+            "first_audio_floor_s": round(prefill + lead * step, 3)}
+    return out
+
+
+def weights_by_dtype(dirs: dict) -> dict:
     from mimo_tts.synthesis.preflight import weights_bytes
 
-    return {part: {d: weights_bytes(preset / part, d) for d in ("bfloat16", "float32")}
-            for part in ("lm", "tokenizer")}
+    return {part: {d: weights_bytes(folder, d) for d in ("bfloat16", "float32")}
+            for part, folder in dirs.items()}
+
+
+def checkpoint_dirs(preset: str) -> dict:
+    """{"lm": dir, "tokenizer": dir} of the preset (`tiny`: the built-in one, written once)."""
+    if preset == "tiny":
+        from mimo_tts.presets import ensure_tiny_preset
+
+        lm, tok = ensure_tiny_preset()
+        return {"lm": Path(lm), "tokenizer": Path(tok)}
+    if preset == "mid":  # bench_overlap.py's balanced pair; it never stops: --max-new-groups
+        from bench_overlap import CODEC_DIMS, LM_DIMS, write_model
+
+        lm, tok = write_model(Path(tempfile.gettempdir()) / "mimo-tts-bench", LM_DIMS, CODEC_DIMS)
+        return {"lm": lm, "tokenizer": tok}
+    root = Path(preset).resolve()
+    if not (root / "complete").is_file():
+        sys.exit(f"bench_e2e: no complete preset at {root}: run scripts/make_full_size.py")
+    return {"lm": root / "lm", "tokenizer": root / "tokenizer"}
+
+
+def before_profile(folder: Path) -> Path:
+    """The profile of `stream_before`: a first push of 5 groups past the look-ahead."""
+    path = folder / "stream-before.toml"
+    path.write_text("stream_chunk_groups = 5\n", encoding="utf-8")
+    return path
+
+
+def compare_streams(runs: dict) -> dict | None:
+    """Before / after ratios of the stream runs, paired round by round (`stream#2` with
+    `stream_before#2`, ...), and their median (> 1: the new one is faster)."""
+    out = {}
+    for name in ("stream", "stream_split"):
+        rows = []
+        for key, before in runs.items():
+            if key.split("#")[0] != "stream_before" or before.get("exit_code"):
+                continue
+            after = runs.get(key.replace("stream_before", name))
+            if after and not after.get("exit_code"):
+                rows.append({k: before[k] / after[k] for k in ("first_audio_s", "stage0_s",
+                                                              "wall_s")
+                             if after.get(k) and before.get(k)})
+        if rows:
+            out[name] = {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}
+            out[name]["rounds"] = len(rows)
+    return out or None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default=".bench/full-size")
     ap.add_argument("--quick", action="store_true", help="8 groups per item, a batch of 2")
+    ap.add_argument("--max-new-groups", type=int, default=None, help="pass it to synth")
     ap.add_argument("--dtype", default=None, help="pass --dtype to synth (default: its own)")
     ap.add_argument("--tokenizer-dtype", default=None, help="pass --tokenizer-dtype to synth")
-    ap.add_argument("--runs", default="batch1,stream,instruct,batch",
-                    help="comma-separated: batch1, stream, instruct, batch")
+    ap.add_argument("--runs", default="batch1,stream,stream_split,stream_before,instruct,batch",
+                    help="comma-separated: batch1, stream, stream_split, stream_before, "
+                         "instruct, batch")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the runs this many times, every other round reversed")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args()
-    preset = Path(args.preset).resolve()
-    if not (preset / "complete").is_file():
-        sys.exit(f"bench_e2e: no complete preset at {preset}: run scripts/make_full_size.py")
-    common = ["--model", str(preset / "lm"), "--tokenizer", str(preset / "tokenizer")]
+    dirs = checkpoint_dirs(args.preset)
+    preset = dirs["lm"].parent
+    common = ["--model", str(dirs["lm"]), "--tokenizer", str(dirs["tokenizer"])]
     common += ["--dtype", args.dtype] if args.dtype else []
     common += ["--tokenizer-dtype", args.tokenizer_dtype] if args.tokenizer_dtype else []
-    common += ["--max-new-groups", "8"] if args.quick else []
+    groups = 8 if args.quick else args.max_new_groups
+    common += ["--max-new-groups", str(groups)] if groups else []
     batch = 2 if args.quick else 8
-    weights = weights_by_dtype(preset)
+    weights = weights_by_dtype(dirs)
     report = {"machine": machine(), "preset": str(preset), "quick": args.quick,
               "weights_gib": {part: {d: round(b / GIB, 2) for d, b in by.items()}
                               for part, by in weights.items()},
@@ -181,14 +258,23 @@ def main() -> None:
         items = Path(tmp) / "items.txt"
         items.write_text("\n".join(TEXTS[:batch]) + "\n", encoding="utf-8")
         argv = {"batch1": ["--text", TEXT], "stream": ["--text", TEXT, "--stream"],
+                "stream_split": ["--text", TEXT, "--stream", "--lm-threads", "1",
+                                 "--tokenizer-threads", "1"],
+                "stream_before": ["--text", TEXT, "--stream", "--lm-threads", "1",
+                                  "--tokenizer-threads", "1", "--config",
+                                  str(before_profile(Path(tmp)))],
                 "instruct": ["--text", TEXT, "--task", "tts_sft_with_instruct",
                              "--instruct", "calm and slow"],
                 "batch": ["--input", str(items), "--batch-size", str(batch)]}
-        for name in args.runs.split(","):
-            key = f"batch{batch}" if name == "batch" else name
-            print(f"bench_e2e: {key} ...", file=sys.stderr, flush=True)
-            run = run_synth(common + argv[name], Path(tmp) / name)
-            report["runs"][key] = summarise(run, weights)
+        names = args.runs.split(",")
+        for round_ in range(args.rounds):  # every other round in the reverse order
+            for name in names if round_ % 2 == 0 else names[::-1]:
+                key = f"batch{batch}" if name == "batch" else name
+                key += f"#{round_ + 1}" if round_ else ""
+                print(f"bench_e2e: {key} ...", file=sys.stderr, flush=True)
+                run = run_synth(common + argv[name], Path(tmp) / name)
+                report["runs"][key] = summarise(run, weights)
+    report["stream_vs_before"] = compare_streams(report["runs"])
     report["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     text = json.dumps(report, indent=2, ensure_ascii=False)
     print(text)

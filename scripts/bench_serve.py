@@ -7,10 +7,22 @@ deleted at the end) the script starts one real server subprocess on 127.0.0.1 an
 client count in turn, runs that many threads, each sending `--requests` streamed `pcm` requests one
 after another over httpx. Per run: p50/p95 of the request latency and of the time to the first
 audio byte, requests and audio seconds per second, status counts and the server's batch stats
-(/health). Every client gets a distinct text; seeds are the server's default.
+(/health). Every client gets a distinct text; seeds are the server's default. The native engine
+runs the continuous batcher (`server/engine.ContinuousStrategy`), recorded per run.
+
+Each model is served in two variants at once (`--variants`), whose runs alternate round by
+round (`--rounds`, paired ratios, median over the rounds): `before`, the Stage-1 of
+issue 24's start (one push decoded at a time, `--stage1-batch 1`, and a first push 5 groups past
+the decoder's look-ahead, the first audio after 15 groups as with the old 5-then-10 pushes), and
+`after` (the defaults: streamed requests' pushes decoded together, the first push one group past
+the look-ahead); `together` (old pushes, decoded together) and `growing` (new pushes, one at a
+time) part the two changes. `vs_before` gives, per variant and client count, variant / before
+for audio seconds per second and before / variant for the time to first audio (p50, p95): above
+1 is better.
 
     .venv/bin/python scripts/bench_serve.py [--models tiny,full4] [--clients 1,4,16]
-        [--requests 3] [--batch-size 8] [--out docs/bench-serve.json]
+        [--requests 3] [--batch-size 8] [--variants before,after] [--rounds 3]
+        [--out docs/bench-serve.json]
 """
 
 from __future__ import annotations
@@ -47,6 +59,16 @@ def full4_checkpoint(root: Path) -> tuple[Path, Path]:
 
     return write_random_checkpoint(root, {**FULL_LM, "num_hidden_layers": 4}, CODEC_DIMS,
                                    lm_dtype=torch.bfloat16)
+
+
+def variant_args(name: str, work: Path) -> list[str]:
+    """The serve flags of a variant: `after` is the defaults; `before` the old pushes decoded
+    one at a time; `together` the old pushes decoded together; `growing` the new pushes
+    decoded one at a time."""
+    profile = work / "before.toml"
+    profile.write_text("stream_chunk_groups = 5\n", encoding="utf-8")
+    return {"after": [], "before": ["--stage1-batch", "1", "--config", str(profile)],
+            "together": ["--config", str(profile)], "growing": ["--stage1-batch", "1"]}[name]
 
 
 def start_server(model_args: list[str], batch_size: int, clients: int, log: Path):
@@ -118,6 +140,9 @@ def load_run(url: str, clients: int, requests: int) -> dict:
             "audio_s_per_s": round(sum(r["audio_s"] for r in ok) / wall, 3),
             "server": {"rows": health["rows"] - before["rows"],  # Stage-0 rows of this run
                        "max_batch_rows_since_start": health["max_batch_rows"],
+                       "stage1_rounds": health.get("stage1_rounds", 0)
+                       - before.get("stage1_rounds", 0),
+                       "max_stage1_jobs_since_start": health.get("max_stage1_jobs"),
                        "rejected": health["requests"]["rejected"]
                        - before["requests"]["rejected"]}}
 
@@ -132,20 +157,61 @@ def _percentiles(values: list[float]) -> dict:
 
 
 def bench_model(name: str, model_args: list[str], args, work: Path) -> dict:
-    """One server (limits sized to the largest client count, so nothing is refused), warmed
-    up by one request, then the runs in order."""
-    proc, url = start_server(model_args, args.batch_size, max(args.clients), work / "serve.log")
-    runs = []
+    """One server per variant, all up at once (limits sized to the largest client count, so
+    nothing is refused), each warmed up by one request. Then, per client count, `--rounds`
+    rounds in which every variant runs once, in an order that alternates between rounds, so
+    that each comparison pairs runs taken back to back under the same load."""
+    servers = {}
     try:
-        with httpx.Client(base_url=url, timeout=3600) as client:
-            one_request(client, "Warm up.")  # first-call costs (kernel build, allocations)
+        for variant in args.variants:
+            served = model_args + variant_args(variant, work)
+            proc, url = start_server(served, args.batch_size, max(args.clients),
+                                     work / f"serve-{variant}.log")
+            servers[variant] = (proc, url, served)
+            with httpx.Client(base_url=url, timeout=3600) as client:
+                one_request(client, "Warm up.")  # first-call costs (kernel build, allocations)
+        runs: dict[str, list] = {v: [] for v in args.variants}
         for clients in args.clients:
-            runs.append(load_run(url, clients, args.requests))
-            print(json.dumps({"model": name, **runs[-1]}), file=sys.stderr)
+            for round_ in range(args.rounds):
+                order = args.variants if round_ % 2 == 0 else args.variants[::-1]
+                for variant in order:
+                    run = load_run(servers[variant][1], clients, args.requests)
+                    runs[variant].append(run | {"round": round_})
+                    print(json.dumps({"model": name, "variant": variant, **run}),
+                          file=sys.stderr)
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-    return {"model": name, "args": model_args, "runs": runs}
+        for proc, _, _ in servers.values():
+            proc.terminate()
+            proc.wait(timeout=60)
+    variants = {v: {"args": servers[v][2], "runs": runs[v]} for v in args.variants}
+    return {"model": name, "strategy": "continuous", "variants": variants,
+            "vs_before": compare(variants)}
+
+
+def compare(variants: dict) -> dict | None:
+    """Per other variant and client count, medians over the rounds of the paired ratios:
+    audio s/s variant / before, first audio before / variant (> 1: better than before)."""
+    if "before" not in variants:
+        return None
+    out = {}
+    for name, variant in variants.items():
+        if name == "before":
+            continue
+        pairs: dict[int, list] = {}
+        for old, new in zip(variants["before"]["runs"], variant["runs"], strict=True):
+            row = {}
+            if old["audio_s_per_s"]:
+                row["audio_s_per_s"] = new["audio_s_per_s"] / old["audio_s_per_s"]
+            for key in ("p50", "p95"):
+                if new["ttfb_s"].get(key) and old["ttfb_s"].get(key):
+                    row[f"ttfa_{key}"] = old["ttfb_s"][key] / new["ttfb_s"][key]
+            pairs.setdefault(old["clients"], []).append(row)
+        out[name] = [{"clients": clients, "rounds": len(rows),
+                      **{key: round(statistics.median(r[key] for r in rows if key in r), 3)
+                         for key in ("audio_s_per_s", "ttfa_p50", "ttfa_p95")
+                         if any(key in r for r in rows)}}
+                     for clients, rows in pairs.items()]
+    return out or None
 
 
 def main() -> None:
@@ -155,10 +221,14 @@ def main() -> None:
                         type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--requests", type=int, default=3, help="requests per client")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per client count")
+    parser.add_argument("--variants", default="before,after", type=lambda s: s.split(","),
+                        help="comma-separated: before, after, together, growing")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     report = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(),
               "batch_size": args.batch_size, "requests_per_client": args.requests,
+              "rounds": args.rounds,
               "format": "pcm (streamed)", "models": []}
     work = Path(tempfile.mkdtemp(prefix="mimo-bench-serve-"))
     try:

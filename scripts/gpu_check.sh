@@ -9,6 +9,8 @@
 #   vllm          scripts/check_vllm_gpu.py --wide: vLLM equality with the native engine, throughput
 #   cli_split     mimo-tts synth with the LM on cuda:0 and the tokenizer on cpu (the seed's split)
 #   full_width    scripts/bench_lm.py --device cuda --layers 36: the full-width model, ms per group
+#   stream        scripts/check_stream_cuda.py: the growing stream schedule against the old pushes,
+#                 and the server's pushed-together Stage-1 against each stream alone (tiny-a)
 # Without CUDA every section says "no CUDA" and the script exits 0 (a dry run; a test runs it).
 #
 #   bash scripts/gpu_check.sh [--out gpu_check.json]      (PYTHON=... picks the interpreter)
@@ -46,13 +48,14 @@ section cli_split 45 "$PY" -m mimo_tts.cli synth --model tiny --text "GPU split 
     --lm-device cuda:0 --tokenizer-device cpu --max-new-groups 8 -o "$WORK/split.wav" --json
 section full_width 45 "$PY" scripts/bench_lm.py --device cuda --layers 36 --batch 1,8 \
     --quiet-wait 0 --kernel off --rounds 1
+section stream 15 "$PY" scripts/check_stream_cuda.py
 
 "$PY" - "$WORK" "$OUT" "$CUDA" "$START" <<'PYEOF'
 import json, sys, time
 from pathlib import Path
 
 work, out, cuda, start = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
-NAMES = ("codec_graphs", "lm_graphs", "vllm", "cli_split", "full_width")
+NAMES = ("codec_graphs", "lm_graphs", "vllm", "cli_split", "full_width", "stream")
 
 
 def text(name: str, suffix: str) -> str:

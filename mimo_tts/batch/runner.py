@@ -374,7 +374,8 @@ def run_inputs(settings: Settings, refs) -> dict:
     if run.stream and o.stream_mode == "official":  # its audio depends on the chunks
         inputs["stream_chunk_groups"] = [
             o.stream_chunk_groups,
-            chunk_cap(o.stream_mode, o.stream_chunk_groups, o.stream_max_chunk_groups)]
+            chunk_cap(o.stream_mode, o.stream_chunk_groups, o.stream_max_chunk_groups),
+            "past the look-ahead"]  # the first push's groups count after it (issue 24)
     if settings.engine.engine != DEFAULT_ENGINE:  # likewise
         inputs["engine"] = settings.engine.engine
     if o.voice:  # the stored voice's codes, by their hash

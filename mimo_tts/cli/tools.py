@@ -192,6 +192,9 @@ def serve(
         help="Longest input text (default 4096).")] = None,
     timeout: Annotated[float | None, typer.Option(rich_help_panel=SERVE, metavar="SECONDS",
         help="Seconds a request may take (default 300).")] = None,
+    stage1_batch: Annotated[int | None, typer.Option(rich_help_panel=SERVE, metavar="N",
+        help="Streamed requests whose audio is decoded together (default 16; 1: one at a "
+             "time).")] = None,
     max_new_groups: Annotated[int | None, typer.Option(rich_help_panel=GEN, metavar="N",
         help="Cap on generated groups per text piece (one group = 160 ms).")] = None,
     model: Model = None, tokenizer: Tokenizer = None, lm_device: LmDevice = None,
@@ -203,7 +206,8 @@ def serve(
     """Serve an OpenAI-compatible speech API: POST /v1/audio/speech (needs the serve extra)."""
     serving = {"host": host, "port": port, "api_key": api_key, "voice": voice,
                "batch_size": batch_size, "max_concurrent": max_concurrent, "max_queue": max_queue,
-               "max_input_chars": max_input_chars, "timeout": timeout}
+               "max_input_chars": max_input_chars, "timeout": timeout,
+               "stage1_batch": stage1_batch}
     options = OptionValues(
         max_new_groups=max_new_groups, model=model, tokenizer=tokenizer, lm_device=lm_device,
         tokenizer_device=tokenizer_device, dtype=dtype, tokenizer_dtype=tokenizer_dtype,

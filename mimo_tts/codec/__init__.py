@@ -15,6 +15,7 @@ _EXPORTS = {
     "StreamingDecoder": "mimo_tts.codec.streaming",
     "TokenizerService": "mimo_tts.codec.service",
     "load_audio_tokenizer": "mimo_tts.codec.load",
+    "push_streams": "mimo_tts.codec.streaming",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -119,6 +119,7 @@ class DecoderCache:
         self.values: list[Tensor] = []
         self.used = 0  # filled slots
         self.position = 0  # absolute latent index of the next frame
+        self._span, self._frame_mask = 0, None  # of the push in progress (set by layer 0)
 
     @property
     def capacity(self) -> int:
@@ -151,27 +152,55 @@ class DecoderCache:
         j = torch.arange(span, device=device)[None, :]
         return (j <= r) & (j >= r - self.window)
 
+    def attend(self, index: int, q: Tensor, k: Tensor, v: Tensor, rope) -> Tensor:
+        """Layer `index`'s attention for this stream's new frames: q, k, v [1, H, n, D] before
+        RoPE -> [1, H, n, D]; the keys and values join the cache (`step_streams` moves on)."""
+        n = q.shape[2]
+        if index == 0:
+            self._make_room(n, k)  # may shift the cache: `used` changes
+            end = self.used + n
+            self._span = min(self.capacity, end + -end % KV_ALIGN)  # keys in whole blocks
+            self._frame_mask = self._mask(n, self._span, q.device)
+        end, span, mask = self.used + n, self._span, self._frame_mask
+        self.keys[index][:, :, self.used:end] = apply_rotary(k, *rope)
+        self.values[index][:, :, self.used:end] = v
+        return sdpa(apply_rotary(q, *rope), self.keys[index][:, :, :span],
+                    self.values[index][:, :, :span], mask, causal=mask is None)
+
     def step(self, x: Tensor) -> Tensor:
         """New latent frames x [1, n, d] (after GroupNorm) -> decoder outputs [1, n, d]."""
-        n = x.shape[1]
-        cos, sin = self.decoder.rotary.at(self.position, n, x.device, x.dtype)
-        for index, layer in enumerate(self.decoder.layers):
-            attn = layer.self_attn
-            q, k, v = attn.project(layer_norm_fp32(layer.self_attn_layer_norm, x))
-            if index == 0:
-                self._make_room(n, k)  # may shift the cache: `used` changes
-                end = self.used + n
-                span = min(self.capacity, end + -end % KV_ALIGN)  # keys in whole blocks
-                mask = self._mask(n, span, x.device)
-            self.keys[index][:, :, self.used:end] = apply_rotary(k, cos, sin)
-            self.values[index][:, :, self.used:end] = v
-            out = sdpa(apply_rotary(q, cos, sin), self.keys[index][:, :, :span],
-                       self.values[index][:, :, :span], mask, causal=mask is None)
-            h = attn.merge(out, residual=x)
-            x = layer.feed_forward(h)
-        self.used += n
-        self.position += n
-        return x
+        return step_streams([self], [x])[0]
+
+
+def step_streams(caches: list[DecoderCache], xs: list[Tensor]) -> list[Tensor]:
+    """Several streams' new latent frames xs[i] [1, n_i, d] (n_i >= 1) through their own
+    caches at once -> decoder outputs [1, n_i, d] each.
+
+    The layer norms, projections and feed-forward layers run once over every stream's rows
+    (one weight pass for all); attention runs per stream over its own cache. A row's products
+    do not depend on the rows beside it on the CPU (tests/codec/test_codec_batched.py), so
+    each stream gets what it gets alone.
+    """
+    decoder = caches[0].decoder
+    sizes = [x.shape[1] for x in xs]
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    ropes = [decoder.rotary.at(c.position, n, x.device, x.dtype)
+             for c, n, x in zip(caches, sizes, xs, strict=True)]
+    # One contiguous [1, N, d] whatever the streams: the first layer's residual is then fused
+    # into out_proj as in every later layer (a strided one is added apart, rounding twice).
+    x = xs[0].contiguous() if len(xs) == 1 else torch.cat(xs, dim=1)  # [1, N, d]
+    for index, layer in enumerate(decoder.layers):
+        attn = layer.self_attn
+        q, k, v = attn.project(layer_norm_fp32(layer.self_attn_layer_norm, x))  # [1, H, N, D]
+        outs = [cache.attend(index, q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], rope)
+                for cache, lo, hi, rope in zip(caches, bounds[:-1], bounds[1:], ropes,
+                                                 strict=True)]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        x = layer.feed_forward(attn.merge(out, residual=x))
+    for cache, n in zip(caches, sizes, strict=True):
+        cache.used += n
+        cache.position += n
+    return [x] if len(xs) == 1 else list(x.split(sizes, dim=1))
 
 
 class OverlapAdd:
@@ -293,22 +322,37 @@ class IncrementalDecoder:
         self._surplus: Tensor | None = None  # [1, n_mels, k - s] dconv2 frames still open
         self.finished = False
 
+    @property
+    def first_audio_frames(self) -> int:
+        """The fewest code frames after which a push (not the last) returns audio: the norm
+        warm-up, or the vocoder's exact look-ahead plus the ISTFT overlap (40.4 frames at full
+        size), whichever is longer. How the frames were cut into pushes does not matter."""
+        istft = self.decoder.vocoder.head.istft
+        held = len(self.decoder.vocoder.layers) * self.vocoder.right * istft.hop + istft.pad
+        return max(self.warmup, held // self.tokenizer.samples_per_frame + 1)
+
     def push(self, codes: Tensor, last: bool = False) -> Tensor | None:
         """codes [K, n] -> new waveform samples [S] float32 on the tokenizer device, or None."""
+        return push_streams([self], [codes], [last])[0]
+
+    def _latent(self, codes: Tensor, last: bool) -> Tensor:
+        """codes [K, n] -> the latent frames [1, L, d] released by dconv1's GroupNorm."""
         if self.finished:
             raise UsageError("this stream has ended (last=True); call reset() to start another")
-        with torch.inference_mode(), torch.device(self.tokenizer.device):
-            hidden = self.tokenizer.dequantize(codes)  # [n, d] float32
-            conv = self.decoder.dconv1.conv
-            y = hidden.to(conv.weight.dtype).t()[None]  # [1, d, n]
-            if y.shape[-1]:  # kernel == stride: frames never overlap
-                y = F.conv_transpose1d(y, conv.weight, conv.bias, stride=conv.stride)
-            else:
-                y = y.new_zeros(1, conv.out_channels, 0)
-            x = self.norm1.push(y, final=last).transpose(1, 2)  # [1, L, d]
-            if x.shape[1]:
-                x = layer_norm_fp32(self.decoder.layer_norm, self.cache.step(x))
-            wave = self.vocoder.push(self._features(x, last), last)
+        hidden = self.tokenizer.dequantize(codes)  # [n, d] float32
+        conv = self.decoder.dconv1.conv
+        y = hidden.to(conv.weight.dtype).t()[None]  # [1, d, n]
+        if y.shape[-1]:  # kernel == stride: frames never overlap
+            y = F.conv_transpose1d(y, conv.weight, conv.bias, stride=conv.stride)
+        else:
+            y = y.new_zeros(1, conv.out_channels, 0)
+        return self.norm1.push(y, final=last).transpose(1, 2)  # [1, L, d]
+
+    def _audio(self, x: Tensor, last: bool) -> Tensor | None:
+        """Decoder outputs x [1, L, d] -> the new samples [S] now final, or None."""
+        if x.shape[1]:
+            x = layer_norm_fp32(self.decoder.layer_norm, x)
+        wave = self.vocoder.push(self._features(x, last), last)
         self.finished = last
         return wave if wave.numel() else None
 
@@ -342,3 +386,20 @@ class IncrementalDecoder:
         tensors += [t for t in self.vocoder.inputs]
         tensors += [t for n in (self.norm1, self.norm2) for t in (n.pending, n.sums)]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def push_streams(decoders: list[IncrementalDecoder], codes: list[Tensor],
+                 lasts: list[bool]) -> list[Tensor | None]:
+    """One push for each of several streams (distinct decoders on one tokenizer): codes[i]
+    [K, n_i] -> its new samples [S_i] or None, as `decoders[i].push(codes[i], lasts[i])`
+    gives them alone. The decoder stack runs once over every stream's new frames
+    (`step_streams`); the convolutions, norms and vocoder run per stream."""
+    tokenizer = decoders[0].tokenizer
+    with torch.inference_mode(), torch.device(tokenizer.device):
+        latents = [d._latent(c, last) for d, c, last in zip(decoders, codes, lasts, strict=True)]
+        busy = [i for i, x in enumerate(latents) if x.shape[1]]
+        if busy:
+            outs = step_streams([decoders[i].cache for i in busy], [latents[i] for i in busy])
+            for i, out in zip(busy, outs, strict=True):
+                latents[i] = out
+        return [d._audio(x, last) for d, x, last in zip(decoders, latents, lasts, strict=True)]

@@ -8,6 +8,8 @@ The output totals 960*T samples but differs slightly from one-shot decode (chunk
 `mode="incremental"` (opt-in) hands the stream to `IncrementalDecoder` instead: every frame is
 decoded once, with a KV cache and exact vocoder look-ahead (see `incremental.py`); its audio is
 closer to one-shot decode than the official scheme's, at about one-shot compute.
+`push_streams` pushes several streams at once (the server's Stage-1): incremental streams share
+one pass over the decoder's weights, and each gets the samples it gets alone.
 Shapes: K codebooks, n new frames, C combined frames, S samples.
 """
 
@@ -18,6 +20,7 @@ from torch import Tensor
 
 from mimo_tts.codec.config import STREAM_MODES
 from mimo_tts.codec.incremental import IncrementalDecoder
+from mimo_tts.codec.incremental import push_streams as push_incremental
 from mimo_tts.errors import UsageError
 
 # Spec §7.2 StreamingConfig defaults, in code frames (10 s and 1.6 s).
@@ -59,6 +62,14 @@ class StreamingDecoder:
             self.incremental.reset()
 
     @property
+    def first_audio_frames(self) -> int:
+        """The fewest code frames after which a push (not the last) returns audio: official,
+        one more than `right_overlap`; incremental, `IncrementalDecoder.first_audio_frames`."""
+        if self.incremental is not None:
+            return self.incremental.first_audio_frames
+        return self.right_overlap + 1
+
+    @property
     def cache_length(self) -> int:
         return 0 if self._cache is None else self._cache.shape[0]
 
@@ -87,3 +98,13 @@ class StreamingDecoder:
             self._cache = hidden[combined - self.left_overlap:]
             self.processed_length = end - (combined - self.left_overlap)
         return wave
+
+
+def push_streams(streams: list[StreamingDecoder], codes: list[Tensor],
+                 lasts: list[bool]) -> list[Tensor | None]:
+    """One push for each of several streams of one tokenizer: what `streams[i].push(codes[i],
+    lasts[i])` returns alone. Incremental streams run the decoder stack once over all their
+    new frames (`incremental.push_streams`); official ones re-decode their windows in turn."""
+    if all(s.incremental is not None for s in streams):
+        return push_incremental([s.incremental for s in streams], codes, lasts)
+    return [s.push(c, last) for s, c, last in zip(streams, codes, lasts, strict=True)]

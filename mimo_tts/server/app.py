@@ -82,7 +82,7 @@ class SpeechServer:
         self.metrics = ServerMetrics(self.requests)
         strategy = ContinuousStrategy if tts.engine.continuous else StaticBatcher
         self.worker = SpeechWorker(tts, self.requests, strategy(tts, cfg.batch_size, self.log),
-                                   base, self.log, self.metrics)
+                                   base, self.log, cfg.stage1_batch, self.metrics)
         self.counts = {"ok": 0, "failed": 0, "cancelled": 0, "rejected": 0}
         self.serial = 0
         self.live: set[Speech] = set()

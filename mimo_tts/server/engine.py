@@ -6,11 +6,14 @@ job. The strategy is the one swappable piece, chosen on `tts.engine.continuous`:
 `ContinuousStrategy` keeps one continuous batch full (`MiMoTTS.run_batch`, the driver the batch
 runner uses too); `StaticBatcher` runs the jobs queued now with the same generation options, up
 to `batch_size` rows, one `MiMoTTS.stream_steps` call at a time. A streamed job's audio frames go
-to the Stage-1 thread as they gather (one streaming decoder per job; the oldest request's pieces,
-in order, are decoded first); the other jobs are decoded one-shot when their row ends, like
-`synth`. Each job reports through its `deliver` callback: ("audio", samples [S]) while streaming,
-then ("done", info) or ("error", MimoTTSError). A cancelled job is dropped; a failure fails only
-its own batch.
+to the Stage-1 thread as they gather (one streaming decoder per job, pushes growing from the
+decoder's look-ahead plus one group, `push_schedule`). Stage-1 decodes in rounds: the oldest
+request's next push and the next push of every other streamed job queued by then, up to
+`stage1_batch` jobs, go through the decoder together (`codec.push_streams`: one pass over its
+weights; each job's audio is what it gets alone). The other jobs are decoded one-shot when their
+row ends, like `synth`. Each job reports through its `deliver` callback: ("audio", samples [S])
+while streaming, then ("done", info) or ("error", MimoTTSError). A cancelled job is dropped; a
+failure fails only its own batch (of Stage-0 rows, or of Stage-1 pushes).
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ from dataclasses import dataclass, field
 from mimo_tts.errors import MimoTTSError
 from mimo_tts.runtime.guards import oom_advice, thread_budget
 from mimo_tts.server.metrics import Meter
-from mimo_tts.synthesis.streaming import FrameCollector, chunk_cap, chunk_schedule
+from mimo_tts.synthesis.streaming import FrameCollector, push_schedule
+
+# Streamed jobs whose pushes Stage-1 decodes in one call (`ServeConfig.stage1_batch`).
+STAGE1_BATCH = 16
 
 
 @dataclass(eq=False)
@@ -280,15 +286,16 @@ class SpeechWorker:
     """The Stage-0 thread (through a batching strategy) and the Stage-1 thread of the server."""
 
     def __init__(self, tts, requests: RequestQueue, batcher, options, log=None,
-                 meter: Meter | None = None):
+                 stage1_batch: int = STAGE1_BATCH, meter: Meter | None = None):
         self.tts, self.requests, self.batcher = tts, requests, batcher
         self.log = log or (lambda message: None)
+        self.stage1_batch = stage1_batch  # streamed jobs decoded together (1: one at a time)
         self.meter = meter or Meter()  # what the server's metrics hear of the work
-        first = options.stream_chunk_groups
-        self.schedule = (first, chunk_cap(options.stream_mode, first,
-                                          options.stream_max_chunk_groups))
+        self.schedule = (options.stream_mode, options.stream_chunk_groups,
+                         options.stream_max_chunk_groups)
         self.stream_mode = options.stream_mode
-        self.stats = {"rows": 0, "max_batch_rows": 0, "last_batch_rows": 0}
+        self.stats = {"rows": 0, "max_batch_rows": 0, "last_batch_rows": 0,
+                      "stage1_rounds": 0, "max_stage1_jobs": 0}
         self.decodes: queue.PriorityQueue = queue.PriorityQueue()  # (order, seq, task)
         self.seq = itertools.count()
         self.threads = [threading.Thread(target=self._stage0, name="mimo-tts-stage0", daemon=True),
@@ -298,7 +305,7 @@ class SpeechWorker:
 
     def submit(self, jobs: list[SpeechJob]) -> None:
         for job in jobs:
-            job.frames = FrameCollector(self.tts, chunk_schedule(*self.schedule))
+            job.frames = FrameCollector(self.tts, push_schedule(self.tts, *self.schedule))
         self.requests.put(jobs)
 
     def cancel(self, jobs: list[SpeechJob]) -> None:
@@ -361,35 +368,86 @@ class SpeechWorker:
 
     def _stage1(self) -> None:
         with thread_budget(self.tts.tokenizer_threads):
-            while (task := self.decodes.get()[2]) is not None:
-                job, codes, last = task
-                if job.cancelled.is_set():
-                    job.decoder = None
-                    continue
-                try:
-                    with self.meter.stage("stage1"):  # its time; a failure is an engine error
-                        self._decode(job, codes, last)
-                except MimoTTSError as exc:
-                    self._fail(job, exc)
-                except Exception as exc:  # a bug decoding one job: that job fails
-                    self.log(traceback.format_exc())
-                    self._fail(job, MimoTTSError(f"unexpected {type(exc).__name__}: {exc}"))
+            while (tasks := self._take_decodes()) is not None:
+                self._decode_round([t for t in tasks if not self._dropped(t[0])])
 
-    def _decode(self, job: SpeechJob, codes, last: bool) -> None:
-        """A streamed job's push (its audio delivered at once); at the end, the job's audio
-        checked like `synth`'s, decoded one-shot unless it was streamed."""
-        from mimo_tts.codec import StreamingDecoder
+    def _take_decodes(self) -> list | None:
+        """The next round of Stage-1 work (None once closed): the first queued task, then the
+        first queued task of every other job, up to `stage1_batch` jobs. A job's later pushes
+        wait for a later round: its decoder takes them one by one, in order."""
+        first = self.decodes.get()
+        if first[2] is None:
+            return None
+        tasks, jobs, later = [first[2]], {first[2][0]}, []
+        while len(tasks) < self.stage1_batch:
+            try:
+                entry = self.decodes.get_nowait()
+            except queue.Empty:
+                break
+            if entry[2] is not None and entry[2][0] not in jobs:
+                jobs.add(entry[2][0])
+                tasks.append(entry[2])
+                continue
+            later.append(entry)
+            if entry[2] is None:
+                break
+        for entry in later:  # back with their places in the order
+            self.decodes.put(entry)
+        return tasks
 
-        if job.stream:
+    def _dropped(self, job: SpeechJob) -> bool:
+        if job.cancelled.is_set():
+            job.decoder = None
+            return True
+        return False
+
+    def _decode_round(self, tasks: list) -> None:
+        """Streamed jobs' pushes decoded together (their audio delivered at once); then each
+        job that ended is finished. A failure fails the jobs it touched."""
+        pushes = [t for t in tasks if t[0].stream]
+        failed = self._guarded(lambda: self._push(pushes), [t[0] for t in pushes]) \
+            if pushes else set()
+        for job, _, last in tasks:
+            if last and job not in failed:
+                self._guarded(lambda job=job: self._finish(job), [job])
+
+    def _guarded(self, work, jobs: list[SpeechJob]) -> set:
+        """Run `work` (Stage-1 time to the metrics, a failure their engine error); if it
+        fails, fail `jobs` (returned; empty when it succeeds)."""
+        try:
+            with self.meter.stage("stage1"):
+                work()
+            return set()
+        except MimoTTSError as exc:
+            error = exc
+        except Exception as exc:  # a bug decoding: those jobs fail, the server goes on
+            self.log(traceback.format_exc())
+            error = MimoTTSError(f"unexpected {type(exc).__name__}: {exc}")
+        for job in jobs:
+            self._fail(job, error)
+        return set(jobs)
+
+    def _push(self, pushes: list) -> None:
+        """One push per streamed job [K, f_i], through the decoder in one call."""
+        from mimo_tts.codec import StreamingDecoder, push_streams
+
+        for job, _, _ in pushes:
             if job.decoder is None:
                 job.decoder = StreamingDecoder(self.tts.codec, mode=self.stream_mode)
-            with oom_advice("Stage-1 streaming decode", str(self.tts.codec.device)):
-                wave = job.decoder.push(codes, last=last)
+        self.stats["stage1_rounds"] += 1
+        self.stats["max_stage1_jobs"] = max(self.stats["max_stage1_jobs"], len(pushes))
+        with oom_advice("Stage-1 streaming decode", str(self.tts.codec.device)):
+            waves = push_streams([job.decoder for job, _, _ in pushes],
+                                 [codes for _, codes, _ in pushes],
+                                 [last for _, _, last in pushes])
+        for (job, _, _), wave in zip(pushes, waves, strict=True):
             if wave is not None and wave.numel():
                 job.chunks.append(wave.detach().float().cpu())  # [S_i]
                 job.deliver(("audio", job.chunks[-1]))
-        if not last:
-            return
+
+    def _finish(self, job: SpeechJob) -> None:
+        """A job whose row ended: its audio checked like `synth`'s, decoded one-shot unless it
+        was streamed."""
         import torch
 
         job.decoder = None

@@ -43,7 +43,7 @@ MAX_BODY_BYTES = 1 << 20
 CLIENT_GONE = 499  # the status nginx logs for a client that closed its request
 API_KEY_ENV = "MIMO_TTS_API_KEY"
 SERVE_KEYS = ("host", "port", "api_key", "batch_size", "max_queue", "max_concurrent",
-              "max_input_chars", "timeout")  # the serve command's own flags
+              "max_input_chars", "timeout", "stage1_batch")  # the serve command's own flags
 SHOWN_NAMES = 5  # unknown field names quoted in a refusal
 
 
@@ -60,9 +60,11 @@ class ServeConfig:
     max_concurrent: int = 16
     max_input_chars: int = 4096
     timeout: float = 300.0
+    stage1_batch: int = 16  # streamed requests decoded together (engine.STAGE1_BATCH)
 
     def __post_init__(self):
-        for name in ("batch_size", "max_queue", "max_concurrent", "max_input_chars"):
+        for name in ("batch_size", "max_queue", "max_concurrent", "max_input_chars",
+                     "stage1_batch"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
         if not 0 <= self.port <= 65535:

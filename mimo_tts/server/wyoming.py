@@ -63,7 +63,7 @@ class WyomingSpeech:
         self.requests = RequestQueue(cfg.max_queue, cfg.max_concurrent)
         strategy = ContinuousStrategy if tts.engine.continuous else StaticBatcher
         self.worker = SpeechWorker(tts, self.requests, strategy(tts, cfg.batch_size, self.log),
-                                   base, self.log)
+                                   base, self.log, cfg.stage1_batch)
         self.serial = 0
         self.counts = {"ok": 0, "failed": 0, "cancelled": 0, "rejected": 0}
 

@@ -47,14 +47,26 @@ def check_fits(settings: Settings, refs, lengths: Lengths | None = None,
     return plan
 
 
+# Up to this many cores, streaming on the CPU runs the stages in turns (see thread_budgets).
+TURN_CORES = 8
+
+
 def thread_budgets(settings: Settings) -> dict:
-    """Per-stage CPU threads: the options', else half each when streaming on one CPU."""
+    """Per-stage CPU threads: the options'; else, when streaming with both stages on the CPU,
+    Stage-0 keeps the threads it needs. On up to TURN_CORES cores the stages take turns, each
+    with every thread (`interleave`: Stage-1 decodes its pushes between Stage-0 steps). A
+    batch-1 Stage-0 step then runs as fast as without Stage-1, and the decodes, about a tenth
+    of Stage-0's compute at full size, add their own time (docs/performance.md). On more
+    cores Stage-1 decodes beside Stage-0 with an eighth of them."""
     e, p = settings.engine, settings.placement
     both_cpu = p.lm_device.value == p.tokenizer_device.value == "cpu"
     if e.lm_threads is None and e.tokenizer_threads is None and settings.run.stream and both_cpu:
         import torch
 
         n = torch.get_num_threads()
-        if n >= 2:
-            return {"lm": n - n // 2, "tokenizer": n // 2, "source": "auto (--stream, cpu)"}
+        if n <= TURN_CORES:
+            return {"lm": n, "tokenizer": n, "interleave": True,
+                    "source": "auto (--stream, cpu: the stages take turns)"}
+        return {"lm": n - n // TURN_CORES, "tokenizer": n // TURN_CORES,
+                "source": "auto (--stream, cpu)"}
     return {"lm": e.lm_threads, "tokenizer": e.tokenizer_threads, "source": "options"}

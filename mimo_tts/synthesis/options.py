@@ -128,9 +128,10 @@ class SynthesisOptions:
     audio_top_p: float | None = None
     max_new_groups: int | None = None
     max_chars: int = 300  # split longer text on sentence ends; 0 never splits
-    # Stage-1 pushes when streaming: the first after this many groups (0.8 s of audio), then
-    # doubling up to stream_max_chunk_groups (None: the mode's default, see overlap.chunk_cap).
-    stream_chunk_groups: int = 5
+    # Stage-1 pushes when streaming: the first once the decoder's look-ahead (10 groups) and
+    # this many more have arrived, so it gives this many groups of audio at once; then
+    # doubling up to stream_max_chunk_groups (None: the mode's default, see streaming.chunk_cap).
+    stream_chunk_groups: int = 1
     stream_max_chunk_groups: int | None = None
     # Streaming decoder: "incremental" decodes every frame once with bounded state, closest to
     # the one-shot decode (codec/incremental.py); "official" re-decodes overlapping windows
@@ -227,7 +228,8 @@ class EngineOptions:
 
     engine: str = DEFAULT_ENGINE  # a name of `lm.engine.ENGINES`
     # CPU threads per stage (torch intra-op threads, set per thread): None leaves torch's
-    # default, except that streaming with both stages on the CPU splits the cores between them.
+    # default, except when streaming with both stages on the CPU (`loader.thread_budgets`): on
+    # up to 8 cores the stages take turns with every thread, on more Stage-1 gets an eighth.
     lm_threads: int | None = None
     tokenizer_threads: int | None = None
     # Skip the memory preflight (mimo_tts.memory) that refuses, with exit 4, a run whose

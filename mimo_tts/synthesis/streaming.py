@@ -23,17 +23,25 @@ from mimo_tts.synthesis.pieces import Piece
 
 
 class DecodeWorker:
-    """Runs a streaming decoder on the tokenizer device in a thread; chunks go to the sink."""
+    """Runs a streaming decoder on the tokenizer device in a thread; chunks go to the sink.
 
-    def __init__(self, codec, sink, threads: int | None = None, mode: str = "incremental"):
+    `inline`: no thread; each push is decoded at once in the caller's (Stage-0's) thread, so the
+    stages take turns with every CPU thread instead of splitting the cores (`thread_budgets`).
+    """
+
+    def __init__(self, codec, sink, threads: int | None = None, mode: str = "incremental",
+                 inline: bool = False):
         self.codec, self.sink, self.threads, self.mode = codec, sink, threads, mode
         self.queue: queue.Queue = queue.Queue()
         self.chunks: list = []
         self.error: BaseException | None = None
         self.busy_s = 0.0  # decode compute, excluding waits for codes and the sink
         self.first_chunk_at: float | None = None  # perf_counter() of the first decoded audio
-        self.thread = threading.Thread(target=self._run, name="mimo-tts-stage1", daemon=True)
-        self.thread.start()
+        self.decoder = None
+        self.thread = None
+        if not inline:
+            self.thread = threading.Thread(target=self._run, name="mimo-tts-stage1", daemon=True)
+            self.thread.start()
 
     def _run(self) -> None:
         try:
@@ -43,9 +51,6 @@ class DecodeWorker:
             self.error = exc
 
     def _loop(self) -> None:
-        from mimo_tts.codec import StreamingDecoder
-
-        decoder = StreamingDecoder(self.codec, mode=self.mode)
         while True:
             codes, last = self.queue.get()
             if codes is None:
@@ -54,19 +59,27 @@ class DecodeWorker:
                 codes, last = self._merge_queued(codes, last)
                 if codes is None:
                     return
-            start = time.perf_counter()
-            with oom_advice("Stage-1 streaming decode", str(self.codec.device)):
-                wave = decoder.push(codes, last=last)
-                if wave is not None and wave.numel():
-                    wave = wave.detach().float().cpu()  # [S]
-            self.busy_s += time.perf_counter() - start
-            if wave is not None and wave.numel():
-                self.first_chunk_at = self.first_chunk_at or time.perf_counter()
-                self.chunks.append(wave)
-                if self.sink is not None:
-                    self.sink(wave)
+            self._decode(codes, last)
             if last:
                 return
+
+    def _decode(self, codes, last: bool) -> None:
+        """One push [K, f] through the stream's decoder; new audio goes to the sink."""
+        from mimo_tts.codec import StreamingDecoder
+
+        if self.decoder is None:
+            self.decoder = StreamingDecoder(self.codec, mode=self.mode)
+        start = time.perf_counter()
+        with oom_advice("Stage-1 streaming decode", str(self.codec.device)):
+            wave = self.decoder.push(codes, last=last)
+            if wave is not None and wave.numel():
+                wave = wave.detach().float().cpu()  # [S]
+        self.busy_s += time.perf_counter() - start
+        if wave is not None and wave.numel():
+            self.first_chunk_at = self.first_chunk_at or time.perf_counter()
+            self.chunks.append(wave)
+            if self.sink is not None:
+                self.sink(wave)
 
     def _merge_queued(self, codes, last: bool):
         """The frames queued while the last decode ran, joined to `codes` (None on abort).
@@ -92,17 +105,23 @@ class DecodeWorker:
         """Queue new frames [K, f]; a failure of the worker surfaces here, without waiting."""
         if self.error is not None:
             raise self.error
+        if self.thread is None:
+            with thread_budget(self.threads):
+                self._decode(codes, last)
+            return
         self.queue.put((codes, last))
 
     def abort(self) -> None:
-        self.queue.put((None, True))
-        self.thread.join(timeout=30)
+        if self.thread is not None:
+            self.queue.put((None, True))
+            self.thread.join(timeout=30)
 
     def join(self):
         """Wait for the last chunk; the whole streamed waveform [S] (CPU)."""
         import torch
 
-        self.thread.join()
+        if self.thread is not None:
+            self.thread.join()
         if self.error is not None:
             raise self.error
         return torch.cat(self.chunks) if self.chunks else torch.zeros(0)
@@ -195,14 +214,32 @@ def chunk_cap(mode: str, first: int, most: int | None) -> int:
     return max(first, DEFAULT_MAX_CHUNK[mode] if most is None else most)
 
 
-def chunk_schedule(first: int, most: int | None = None) -> Iterator[int]:
-    """Groups per Stage-1 push: `first` (the first audio comes early), then doubling up to
-    `most` (default: `first`, fixed chunks)."""
+def chunk_schedule(first: int, most: int | None = None, lead: int = 0) -> Iterator[int]:
+    """Groups per Stage-1 push: `lead + first` (the decoder's look-ahead and the first
+    audio), then doubling from `first` up to `most` (default: `first`, fixed chunks)."""
     most = first if most is None else max(most, first)
     size = first
+    yield lead + first
     while True:
-        yield size
         size = min(2 * size, most)
+        yield size
+
+
+def lead_groups(codec, mode: str, group_size: int) -> int:
+    """Whole groups a stream holds back before its first audio (`first_audio_frames`, less
+    the group that releases it): 10 at full size and on the tiny presets."""
+    from mimo_tts.codec import StreamingDecoder
+
+    frames = StreamingDecoder(codec, mode=mode).first_audio_frames
+    return -(-frames // group_size) - 1
+
+
+def push_schedule(tts, mode: str, first: int, most: int | None = None) -> Iterator[int]:
+    """The pushes of one stream of `tts`: its first push is the decoder's look-ahead plus
+    `first` groups, so the first audio leaves as soon as the decoder can give any
+    (`chunk_schedule` with `lead_groups`); the pushes then grow up to the mode's cap."""
+    return chunk_schedule(first, chunk_cap(mode, first, most),
+                          lead_groups(tts.codec, mode, tts.group_size))
 
 
 def stream_piece(tts, prompt, options, seed: int, sink, chunk_groups: int, log,
@@ -213,16 +250,22 @@ def stream_piece(tts, prompt, options, seed: int, sink, chunk_groups: int, log,
     (spec §4.8) ends up different, e.g. a `<|sostm|>` generated after audio, the file output
     is re-decoded from the extracted codes and a note is logged. `mode` picks the streaming
     decoder (`official` or `incremental`, see `StreamingDecoder`); pushes follow
-    `chunk_schedule` from `chunk_groups` up to `max_chunk_groups` (None: the mode's default).
-    `Piece.timings` holds `stage0_s` (generation), `stage1_s` (decode compute in the worker),
-    `stage1_wait_s` (waiting for the worker after generation), `first_audio_s` and `wall_s`.
+    `push_schedule` from `chunk_groups` up to `max_chunk_groups` (None: the mode's default).
+    Stage-1 decodes in a worker thread, or between Stage-0 steps where the loader's thread
+    budgets say the stages take turns (`interleave`). `Piece.timings` holds `stage0_s`
+    (generation, less the decodes run between its steps), `prefill_s`, `stage1_s` (decode
+    compute), `stage1_wait_s` (waiting for Stage-1 after generation), `first_audio_s`,
+    `lead_groups` (groups held back before the first audio) and `wall_s`.
     """
     start = time.perf_counter()
-    worker = DecodeWorker(tts.codec, sink, tts.tokenizer_threads, mode)
+    inline = bool(getattr(tts, "threads", {}).get("interleave"))
+    worker = DecodeWorker(tts.codec, sink, tts.tokenizer_threads, mode, inline=inline)
+    lead = lead_groups(tts.codec, mode, tts.group_size)
     frames = FrameCollector(tts, chunk_schedule(chunk_groups,
-                                                chunk_cap(mode, chunk_groups, max_chunk_groups)))
+                                                chunk_cap(mode, chunk_groups, max_chunk_groups),
+                                                lead))
     try:
-        _generate_streaming(tts, prompt, options, worker, frames)
+        prefill_s = _generate_streaming(tts, prompt, options, worker, frames)
         generated = time.perf_counter()
         audio = worker.join()
     except BaseException:
@@ -233,21 +276,30 @@ def stream_piece(tts, prompt, options, seed: int, sink, chunk_groups: int, log,
         piece = replace(piece, audio=tts.stage1.decode([piece.codes])[0])
     end = time.perf_counter()
     first = worker.first_chunk_at
-    timings = {"stage0_s": generated - start, "stage1_s": worker.busy_s,
+    between = worker.busy_s if inline else 0.0  # inline decodes ran inside the generation
+    timings = {"stage0_s": generated - start - between, "stage1_s": worker.busy_s,
                "stage1_wait_s": end - generated,
-               "first_audio_s": (first - start) if first else end - start, "wall_s": end - start}
+               "first_audio_s": (first - start) if first else end - start, "wall_s": end - start,
+               "lead_groups": float(lead)}
+    if prefill_s is not None:
+        timings["prefill_s"] = prefill_s
     return replace(piece, timings=timings)
 
 
 def _generate_streaming(tts, prompt, options, worker: DecodeWorker,
-                        frames: FrameCollector) -> None:
-    """Stage-0 for one prompt in this thread, pushing its audio frames to the worker."""
+                        frames: FrameCollector) -> float | None:
+    """Stage-0 for one prompt in this thread, pushing its audio frames to the worker; the
+    prefill's seconds (None if the engine does not say)."""
+    prefill_s = None
     with tts.stage0_guard():
         for step in tts.stream_steps([prompt.input_ids], options):
+            if step.prefill_s is not None:
+                prefill_s = step.prefill_s
             codes = frames.add(step)
             if codes is not None:
                 worker.push(codes)
     worker.push(frames.close(), last=True)
+    return prefill_s
 
 
 def stream_chunks(tts, prompts: list, o) -> Iterator:

@@ -151,3 +151,58 @@ def test_usage_errors(codec, decode_cases):
         stream.push(decode_cases["decode_T4.codes"])
     stream.reset()
     assert stream.push(decode_cases["decode_T4.codes"], last=True).numel() == 4 * 960
+
+
+def _pushes(sizes, total):
+    """Cut range(total) into pushes of `sizes` (the last size repeats)."""
+    out, start = [], 0
+    for size in sizes:
+        if start >= total:
+            break
+        out.append((start, min(total, start + size)))
+        start = out[-1][1]
+    while start < total:
+        out.append((start, min(total, start + sizes[-1])))
+        start = out[-1][1]
+    return out
+
+
+@pytest.mark.parametrize("frames", [47, 180])
+def test_growing_pushes_give_the_audio_of_fixed_pushes(codec, frames):
+    """The growing schedule's pushes (look-ahead + 1 group, then 2, 4, 8 groups up to 10) give
+    the audio of the old fixed pushes (5 groups, then 10) and of every other cut: the same
+    samples to rounding (different pushes sum in a different order, ~1e-7 here, see
+    docs/performance.md), and the same lengths at every push boundary they share."""
+    codes = torch.randint(0, 128, (8, frames), generator=torch.Generator().manual_seed(7))
+    group = 4
+    schedules = {"growing": [11 * group, 2 * group, 4 * group, 8 * group, 10 * group],
+                 "before": [5 * group, 10 * group], "fixed 5": [5 * group], "frames": [1],
+                 "whole": [frames]}
+    waves = {}
+    for name, sizes in schedules.items():
+        decoder = StreamingDecoder(codec, mode="incremental")
+        pieces = [decoder.push(codes[:, a:b], last=b == frames) for a, b in _pushes(sizes, frames)]
+        waves[name] = torch.cat([p for p in pieces if p is not None])
+    for name, wave in waves.items():
+        assert wave.shape == (960 * frames,), name
+        torch.testing.assert_close(wave, waves["before"], atol=SAME_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("vocoder_layers", [2, 16])
+def test_first_audio_frames_is_when_the_first_audio_comes(tmp_path, vocoder_layers):
+    """`first_audio_frames` is the push on which the first audio leaves, frame by frame, in
+    both modes: the norm warm-up (40) on the tiny presets' 2-layer vocoder, the vocoder's look-
+    ahead plus the ISTFT overlap (41) with the published 16 layers."""
+    from mimo_tts.codec import load_audio_tokenizer
+    from mimo_tts.presets.codec import TINY_CODEC
+    from mimo_tts.presets.write import write_random_checkpoint
+
+    _, tok = write_random_checkpoint(tmp_path, codec_dims={**TINY_CODEC,
+                                                           "vocoder_num_layers": vocoder_layers})
+    codec = load_audio_tokenizer(tok, device="cpu", dtype=torch.float32)
+    codes = torch.randint(0, 128, (8, 48), generator=torch.Generator().manual_seed(8))
+    expected = {"incremental": 40 if vocoder_layers == 2 else 41, "official": 41}
+    for mode, frames in expected.items():
+        decoder = StreamingDecoder(codec, mode=mode)
+        first = next(i + 1 for i in range(48) if decoder.push(codes[:, i:i + 1]) is not None)
+        assert first == frames == StreamingDecoder(codec, mode=mode).first_audio_frames, mode

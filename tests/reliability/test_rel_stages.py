@@ -141,21 +141,28 @@ def test_stream_in_memory_reports_stage_timings(tiny_synth_options):
     assert t["stage0_s"] + t["stage1_wait_s"] <= t["generate_s"] + 1e-3
 
 
-def test_stream_on_one_cpu_splits_the_threads_by_default(tiny_synth_options):
+def test_stream_on_one_cpu_keeps_stage0_threads_by_default(tiny_synth_options):
+    """Up to 8 cores the stages take turns with every thread; on more, Stage-1 decodes
+    beside Stage-0 with an eighth of them; explicit budgets and plain runs keep the options'."""
     from mimo_tts.synthesis.loader import thread_budgets
 
     before = torch.get_num_threads()
-    torch.set_num_threads(4)
+    budgets = {}
     try:
-        split = _runner(**tiny_synth_options, stream=True)
-        plain = _runner(**tiny_synth_options)
-        explicit = _runner(**tiny_synth_options, stream=True, lm_threads=3)
-        budgets = [thread_budgets(s.settings) for s in (split, plain, explicit)]
+        for n in (4, 16):
+            torch.set_num_threads(n)
+            split = _runner(**tiny_synth_options, stream=True)
+            plain = _runner(**tiny_synth_options)
+            explicit = _runner(**tiny_synth_options, stream=True, lm_threads=3)
+            budgets[n] = [thread_budgets(s.settings) for s in (split, plain, explicit)]
     finally:
         torch.set_num_threads(before)
-    assert budgets[0] == {"lm": 2, "tokenizer": 2, "source": "auto (--stream, cpu)"}
-    assert budgets[1] == {"lm": None, "tokenizer": None, "source": "options"}
-    assert budgets[2] == {"lm": 3, "tokenizer": None, "source": "options"}
+    assert budgets[4][0] == {"lm": 4, "tokenizer": 4, "interleave": True,
+                             "source": "auto (--stream, cpu: the stages take turns)"}
+    assert budgets[16][0] == {"lm": 14, "tokenizer": 2, "source": "auto (--stream, cpu)"}
+    for n in (4, 16):
+        assert budgets[n][1] == {"lm": None, "tokenizer": None, "source": "options"}
+        assert budgets[n][2] == {"lm": 3, "tokenizer": None, "source": "options"}
 
 
 def test_incremental_stream_mode_through_the_runner(tiny_synth_options):
@@ -188,10 +195,13 @@ def test_chunk_schedule_grows_from_the_first_chunk_to_the_cap():
     assert list(islice(chunk_schedule(5, 30), 6)) == [5, 10, 20, 30, 30, 30]
     assert list(islice(chunk_schedule(3), 3)) == [3, 3, 3]  # no cap: fixed chunks
     assert list(islice(chunk_schedule(4, 2), 2)) == [4, 4]  # a cap below the first: fixed
+    # the default: the decoder's look-ahead and one group, then 2, 4, 8 up to the cap
+    assert list(islice(chunk_schedule(1, 10, lead=10), 6)) == [11, 2, 4, 8, 10, 10]
 
 
 def test_stream_pushes_follow_the_chunk_schedule(tiny_synth_options, monkeypatch):
-    """Stage-1 gets the first audio after `stream_chunk_groups`, then ever larger chunks."""
+    """Stage-1 gets the first audio after the decoder's look-ahead and `stream_chunk_groups`,
+    then ever larger chunks."""
     from mimo_tts.batch.items import Item
     from mimo_tts.batch.sinks import MemorySink
     from mimo_tts.synthesis import streaming as overlap
@@ -206,13 +216,14 @@ def test_stream_pushes_follow_the_chunk_schedule(tiny_synth_options, monkeypatch
 
     monkeypatch.setattr(overlap.DecodeWorker, "push", record)
     runner = _runner(**tiny_synth_options, stream=True, lm_threads=1, tokenizer_threads=1,
-                     max_new_groups=16, stream_chunk_groups=2, stream_max_chunk_groups=6)
+                     max_new_groups=28, stream_chunk_groups=1, stream_max_chunk_groups=4)
     (result,) = runner.run([Item(id="a", text="Chunks.", source="t")], MemorySink())
     assert result.status == "ok", result.error
     frames = result.audio.shape[0] // 960
     assert sum(n for n, _ in pushed) == frames and frames > 8 * 4
-    assert [n for n, _ in pushed[:3]] == [8, 16, 24]  # groups 2, 4, 6, each 4 frames
-    assert all(n == 24 for n, _ in pushed[3:-1]) and pushed[-1][0] <= 24
+    # the tiny preset holds back 9 groups (its norm warm-up of 40 frames): 9 + 1, then 2, 4
+    assert [n for n, _ in pushed[:3]] == [40, 8, 16]  # each group 4 frames
+    assert all(n == 16 for n, _ in pushed[3:-1]) and pushed[-1][0] <= 16
     assert [last for _, last in pushed] == [False] * (len(pushed) - 1) + [True]
     with pytest.raises(UsageError, match="stream_max_chunk_groups"):
         SynthesisOptions(stream_chunk_groups=8, stream_max_chunk_groups=4)

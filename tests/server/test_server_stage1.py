@@ -1,0 +1,49 @@
+"""The server's Stage-1 in rounds (`SpeechWorker`, `codec.push_streams`): streamed requests of
+different lengths, decoded together, each get the bytes they get alone.
+
+Stage-1 runs on one thread here (`--tokenizer-threads 1`), where a pushed-together decode is
+exactly a solo one (tests/codec/test_codec_batched.py says why more threads round ~1e-8 apart).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+# (text, instructions): the tiny preset's circuit speaks longer in the instruct layout
+REQUESTS = (("Short one.", None), ("A longer request, spoken calmly.", "calm and slow"),
+            ("Medium length text here.", None), ("The last request of them all.", "cheerful"))
+
+
+@pytest.fixture(scope="module")
+def client(start_server):
+    url = start_server("--batch-size", 4, "--max-concurrent", 8, "--max-queue", 8,
+                       "--tokenizer-threads", 1, "--stage1-batch", 4)
+    with httpx.Client(base_url=url, timeout=300) as c:
+        yield c
+
+
+def _pcm(client, request) -> bytes:
+    text, instructions = request
+    body = {"model": "tiny", "input": text, "response_format": "pcm"}
+    body |= {"instructions": instructions} if instructions else {}
+    with client.stream("POST", "/v1/audio/speech", json=body) as response:
+        assert response.status_code == 200
+        return b"".join(response.iter_raw())
+
+
+def test_streamed_requests_decoded_together_equal_their_solo_runs(client):
+    solo = [_pcm(client, request) for request in REQUESTS]
+    rounds = client.get("/health").json()
+    assert rounds["max_stage1_jobs"] == 1  # one request at a time: every round held one push
+    with concurrent.futures.ThreadPoolExecutor(len(REQUESTS)) as pool:
+        together = list(pool.map(lambda request: _pcm(client, request), REQUESTS))
+    state = client.get("/health").json()
+    assert state["max_stage1_jobs"] > 1 and state["max_batch_rows"] > 1
+    assert len({len(b) for b in solo}) > 1  # different lengths
+    assert together == solo
