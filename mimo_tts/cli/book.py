@@ -240,7 +240,8 @@ def book_line(bplan, done) -> str:
     count = len(bplan.book.chapters)
     if done.complete:
         seconds = done.record["seconds"]
-        return (f"book: {count} chapters, {_clock(seconds)} of audio in {bplan.folder}"
+        chapters = "1 chapter" if count == 1 else f"{count} chapters"
+        return (f"book: {chapters}, {_clock(seconds)} of audio in {bplan.folder}"
                 + ("" if bplan.request.m4b else " (no m4b)"))
     waiting = ", ".join(map(str, done.waiting))
     outputs = "book.m4b and the captions" if bplan.request.m4b else "the captions"
