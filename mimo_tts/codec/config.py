@@ -11,6 +11,12 @@ from dataclasses import dataclass, fields
 
 from mimo_tts.errors import CheckpointError
 
+# Spec §7.1: official synthesis decodes independent 60 s chunks with no overlap.
+DECODE_CHUNK_FRAMES = 1500
+# decode_batch pads sequences together up to this many frames per forward pass (the memory
+# preflight bounds Stage-1's workspace by it).
+BATCH_FRAMES = 4096
+
 MODEL_TYPE = "mimo_audio_tokenizer"
 # The streaming decoders (codec/streaming.py): the official re-decode of overlapping windows
 # (spec §7.2) and the incremental one (codec/incremental.py). Here, torch-free, for the options.

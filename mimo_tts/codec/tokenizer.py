@@ -15,18 +15,14 @@ import threading
 import torch
 from torch import Tensor
 
-from mimo_tts.codec.config import CodecConfig
+from mimo_tts.codec.config import BATCH_FRAMES, DECODE_CHUNK_FRAMES, CodecConfig
 from mimo_tts.codec.decoder import pad_hidden
 from mimo_tts.codec.mel import LogMel, prepare_audio
 from mimo_tts.errors import AudioCheckError, InputError
 
-# Spec §7.1: official synthesis decodes independent 60 s chunks with no overlap.
-DECODE_CHUNK_FRAMES = 1500
 # Spec §8 item 5: the warm-up decodes zero codes of this shape [K, T].
 WARMUP_CODES = (8, 4)
 
-# decode_batch pads sequences together up to this many frames per forward pass.
-BATCH_FRAMES = 4096
 
 
 def _on_device(method):

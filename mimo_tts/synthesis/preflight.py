@@ -278,15 +278,17 @@ def tokenizer_need(path: Path, device: str, dtype: str, lengths: Lengths,
                    packs: bool = False) -> StageNeed:
     """Audio-tokenizer weights and the decode workspace for the run's longest audio; the
     encoder's weights only where read: a prompt encoded, or all layers packed (`packs`)."""
-    from mimo_tts.codec.config import CodecConfig
+    from mimo_tts.codec.config import BATCH_FRAMES, DECODE_CHUNK_FRAMES, CodecConfig
     from mimo_tts.runtime.safetensors import parse_config
 
     cfg = parse_config(path, CodecConfig.from_json)
     d_model, ffn, heads = cfg.d_model, cfg.decoder_ffn_dim, cfg.decoder_attention_heads
     frames = 2 * 4 * (lengths.prompt_groups + lengths.new_groups)  # 25 Hz codes -> 50 Hz
     size = max(DTYPE_BYTES[dtype], 4)  # norms and attention run in float32
-    work = lengths.decode_rows * frames * (4 * d_model + ffn) * size
-    work += lengths.decode_rows * heads * frames * min(frames, 1024) * 4  # attention blocks
+    # decode_batch pads at most BATCH_FRAMES latent frames (25 Hz) a pass, or one chunk
+    rows_frames = min(lengths.decode_rows * frames, 2 * max(BATCH_FRAMES, DECODE_CHUNK_FRAMES))
+    work = rows_frames * (4 * d_model + ffn) * size
+    work += heads * rows_frames * min(frames, 1024) * 4  # attention blocks
     weights = resident_bytes(path, dtype, device,
                              None if lengths.encodes or packs else ENCODER)
     parts = {"weights": weights, "workspace": work}

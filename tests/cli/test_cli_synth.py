@@ -87,7 +87,8 @@ def test_manifest_and_sidecar(default_run, manifest):
     assert sidecar["result"]["key"] == line["key"]
     assert sidecar["engine"] == {"name": "native", "cpu_kernel": False,  # float32: eager
                                  "cpu_kernel_reason": "auto: float32 weights run faster in "
-                                                      "eager PyTorch"}
+                                                      "eager PyTorch",
+                                 "prefill_products": "PyTorch's products (not bfloat16)"}
 
 
 def test_bfloat16_lm_records_the_fused_cpu_kernel(invoke, tmp_path):

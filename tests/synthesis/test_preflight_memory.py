@@ -270,3 +270,17 @@ def test_the_run_sizes_what_it_reads(tmp_path):
     list(runner.run([Item(id="b", text="Hello.", source="s", prompt_audio=str(wav))],
                     MemorySink()))
     assert runner.lengths.encodes
+
+
+def test_stage1_workspace_is_bounded_by_its_padded_pass(full_size):
+    """`decode_batch` pads at most BATCH_FRAMES frames (or one chunk) a pass: 2048 short pieces
+    need no more than the rows that fill one pass (before: 47 GiB, a run that fits refused)."""
+    from mimo_tts.codec.config import BATCH_FRAMES, DECODE_CHUNK_FRAMES
+
+    _, tok = full_size
+    one = tokenizer_need(tok, "cpu", "float32", Lengths(decode_rows=1)).parts["workspace"]
+    many = tokenizer_need(tok, "cpu", "float32", Lengths(decode_rows=2048)).parts["workspace"]
+    frames = 2 * 4 * (Lengths().prompt_groups + Lengths().new_groups)
+    full = -(-2 * max(BATCH_FRAMES, DECODE_CHUNK_FRAMES) // frames)  # rows filling one pass
+    fill = tokenizer_need(tok, "cpu", "float32", Lengths(decode_rows=full)).parts["workspace"]
+    assert one < many == fill < 2 * GIB
