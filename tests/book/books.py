@@ -89,3 +89,14 @@ def encryption_xml(uri: str, algorithm: str = "http://www.w3.org/2001/04/xmlenc#
             f"<enc:EncryptionMethod Algorithm='{algorithm}'/>"
             f"<enc:CipherData><enc:CipherReference URI='{uri}'/></enc:CipherData>"
             "</enc:EncryptedData></encryption>")
+
+
+# `--list` of the three-chapter book `write_epub` writes (the CLI's and `table_lines`')
+THREE_TABLE = [
+    "The Small Sea by Ada Writer",
+    "#  title           characters  minutes",
+    "1  The Harbour             77      0.1",
+    "2  The Lighthouse          81      0.1",
+    "3  The Return              68      0.1",
+    "   3 chapters             226      0.3",
+]
