@@ -429,3 +429,45 @@ class BatchRun:
                 if event is None:
                     return
                 yield event
+
+
+# -- whole runs over any engine's `run_batch` (scripts and tests; the faces use the worker) ----
+def generate_all(engine, prompts, options: GenerationOptions,
+                 rows: int | None = None) -> list[Generation]:
+    """Each prompt's whole generation, through `engine.run_batch` with `rows` rows (default:
+    all prompts at once). Every prompt is a job with `options` (its seed included), so a
+    prompt's generation does not depend on the others. A refused prompt or a failed step
+    raises its error."""
+    made: list[Generation | None] = [None] * len(prompts)
+    for event in _whole_run(engine, prompts, options, rows):
+        if isinstance(event, JobDone):
+            made[event.job.key] = event.generation
+    return made
+
+
+def stream_steps(engine, prompts, options: GenerationOptions,
+                 rows: int | None = None) -> Iterator[StepOutput]:
+    """Each prompt's `StepOutput`s as they come, `index` the prompt's place in `prompts` (not
+    its row); through `engine.run_batch` as `generate_all` runs it."""
+    from dataclasses import replace
+
+    for event in _whole_run(engine, prompts, options, rows):
+        if isinstance(event, JobGroup):
+            yield replace(event.output, index=event.job.key)
+
+
+def _whole_run(engine, prompts, options: GenerationOptions, rows: int | None):
+    if not prompts:
+        raise UsageError("no prompts to generate from")
+    jobs = Jobs(Job(ids, options, key=i) for i, ids in enumerate(prompts))
+    run = engine.run_batch(jobs, min(rows or len(prompts), len(prompts)))
+    try:
+        for event in run:
+            if isinstance(event, StepFailed):
+                raise event.error
+            if isinstance(event, JobDone) and event.error is not None:
+                raise event.error
+            if event is not IDLE:
+                yield event
+    finally:
+        getattr(run, "close", lambda: None)()
