@@ -78,11 +78,25 @@ def machine() -> dict:
     return info
 
 
-def estimate(argv: list[str]) -> dict:
+def checkout_envs(spec: str | None) -> dict:
+    """`--checkouts NAME=DIR,...` -> {name: the child's environment (DIR's package first on
+    PYTHONPATH)}; none given: {"": None} (this checkout)."""
+    if not spec:
+        return {"": None}
+    envs = {}
+    for part in spec.split(","):
+        name, _, folder = part.partition("=")
+        path = str(Path(folder or ".").resolve())
+        envs[name] = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [path, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    return envs
+
+
+def estimate(argv: list[str], env: dict | None = None) -> dict:
     """The memory preflight's estimate for the same command (`synth --dry-run --json`), GiB
     per device; the run itself checks the same estimate before it loads."""
     cmd = [sys.executable, "-m", "mimo_tts.cli", "synth", *argv, "--dry-run", "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     try:
         report = json.loads(proc.stdout)
     except json.JSONDecodeError:
@@ -91,15 +105,15 @@ def estimate(argv: list[str]) -> dict:
             if isinstance(e, dict)}
 
 
-def run_synth(argv: list[str], out_dir: Path) -> dict:
+def run_synth(argv: list[str], out_dir: Path, env: dict | None = None) -> dict:
     """One `mimo-tts synth` child: exit code, wall s, peak RSS, the preflight's estimate for
     it, and its items' sidecars."""
-    need = estimate(argv)
+    need = estimate(argv, env)
     cmd = [sys.executable, "-m", "mimo_tts.cli", "synth", *argv, "--output-dir", str(out_dir),
            "--overwrite", "--json", "-q"]
     start = time.perf_counter()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
         wall = time.perf_counter() - start
@@ -227,6 +241,32 @@ def compare_streams(runs: dict) -> dict | None:
     return out or None
 
 
+COMPARED = ("first_audio_s", "s_per_group", "rtf", "e2e_rtf", "prefill_s")
+
+
+def compare_checkouts(runs: dict, names: list[str]) -> dict | None:
+    """Per run, the first checkout's figure over each other's, paired round by round, and
+    their median (> 1: the other checkout is faster, as every figure compared is a time)."""
+    out = {}
+    keys = [k for k in runs if "@" in k]
+    if not keys:
+        return None
+    for key in keys:
+        run, _, rest = key.partition("@")
+        checkout, _, round_ = rest.partition("#")
+        if checkout == names[0] or runs[key].get("exit_code"):
+            continue
+        base = runs.get(f"{run}@{names[0]}" + (f"#{round_}" if round_ else ""))
+        if not base or base.get("exit_code"):
+            continue
+        row = {k: base[k] / runs[key][k] for k in COMPARED
+               if isinstance(base.get(k), int | float) and runs[key].get(k)}
+        out.setdefault(f"{run}: {names[0]} / {checkout}", []).append(row)
+    return {name: {k: round(statistics.median(r[k] for r in rows if k in r), 3)
+                   for k in COMPARED if any(k in r for r in rows)} | {"rounds": len(rows)}
+            for name, rows in out.items()} or None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default=".bench/full-size")
@@ -239,6 +279,10 @@ def main() -> None:
                          "instruct, batch")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the runs this many times, every other round reversed")
+    ap.add_argument("--checkouts", default=None, metavar="NAME=DIR,...",
+                    help="run every run under each checkout (its package first on the child's "
+                         "PYTHONPATH), back to back, order alternating by round; "
+                         "`vs_checkouts` holds the first's times over each other's")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args()
     dirs = checkpoint_dirs(args.preset)
@@ -267,14 +311,19 @@ def main() -> None:
                              "--instruct", "calm and slow"],
                 "batch": ["--input", str(items), "--batch-size", str(batch)]}
         names = args.runs.split(",")
+        envs = checkout_envs(args.checkouts)
         for round_ in range(args.rounds):  # every other round in the reverse order
+            order = list(envs) if round_ % 2 == 0 else list(envs)[::-1]
             for name in names if round_ % 2 == 0 else names[::-1]:
-                key = f"batch{batch}" if name == "batch" else name
-                key += f"#{round_ + 1}" if round_ else ""
-                print(f"bench_e2e: {key} ...", file=sys.stderr, flush=True)
-                run = run_synth(common + argv[name], Path(tmp) / name)
-                report["runs"][key] = summarise(run, weights)
+                for checkout in order:
+                    key = f"batch{batch}" if name == "batch" else name
+                    key += f"@{checkout}" if checkout else ""
+                    key += f"#{round_ + 1}" if round_ else ""
+                    print(f"bench_e2e: {key} ...", file=sys.stderr, flush=True)
+                    run = run_synth(common + argv[name], Path(tmp) / name, envs[checkout])
+                    report["runs"][key] = summarise(run, weights)
     report["stream_vs_before"] = compare_streams(report["runs"])
+    report["vs_checkouts"] = compare_checkouts(report["runs"], list(envs))
     report["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     text = json.dumps(report, indent=2, ensure_ascii=False)
     print(text)

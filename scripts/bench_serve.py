@@ -8,10 +8,13 @@ client count in turn, runs that many threads, each sending `--requests` streamed
 after another over httpx. Per run: p50/p95 of the request latency and of the time to the first
 audio byte, requests and audio seconds per second, status counts and the server's batch stats
 (/health). Every client gets a distinct text; seeds are the server's default. The native engine
-runs the continuous batcher (`server/engine.ContinuousStrategy`), recorded per run.
+runs the speech worker's continuous batch (`synthesis/worker.py`), recorded per run.
 
 Each model is served in two variants at once (`--variants`), whose runs alternate round by
-round (`--rounds`, paired ratios, median over the rounds): `before`, the Stage-1 of
+round (`--rounds`, paired ratios, median over the rounds). A variant `NAME=DIR` is the defaults
+served from the checkout at DIR (its package first on the server's PYTHONPATH): `--variants
+before=../old,after` compares a change with the code before it, back to back. The named
+variants: `before`, the Stage-1 of
 issue 24's start (one push decoded at a time, `--stage1-batch 1`, and a first push 5 groups past
 the decoder's look-ahead, the first audio after 15 groups as with the old 5-then-10 pushes), and
 `after` (the defaults: streamed requests' pushes decoded together, the first push one group past
@@ -64,14 +67,26 @@ def full4_checkpoint(root: Path) -> tuple[Path, Path]:
 def variant_args(name: str, work: Path) -> list[str]:
     """The serve flags of a variant: `after` is the defaults; `before` the old pushes decoded
     one at a time; `together` the old pushes decoded together; `growing` the new pushes
-    decoded one at a time."""
+    decoded one at a time; `NAME=DIR` the defaults (from another checkout)."""
+    if "=" in name:
+        return []
     profile = work / "before.toml"
     profile.write_text("stream_chunk_groups = 5\n", encoding="utf-8")
     return {"after": [], "before": ["--stage1-batch", "1", "--config", str(profile)],
             "together": ["--config", str(profile)], "growing": ["--stage1-batch", "1"]}[name]
 
 
-def start_server(model_args: list[str], batch_size: int, clients: int, log: Path):
+def checkout_env(variant: str) -> dict | None:
+    """The server's environment for a variant `NAME=DIR`: DIR's package first (else None)."""
+    if "=" not in variant:
+        return None
+    folder = str(Path(variant.split("=", 1)[1]).resolve())
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [folder, *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+def start_server(model_args: list[str], batch_size: int, clients: int, log: Path,
+                 env: dict | None = None):
     """A `mimo-tts serve` child on a free port; (process, base url) once /health answers."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -80,7 +95,7 @@ def start_server(model_args: list[str], batch_size: int, clients: int, log: Path
             "--batch-size", str(batch_size), "--max-concurrent", str(clients),
             "--max-queue", str(clients), "--timeout", "3600"]
     with open(log, "wb") as handle:
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=handle)
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=handle, env=env)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -166,7 +181,8 @@ def bench_model(name: str, model_args: list[str], args, work: Path) -> dict:
         for variant in args.variants:
             served = model_args + variant_args(variant, work)
             proc, url = start_server(served, args.batch_size, max(args.clients),
-                                     work / f"serve-{variant}.log")
+                                     work / f"serve-{variant.split('=')[0]}.log",
+                                     checkout_env(variant))
             servers[variant] = (proc, url, served)
             with httpx.Client(base_url=url, timeout=3600) as client:
                 one_request(client, "Warm up.")  # first-call costs (kernel build, allocations)
@@ -183,7 +199,9 @@ def bench_model(name: str, model_args: list[str], args, work: Path) -> dict:
         for proc, _, _ in servers.values():
             proc.terminate()
             proc.wait(timeout=60)
-    variants = {v: {"args": servers[v][2], "runs": runs[v]} for v in args.variants}
+    variants = {v.split("=")[0]: {"args": servers[v][2], "runs": runs[v],
+                                  **({"checkout": v.split("=", 1)[1]} if "=" in v else {})}
+                for v in args.variants}
     return {"model": name, "strategy": "continuous", "variants": variants,
             "vs_before": compare(variants)}
 
@@ -223,7 +241,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3, help="rounds per client count")
     parser.add_argument("--variants", default="before,after", type=lambda s: s.split(","),
-                        help="comma-separated: before, after, together, growing")
+                        help="comma-separated: before, after, together, growing, or "
+                             "NAME=DIR (the defaults from the checkout at DIR)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     report = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(),

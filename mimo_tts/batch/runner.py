@@ -1,44 +1,41 @@
-"""The batch runner: input items -> typed `ItemResult`s, written through one sink (`outputs.py`).
+"""The batch runner: input items -> typed `ItemResult`s, written through one sink (`sinks.py`).
 
 `BatchRunner` loads `MiMoTTS` once on first need and yields one result per item, in input
-order: written, skipped (the sink holds it done with the same inputs: the resume key) or failed
-with its exit code (a failed item never stops the batch). On the native engine with
-`batch_size` > 1 every item's pieces run through one continuous batch (`lm.batching`: a row that
-stops takes the next piece, each piece samples from its own seeded generator, so an item's
-output is its single run's); otherwise items are generated `batch_size` at a time (vLLM:
-max(batch_size, max_num_seqs)), prompts of one seed in one call. Each finished item
-goes to the sink as data: its samples, codes and provenance record (`sidecar_record`); the sink
-decides where the bytes go and never calls back into the runner. `BatchRunner.codes` (Stage-0
-of a window) and `finish_item` (Stage-1 of one item) are also what the Ray pipeline's actors
-run (`batch/ray.py`).
+order: written, skipped (the sink holds it done with the same inputs: the resume key,
+`resume.py`) or failed with its exit code (a failed item never stops the batch). Every item's
+text pieces are jobs of the speech worker (`synthesis/worker.py`) with `--batch-size` rows
+(vLLM: at least its max_num_seqs): a row that stops takes the next piece, whatever item it
+belongs to, and each piece samples from its own seeded generator, so an item's output is its
+single run's. With `--stream` one piece runs at a time and Stage-1 decodes it as it comes
+(the sink's `on_chunk` gets the audio); otherwise an item's pieces are decoded together once
+they are generated. An item goes to the sink as data (`finish_item`: join, check, resample,
+its sidecar record) once it and every item before it are done; the sink decides where the
+bytes go and never calls back into the runner. `codes` (Stage-0 alone) and `finish_item` are
+also what the Ray pipeline's actors run (`batch/ray.py`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import sys
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
-from mimo_tts.batch.continuous import ContinuousRun
 from mimo_tts.batch.items import Item, printable
 from mimo_tts.batch.results import ItemResult, fail, guarded
-from mimo_tts.errors import InputError, MimoTTSError, UsageError
-from mimo_tts.lm.engine import DEFAULT_ENGINE, engine_spec
+from mimo_tts.batch.resume import item_key, item_options, run_inputs, sidecar_record
+from mimo_tts.errors import InputError, MimoTTSError
+from mimo_tts.lm.engine import engine_spec
 from mimo_tts.lm.tasks import TASKS, validate_inputs
-from mimo_tts.runtime import runner_record
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, resample
 from mimo_tts.synthesis.captions import cues, piece_samples, text_pieces
 from mimo_tts.synthesis.loader import resolve_checkpoints
 from mimo_tts.synthesis.options import SynthesisOptions
 from mimo_tts.synthesis.pieces import Piece
-from mimo_tts.synthesis.preflight import engine_record, lengths_for
+from mimo_tts.synthesis.preflight import lengths_for
 from mimo_tts.synthesis.settings import Settings
-from mimo_tts.synthesis.streaming import chunk_cap
 from mimo_tts.synthesis.voices import VoiceStore
 
 # Per-item timings that are work (the rest describe the streaming overlap within them).
@@ -103,11 +100,14 @@ class BatchRunner:
         """A hash of everything that determines an item's output (resume skips on a match)."""
         return item_key(self.settings, self.resolve(), item, self.seed(item))
 
-    def batch_window(self) -> int:
-        """Items per Stage-0 call: batch_size, or what the engine takes at once (vLLM: at
+    def task(self, item: Item) -> str:
+        return item.task or self.settings.synthesis.task
+
+    def rows(self) -> int:
+        """Stage-0 rows: one with --stream (a stream at a time), else --batch-size (vLLM: at
         least its max_num_seqs)."""
         s = self.settings
-        return self.spec.rows_per_call(s.engine, s.run.batch_size, s.run.stream)
+        return 1 if s.run.stream else self.spec.rows(s.engine, s.run.batch_size)
 
     def run(self, items: list[Item], sink) -> Iterator[ItemResult]:
         """Yield one result per item, in input order; a failed item is recorded, the rest go on.
@@ -117,25 +117,16 @@ class BatchRunner:
         items = list(items)
         texts = [i.text for i in items if isinstance(i.text, str)]
         prompt_audio = self.settings.synthesis.prompt_audio or any(i.prompt_audio for i in items)
-        self.lengths = lengths_for(self.settings, texts,
-                                   1 if self.settings.run.stream else self.batch_window(),
+        self.lengths = lengths_for(self.settings, texts, self.rows(),
                                    encodes=bool(prompt_audio))
-        if self.continuous():
-            yield from ContinuousRun(self, [self.prepare(item, sink) for item in items], sink)
-            return
-        window: list[ItemResult] = []
-        for item in items:
-            window.append(self.prepare(item, sink))
-            if sum(r.status == "pending" for r in window) >= self.batch_window():
-                yield from self._flush(window, sink)
-                window = []
-        yield from self._flush(window, sink)
-
-    def continuous(self) -> bool:
-        """Whether items run through one continuous batch (a continuous engine, batch size
-        > 1)."""
-        s = self.settings
-        return self.spec.continuous and not s.run.stream and s.run.batch_size > 1
+        results = [self.prepare(item, sink) for item in items]
+        pending = [r for r in results if r.status == "pending"]
+        pieces: dict[int, list[Piece | None]] = {}  # id(result) -> its pieces, None until done
+        done = 0
+        for _ in self._generate(pending, pieces, sink.on_chunk) if pending else ():
+            done, ready = self._ready(results, done, pieces, sink)
+            yield from ready
+        yield from self._ready(results, done, pieces, sink)[1]
 
     def prepare(self, item: Item, sink) -> ItemResult:
         """A pending result with its seed and resume key, or skipped (done) or failed."""
@@ -152,40 +143,85 @@ class BatchRunner:
             fail(result, exc)
         return result
 
-    def _flush(self, window: list[ItemResult], sink) -> Iterator[ItemResult]:
-        pending = [r for r in window if r.status == "pending"]
-        if pending:
-            self.load()
-            self._synthesize(pending, sink)
-        for result in window:
-            if result.status in ("ok", "error"):
-                sink.finished(result, self.task(result.item))
-            yield result
+    def codes(self, results: list[ItemResult]) -> dict[int, list[Piece] | None]:
+        """Stage-0 alone for pending results (the Ray pipeline's Stage-0 actors): prompts and
+        generation, no decode; {id(result): pieces}. A failing item is marked failed."""
+        self.load()
+        pieces: dict[int, list[Piece | None]] = {}
+        for _ in self._generate([r for r in results if r.status == "pending"], pieces,
+                                decode="none"):
+            pass
+        return {k: v for k, v in pieces.items() if None not in v}
 
-    def task(self, item: Item) -> str:
-        return item.task or self.settings.synthesis.task
+    def _generate(self, pending: list[ItemResult], pieces: dict, on_chunk=None,
+                  decode: str | None = None) -> Iterator[None]:
+        """Every pending item's pieces through one speech worker; yields after each event
+        (finished items can go to the sink then). A failing piece fails its item."""
+        import torch
 
-    def _synthesize(self, results: list[ItemResult], sink) -> None:
-        """Stage-0 for every item (`codes`), then finish each item into the sink."""
-        pieces = self.codes(results, sink.on_chunk)
-        for r in results:
-            if r.status == "pending" and pieces.get(id(r)) is not None:
-                guarded(r, self.finish, r, pieces[id(r)], sink)
+        from mimo_tts.synthesis.worker import Chunk, Done, Failed
 
-    def codes(self, results: list[ItemResult], on_chunk=None) -> dict[int, list[Piece] | None]:
-        """Stage-0: prompts for every item, one generate call per seed (batched), or each
-        streamed; {id(result): pieces}. A failing item is marked failed, the rest go on."""
-        pieces: dict[int, list[Piece] | None] = {}
-        prompts = {id(r): self.prompts(r) for r in results}
-        ready = [r for r in results if r.status == "pending"]
-        if self.settings.run.stream:
-            for r in ready:
-                pieces[id(r)] = guarded(r, self._stream_item, r, prompts[id(r)], on_chunk)
-        else:  # one generate call per seed and task (the task's samplers and stop set)
-            for seed, task in dict.fromkeys((r.seed, self.task(r.item)) for r in ready):
-                self._generate_group([r for r in ready if (r.seed, self.task(r.item)) == (
-                    seed, task)], prompts, pieces)
-        return pieces
+        self.load()
+        stream = self.settings.run.stream
+        decode = decode or ("stream" if stream else "whole")
+        count = sum(len(text_pieces(r.item.text, self.options(r.item))) for r in pending)
+        o = self.settings.synthesis
+        worker = self.tts.worker(min(self.rows(), max(count, 1)), stream=stream,
+                                 schedule=(o.stream_mode, o.stream_chunk_groups,
+                                           o.stream_max_chunk_groups))
+        pause = PAUSE_FRAMES * self.tts.stage1.samples_per_frame
+        begun: set = set()
+        for event in worker.run(self._jobs(pending, pieces, decode)):
+            r, index = event.job.key
+            if isinstance(event, Failed):
+                if r.status == "pending":
+                    fail(r, event.error)
+                pieces.pop(id(r), None)
+            elif r.status != "pending" or id(r) not in pieces:
+                pass
+            elif isinstance(event, Chunk):
+                if on_chunk is not None:
+                    if index and event.job not in begun:  # the pause between pieces
+                        on_chunk(torch.zeros(pause))
+                    on_chunk(event.samples)
+                begun.add(event.job)
+            elif isinstance(event, Done):
+                pieces[id(r)][index] = event.piece
+                if None not in pieces[id(r)]:
+                    _item_timings(r, [job for job in event.job.group], stream)
+            yield
+
+    def _jobs(self, pending: list[ItemResult], pieces: dict, decode: str):
+        """Jobs (one per text piece) of the pending items, in order, prompts built lazily."""
+        from mimo_tts.synthesis.worker import SpeechJob
+
+        for n, r in enumerate(pending):
+            prompts = self.prompts(r)
+            if r.status != "pending":
+                continue
+            pieces[id(r)] = [None] * len(prompts)
+            options = self.options(r.item).generation_options(r.seed)  # its task's
+            group: list = []
+            group += [SpeechJob(prompt, options, r.seed, decode=decode, group=group,
+                                label=r.item.id, order=(n, i), key=(r, i))
+                      for i, prompt in enumerate(prompts)]
+            yield from group
+
+    def _ready(self, results: list[ItemResult], done: int, pieces: dict,
+               sink) -> tuple[int, list[ItemResult]]:
+        """From result `done` on, finish and hand out those settled, in order, up to the
+        first still generating -> (new `done`, the results handed out)."""
+        out = []
+        for r in results[done:]:
+            mine = pieces.get(id(r))
+            if r.status == "pending":
+                if mine is None or None in mine:
+                    break
+                guarded(r, self.finish, r, mine, sink)
+            if r.status in ("ok", "error"):
+                sink.finished(r, self.task(r.item))
+            out.append(r)
+        return done + len(out), out
 
     def prompts(self, result: ItemResult) -> list:
         item, start = result.item, time.perf_counter()
@@ -196,42 +232,8 @@ class BatchRunner:
             result.template_index = found[0].template_index
         return found or []
 
-    def _generate_group(self, group: list[ItemResult], prompts: dict, pieces: dict) -> None:
-        """Stage-0 for items sharing a seed and a task: their prompts run `batch_size` at a
-        time."""
-        flat = [p for r in group for p in prompts[id(r)]]
-        seed, start = group[0].seed, time.perf_counter()
-        options = self.options(group[0].item).generation_options(seed)
-        try:
-            made = self.tts.generate(flat, options, seed, self.settings.run.batch_size)
-        except MimoTTSError as exc:
-            for r in group:
-                fail(r, exc)
-            return
-        elapsed = time.perf_counter() - start
-        for r in group:
-            n = len(prompts[id(r)])
-            pieces[id(r)], made = made[:n], made[n:]
-            r.timings["generate_s"] = elapsed * n / max(len(flat), 1)
-
-    def _stream_item(self, result: ItemResult, prompts: list, on_chunk) -> list[Piece]:
-        """Stage-0 with Stage-1 decoding concurrently in a worker thread, piece by piece."""
-        import torch
-
-        pieces, start = [], time.perf_counter()
-        for i, prompt in enumerate(prompts):
-            if i and on_chunk is not None:
-                on_chunk(torch.zeros(PAUSE_FRAMES * self.tts.stage1.samples_per_frame))
-            pieces.append(self.tts.stream_piece(prompt, self.options(result.item), result.seed,
-                                                on_chunk, self.log))
-        result.timings["generate_s"] = time.perf_counter() - start
-        for name in ("stage0_s", "stage1_s", "stage1_wait_s"):
-            result.timings[name] = sum(p.timings.get(name, 0.0) for p in pieces)
-        result.timings["first_audio_s"] = pieces[0].timings.get("first_audio_s", 0.0)
-        return pieces
-
     def finish(self, result: ItemResult, pieces: list[Piece], sink) -> None:
-        """Stage-1 (`finish_item`); then the sink writes it."""
+        """Stage-1's end (`finish_item`); then the sink writes it."""
         sink.write(result, *finish_item(self.tts.stage1, self.settings, self.context(), result,
                                         pieces))
 
@@ -243,6 +245,24 @@ class BatchRunner:
                 "tokenizer": str(self.refs[1].path), "threads": self.threads,
                 "timings": dict(self.timings), "argv": [printable(a) for a in sys.argv[1:]]}
 
+
+def _item_timings(result: ItemResult, jobs: list, stream: bool) -> None:
+    """An item's timings from its pieces' jobs: Stage-0 work (its share of each step), Stage-1
+    decode; streamed, the overlap: its wall time from the first row to the last audio, each
+    stage's seconds, the wait for Stage-1 after generating, and the first audio."""
+    t = [job.timings for job in jobs]
+    stage0, stage1 = sum(x.get("stage0_s", 0.0) for x in t), sum(x.get("stage1_s", 0.0) for x in t)
+    if not stream:
+        result.timings["generate_s"] = stage0
+        if any(x.get("stage1_s") for x in t):
+            result.timings["decode_s"] = stage1
+        return
+    start = t[0]["started_at"]
+    result.timings["generate_s"] = t[-1]["done_at"] - start
+    result.timings["stage0_s"], result.timings["stage1_s"] = stage0, stage1
+    result.timings["stage1_wait_s"] = sum(x["done_at"] - x["generated_at"] for x in t)
+    first = next((x["first_audio_at"] for x in t if "first_audio_at" in x), t[-1]["done_at"])
+    result.timings["first_audio_s"] = first - start
 
 def reencodes(voice: str, tok_ref) -> bool:
     """Whether a stored voice's codes come from another audio tokenizer, so that it is
@@ -271,7 +291,7 @@ def check_inputs(item: Item, o) -> None:
 
 def finish_item(stage1, settings: Settings, context: dict, result: ItemResult,
                 pieces: list[Piece]) -> tuple:
-    """Stage-1 for one item: decode (unless streamed), join, check and resample ->
+    """Stage-1's end for one item: decode (unless done), join, check and resample ->
     (samples, codes, sidecar record), the result marked ok with its length and timings."""
     run = settings.run
     result.generated_text_ids = [p.new_text_ids for p in pieces]
@@ -298,120 +318,3 @@ def finish_item(stage1, settings: Settings, context: dict, result: ItemResult,
         formats = (run.caption_formats or "").split(",") if run.caption_formats else []
         record["captions"] = {"formats": formats, "cues": [c.record() for c in found]}
     return samples, codes, record
-
-
-def sidecar_record(settings: Settings, context: dict, result: ItemResult,
-                   pieces: list[Piece]) -> dict:
-    """Everything needed to reproduce one output; the sink adds `result` last."""
-    s, item = settings, result.item
-    o, described = item_options(s.synthesis, item), context["described"]
-    text, audio = o.samplers()  # the item's task's (the run's are described)
-    return {
-        "runner": {**runner_record(), "argv": context["argv"]},
-        "id": item.id, "source": item.source, "text": item.text, "task": o.task,
-        "instruct": item.instruct or o.instruct,
-        "prompt_audio": item.prompt_audio or o.prompt_audio,
-        **_voice_fields(o.voice, item),
-        "model": described["model"], "tokenizer": described["tokenizer"],
-        "placement": described["placement"], "threads": context["threads"],
-        "engine": engine_record(s, described["engine"]),
-        "sampler": o.sampler_settings(),
-        "effective_sampler": {"text": asdict(text), "audio": asdict(audio)},
-        "seed": result.seed, "max_new_groups": o.max_new_groups,
-        "batch_size": s.run.batch_size, "stream": s.run.stream, "stream_mode": o.stream_mode,
-        "max_chars": o.max_chars,
-        "audio": {"format": s.run.format, "sample_rate": s.run.sample_rate,
-                  "seconds": round(result.seconds, 4), "pause_frames": PAUSE_FRAMES},
-        "pieces": [p.record() for p in pieces],
-        "timings": {**{k: round(v, 4) for k, v in context["timings"].items()},
-                    **{k: round(v, 4) for k, v in result.timings.items()}},
-        "resume": context.get("resume"),  # the run's part of the key (`run_inputs`)
-    }
-
-
-def _voice_fields(voice: str | None, item: Item) -> dict:
-    """The stored voice of an item cloned from one (its record: source, tokenizer, codes)."""
-    if not voice or item.prompt_audio:
-        return {}
-    try:
-        return {"voice": VoiceStore().record(voice)}
-    except MimoTTSError:
-        return {"voice": {"name": voice}}
-
-
-def item_options(o: SynthesisOptions, item: Item) -> SynthesisOptions:
-    """The run's synthesis options in the task an item's line names; a run's --instruct or
-    --prompt-audio that this task takes none of fails the item (InputError, exit 9)."""
-    if item.task is None or item.task == o.task:
-        return o
-    try:
-        return replace(o, task=item.task)
-    except UsageError as exc:
-        raise InputError(f"{item.source}: task {item.task}: {exc}") from None
-
-
-def item_key(settings: Settings, refs, item: Item, seed: int) -> str:
-    """The resume key: a hash of every input that determines an item's output bytes."""
-    o = item_options(settings.synthesis, item)
-    return resume_key({**run_inputs(settings, refs),
-                       **item_inputs(item.text, item.instruct or o.instruct, seed,
-                                     item.prompt_audio or o.prompt_audio, o.task)})
-
-
-def run_inputs(settings: Settings, refs) -> dict:
-    """The resume key's inputs that one run gives all its items (JSON values): every sidecar
-    records them, so `status` keys an item from its input line as `synth` does."""
-    o, run, p, (lm, tok) = settings.synthesis, settings.run, settings.placement, refs
-    inputs = {
-        "template": o.template, "model": [str(lm.path), lm.revision],
-        "tokenizer": [str(tok.path), tok.revision], "sampler": o.sampler_settings(),
-        "max_new_groups": o.max_new_groups, "batch_size": run.batch_size,
-        "max_chars": o.max_chars, "format": run.format, "sample_rate": run.sample_rate,
-        "stream": run.stream, "dtypes": [p.lm_dtype.value, p.tokenizer_dtype.value],
-    }
-    if run.stream and o.stream_mode != "official":  # keeps the keys of earlier outputs
-        inputs["stream_mode"] = o.stream_mode
-    if run.stream and o.stream_mode == "official":  # its audio depends on the chunks
-        inputs["stream_chunk_groups"] = [
-            o.stream_chunk_groups,
-            chunk_cap(o.stream_mode, o.stream_chunk_groups, o.stream_max_chunk_groups),
-            "past the look-ahead"]  # the first push's groups count after it (issue 24)
-    if settings.engine.engine != DEFAULT_ENGINE:  # likewise
-        inputs["engine"] = settings.engine.engine
-    if o.voice:  # the stored voice's codes, by their hash
-        inputs["voice"] = _voice_stamp(o.voice)
-    if o.captions:  # a piece per sentence: other audio
-        inputs["captions"] = True
-    return inputs
-
-
-def item_inputs(text: str, instruct: str | None, seed: int, prompt_audio: str | None,
-                task: str) -> dict:
-    """The resume key's inputs of one item: its text and the values it runs with."""
-    return {"text": text, "instruct": instruct, "seed": seed,
-            "prompt_audio": _file_stamp(prompt_audio), "task": task}
-
-
-def resume_key(inputs: dict) -> str:
-    """The hash of a key's inputs (`run_inputs` with `item_inputs`)."""
-    blob = json.dumps(inputs, sort_keys=True, ensure_ascii=False, default=str)
-    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
-
-
-def _voice_stamp(name: str) -> dict:
-    try:
-        record = VoiceStore().record(name)
-    except MimoTTSError:
-        return {"name": name}
-    return {"name": name, "codes": record["codes"].get("sha256"),
-            "tokenizer": record["tokenizer"].get("id")}
-
-
-def _file_stamp(path: str | None) -> dict | None:
-    if not path:
-        return None
-    try:
-        stat = Path(path).stat()
-    except OSError:
-        return {"path": path}
-    return {"path": str(Path(path).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}

@@ -4,7 +4,7 @@ Reads every manifest of a task folder (`results.jsonl` and each shard's
 `results.shard-K-of-N.jsonl`) without locking or rewriting them, so it runs beside live
 shards. An item is done as the next `synth` judges it: a line says `ok`, its sidecar holds
 that key and its audio has the recorded size; with `--input`, also its resume key from its
-line (`runner.item_key`: the item's text, seed, instruct, prompt audio and task, with the rest
+line (`resume.item_key`: the item's text, seed, instruct, prompt audio and task, with the rest
 of the settings as its sidecar records them). An item with no line, or done for other inputs,
 is missing. `--merge` writes one `results.jsonl` with
 a line per item (under the folder's lock: refused while a run writes). No torch here.
@@ -22,7 +22,7 @@ from pathlib import Path
 from mimo_tts.batch.files import companion_paths, jsonl_records
 from mimo_tts.batch.items import Naming, read_items
 from mimo_tts.batch.manifest import MANIFEST_NAME, audio_problem, manifest_name, read_sidecar
-from mimo_tts.batch.runner import item_inputs, resume_key
+from mimo_tts.batch.resume import item_inputs, resume_key
 from mimo_tts.batch.shards import Shard, parse_tag, shard_of
 from mimo_tts.batch.sinks import DirectorySink
 from mimo_tts.errors import EXIT_INCOMPLETE, EXIT_OK, OutputError
@@ -159,7 +159,7 @@ class _Judge:
 
     def problem(self, record: dict, item) -> str | None:
         """Why an `ok` line's output is not done (`manifest.done_record`): its sidecar gone or
-        from other inputs, the item's key (`runner.item_key`, from the run's part recorded in
+        from other inputs, the item's key (`resume.item_key`, from the run's part recorded in
         the sidecar) another, its audio gone or cut; None when it is done."""
         audio = self.folder / Path(str(record.get("path"))).name
         if not audio.exists():

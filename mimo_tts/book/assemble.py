@@ -26,7 +26,7 @@ from pathlib import Path
 from mimo_tts.batch.files import caption_text, companion_paths
 from mimo_tts.batch.items import Item
 from mimo_tts.batch.manifest import done_record, flock
-from mimo_tts.batch.runner import item_key
+from mimo_tts.batch.resume import item_key
 from mimo_tts.book.plan import ITEMS_NAME, BookPlan, chapter_name
 from mimo_tts.codec.config import CodecConfig
 from mimo_tts.errors import OutputError

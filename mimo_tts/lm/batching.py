@@ -83,8 +83,14 @@ class Idle:
     """From `run`: no row is live and the source has nothing now (wait for work, resume)."""
 
 
+class Stepped:
+    """From `run`: the events of one step have all been given (a consumer that works between
+    steps, such as Stage-1 taking turns, does it now)."""
+
+
 IDLE = Idle()
-Event = JobGroup | JobDone | Idle
+STEPPED = Stepped()
+Event = JobGroup | JobDone | Idle | Stepped
 
 
 class JobSource(Protocol):
@@ -225,6 +231,8 @@ class ContinuousBatcher:
         while True:
             events = self.step()
             yield from events
+            if events:
+                yield STEPPED
             if self.idle:
                 if self.source.exhausted:
                     return
@@ -467,7 +475,7 @@ def _whole_run(engine, prompts, options: GenerationOptions, rows: int | None):
                 raise event.error
             if isinstance(event, JobDone) and event.error is not None:
                 raise event.error
-            if event is not IDLE:
+            if event is not IDLE and event is not STEPPED:
                 yield event
     finally:
         getattr(run, "close", lambda: None)()

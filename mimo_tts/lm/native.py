@@ -1,14 +1,12 @@
-"""The native Stage-0 engine: this package's PyTorch LM bound to `generate`, `stream` and the
-continuous batch (`lm.batching`), behind the `lm.engine.Engine` interface."""
+"""The native Stage-0 engine: this package's PyTorch LM behind the `lm.engine.Engine` interface,
+its one call the continuous batch of `lm.batching`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from mimo_tts.lm import cpu_kernel
 from mimo_tts.lm.batching import BatchRun, ContinuousBatcher
-from mimo_tts.lm.generate import Generation, GenerationOptions, StepOutput, generate, stream
 from mimo_tts.lm.load import load_lm
 
 
@@ -16,16 +14,9 @@ class NativeEngine:
     """Stage-0 in this process on the PyTorch model; rows refill as they finish."""
 
     name = "native"
-    continuous = True
 
     def __init__(self, model, special):
         self.model, self.special, self.cfg = model, special, model.cfg
-
-    def generate(self, prompts: Sequence, options: GenerationOptions) -> list[Generation]:
-        return generate(self.model, prompts, options, self.special)
-
-    def stream(self, prompts: Sequence, options: GenerationOptions) -> Iterator[StepOutput]:
-        return stream(self.model, prompts, options, self.special)
 
     def run_batch(self, source, rows: int, guard=None) -> BatchRun:
         """A continuous batch of `rows` pulling `lm.batching.Job`s from `source`."""
@@ -37,12 +28,6 @@ class NativeEngine:
         return {"name": self.name, "cpu_kernel": choice.active,
                 "cpu_kernel_reason": choice.reason, "prefill_products": prefill.reason,
                 **({} if self.model.quant is None else {"lm_quant": self.model.quant})}
-
-    def kernel_words(self) -> str:
-        """Whether the decode steps run in the fused CPU kernel, and why (not): the load log."""
-        choice = cpu_kernel.choose(self.model)
-        return (("on, " if choice.active else "off, ") + choice.reason + "; prefill: "
-                + cpu_kernel.prefill_products(self.model)[1].reason)
 
     def close(self) -> None:
         """Nothing to free beyond the model itself."""

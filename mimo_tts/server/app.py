@@ -1,12 +1,15 @@
-"""`mimo-tts serve`: an OpenAI-compatible speech endpoint on the worker of `server/engine.py`.
+"""`mimo-tts serve`: an OpenAI-compatible speech endpoint on the speech worker
+(`synthesis/worker.py`), each request a `server/session.py` session.
 
 `POST /v1/audio/speech` (the fields of `protocol.py`), `GET /v1/models`, `GET /health`,
-`GET /metrics` (Prometheus, `metrics.py`), on FastAPI and uvicorn (the optional `serve` extra).
+`GET /metrics` (Prometheus, `metrics.py`), `/v1/audio/voices` (`voices.py`): the routes are
+`routes.py`'s, on FastAPI and uvicorn (the optional `serve` extra).
 The status of a request is decided when its first audio bytes are ready, so every failure
 before them is an OpenAI-style JSON error with the CLI's message; `pcm` and `wav` stream as
 Stage-1 decodes them (a WAV header of unknown length), the other formats come whole, decoded
 one-shot as `synth` does. Loopback by default, an optional
-bearer token, bounded input, queue and concurrency (503 with Retry-After), a per-request timeout
+bearer token, bounded input, requests in progress and waiting (503 with Retry-After past both),
+a per-request timeout
 that bounds every send too (a client that stops reading loses its place); a client that goes
 away cancels its jobs. Binding, signals and the bounded shutdown are `server/lifecycle.py`'s.
 """
@@ -20,19 +23,9 @@ import os
 from typing import TYPE_CHECKING
 
 from mimo_tts.errors import MimoTTSError, UsageError
-from mimo_tts.server import voices
-from mimo_tts.server.engine import (
-    ContinuousStrategy,
-    RequestQueue,
-    SpeechJob,
-    SpeechWorker,
-    StaticBatcher,
-    Ticket,
-    deliver_on,
-)
 from mimo_tts.server.lifecycle import SHUTDOWN_GRACE_S, loaded, serve, url_of
 from mimo_tts.server.metrics import ServerMetrics, Tally, outcome_of, tally_of
-from mimo_tts.server.page import page_html, speech_openapi
+from mimo_tts.server.page import page_html
 from mimo_tts.server.protocol import (
     CAPTIONS_HEADER,
     CLIENT_GONE,
@@ -48,6 +41,7 @@ from mimo_tts.server.protocol import (
     served_formats,
     sse,
 )
+from mimo_tts.server.session import Session, Sessions
 from mimo_tts.synthesis.audio import (
     PAUSE_FRAMES,
     SAMPLE_RATE,
@@ -78,13 +72,8 @@ class SpeechServer:
         self.log = log or (lambda message: None)
         self.formats = served_formats()
         self.parser = RequestParser(cfg, base, model, tuple(self.formats))
-        self.requests = RequestQueue(cfg.max_queue, cfg.max_concurrent)
-        self.metrics = ServerMetrics(self.requests)
-        strategy = ContinuousStrategy if tts.engine.continuous else StaticBatcher
-        self.worker = SpeechWorker(tts, self.requests, strategy(tts, cfg.batch_size, self.log),
-                                   base, self.log, cfg.stage1_batch, self.metrics)
-        self.counts = {"ok": 0, "failed": 0, "cancelled": 0, "rejected": 0}
-        self.serial = 0
+        self.metrics = ServerMetrics(lambda: self.sessions.places())
+        self.sessions = Sessions(tts, cfg, base, self.log, self.metrics)
         self.live: set[Speech] = set()
 
     # -- the request's life --
@@ -94,9 +83,9 @@ class SpeechServer:
         from starlette.concurrency import run_in_threadpool
 
         params = self.parser.parse(await read_body(request))
-        ticket, tally = Ticket(), tally_of(request)
-        if not self.requests.admit(ticket):
-            self.counts["rejected"] += 1
+        tally = tally_of(request)
+        session = self.sessions.open("speech")
+        if session is None:
             tally.outcome = "rejected"
             raise ApiError(503, "the server is busy (queue full); retry later", code="busy",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -104,12 +93,11 @@ class SpeechServer:
             prompts = await run_in_threadpool(self.tts.prompts, params.text, params.options,
                                               params.options.seed)
         except BaseException as exc:
-            self.requests.release(ticket)
+            session.release("failed" if isinstance(exc, MimoTTSError) else "cancelled")
             if isinstance(exc, MimoTTSError):
                 raise ApiError.of(exc) from None
             raise
-        self.serial += 1
-        speech = Speech(self, params, prompts, ticket, self.serial, tally)
+        speech = Speech(self, params, prompts, session, tally)
         body = speech.body(request)
         try:
             first = await anext(body)
@@ -117,7 +105,7 @@ class SpeechServer:
             speech.release(outcome_of(exc))  # the client gone or the server's stop: cancelled
             raise
         tally.first_audio(params.fmt in STREAMED)
-        headers = {"X-MiMo-Batch-Rows": str(speech.jobs[0].rows)}
+        headers = {"X-MiMo-Batch-Rows": str(session.rows)}
         if params.fmt not in STREAMED and not params.sse:
             if params.captions:
                 headers[CAPTIONS_HEADER] = json.dumps(speech.cues(), separators=(",", ":"))
@@ -132,12 +120,12 @@ class SpeechServer:
         """The server stops: requests still here are cancelled, the worker's threads end."""
         for speech in list(self.live):
             speech.release("cancelled")
-        self.worker.close(timeout=SHUTDOWN_GRACE_S)
+        self.sessions.close(timeout=SHUTDOWN_GRACE_S)
 
     def health(self) -> dict:
-        return {"status": "ok", "model": self.model, **self.requests.counts(),
-                "batch_size": self.cfg.batch_size, **self.worker.stats,
-                "requests": dict(self.counts)}
+        return {"status": "ok", "model": self.model, **self.sessions.places(),
+                "batch_size": self.cfg.batch_size, **self.sessions.worker.stats,
+                "requests": dict(self.sessions.counts)}
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
@@ -157,84 +145,35 @@ class SpeechServer:
         given = request.headers.get("authorization", "")
         return hmac.compare_digest(given.encode(), f"Bearer {self.cfg.api_key}".encode())
 
-    def voice_routes(self, app, auth) -> None:
-        """`/v1/audio/voices`: GET lists, POST (multipart) adds, DELETE /{name} removes."""
-        from fastapi import Request
-        from fastapi.responses import JSONResponse
-
-        async def add(request: Request):
-            return JSONResponse(await voices.add_voice(self, request), 201)
-
-        async def delete(name: str):
-            return JSONResponse(voices.delete_voice(self, name))
-
-        app.get("/v1/audio/voices", dependencies=[auth])(
-            lambda: JSONResponse(voices.list_voices(self)))
-        app.post("/v1/audio/voices", dependencies=[auth])(add)
-        app.delete("/v1/audio/voices/{name}", dependencies=[auth])(delete)
-
     def app(self):
-        """The FastAPI application: its routes, errors as OpenAI-style JSON, each API request
-        counted by `ServerMetrics.wrap`."""
-        from fastapi import Depends, FastAPI, Request
-        from fastapi.responses import JSONResponse
-        from starlette.exceptions import HTTPException
+        """The FastAPI application: `routes.py`'s routes, errors as OpenAI-style JSON, each
+        API request counted by `ServerMetrics.wrap`."""
+        from mimo_tts.server.routes import build_app
 
-        def auth(request: Request) -> None:
-            if not self.authorized(request):
-                raise ApiError(401, "missing or invalid API key (Authorization: Bearer ...)",
-                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
-        async def speech(request: Request):
-            return await self.speech(request)
-
-        app = FastAPI(title="mimo-tts", redoc_url=None)  # /docs: the interactive API page
-        app.add_exception_handler(ApiError, lambda request, exc: exc.response())
-        app.add_exception_handler(HTTPException, lambda request, exc: ApiError(
-            exc.status_code, str(exc.detail)).response())
-        app.add_exception_handler(Exception, lambda request, exc: ApiError(
-            500, f"unexpected {type(exc).__name__}: {exc}").response())
-        app.post("/v1/audio/speech", dependencies=[Depends(auth)],
-                 openapi_extra=speech_openapi(self.formats))(speech)
-        app.get("/", include_in_schema=False)(self.page)
-        app.get("/v1/models", dependencies=[Depends(auth)])(lambda: JSONResponse(self.models()))
-        app.get("/health")(lambda: JSONResponse(self.health()))
-        app.get("/metrics", dependencies=[Depends(auth)], include_in_schema=False)(
-            self.metrics.response)
-        self.voice_routes(app, Depends(auth))
-        return _Aborts(self.metrics.wrap(app))
+        return _Aborts(self.metrics.wrap(build_app(self)))
 
 
 class Speech:
-    """One request's jobs (one per text piece) and the events they send to the event loop."""
+    """One HTTP request: its session's events turned into the response's bytes."""
 
     def __init__(self, server: SpeechServer, params: SpeechParams, prompts: list,
-                 ticket: Ticket, serial: int, tally: Tally):
-        self.server, self.params, self.ticket, self.tally = server, params, ticket, tally
-        label = f"speech-{serial}"
-        loop = asyncio.get_running_loop()
-        self.deadline = loop.time() + server.cfg.timeout
-        self.queues = [asyncio.Queue() for _ in prompts]
-        options = params.options.generation_options(params.options.seed)
-        self.jobs = [SpeechJob(prompt, options, params.options.seed, params.fmt in STREAMED,
-                         deliver_on(loop, q), ticket, label, (serial, i))
-                     for i, (prompt, q) in enumerate(zip(prompts, self.queues, strict=True))]
+                 session: Session, tally: Tally):
+        self.server, self.params, self.session, self.tally = server, params, session, tally
         self.usage = {"input_tokens": sum(p.n_groups for p in prompts), "output_tokens": 0}
-        self.released = False
         self.lengths: list[int] = []  # each piece's samples, as they finish (captions)
         server.live.add(self)
-        server.worker.submit(self.jobs)
+        session.start(prompts, params.options, params.fmt in STREAMED)
+
+    @property
+    def label(self) -> str:
+        return self.session.label
 
     def release(self, outcome: str) -> None:
         """The request is over (`outcome`: one of `metrics.OUTCOMES`): its jobs are cancelled,
         its place freed (once)."""
-        if not self.released:
-            self.released = True
-            self.server.worker.cancel(self.jobs)
-            self.server.requests.release(self.ticket)
+        if not self.session.released:
             self.tally.outcome = outcome
-            counts = self.server.counts  # /health folds the failures into one count
-            counts[outcome if outcome in counts else "failed"] += 1
+            self.session.release(outcome)
             self.server.live.discard(self)
 
     def cues(self) -> list[dict]:
@@ -248,12 +187,12 @@ class Speech:
         """The response's `send`, each call cut off at the request's deadline: a client that
         stops reading blocks it (the socket is full), and would keep its place for good."""
         async def send_by_deadline(message) -> None:
-            left = self.deadline - asyncio.get_running_loop().time()
+            left = self.session.deadline - asyncio.get_running_loop().time()
             try:
                 async with asyncio.timeout(max(left, 0)):
                     await send(message)
             except TimeoutError:
-                self.server.log(f"{self.jobs[0].label}: the client stopped reading; closed "
+                self.server.log(f"{self.label}: the client stopped reading; closed "
                                 f"at --timeout ({self.server.cfg.timeout:g} s)")
                 self.release("timeout")
                 raise StreamAborted from None
@@ -261,25 +200,24 @@ class Speech:
         return send_by_deadline
 
     async def next_event(self, index: int, request=None) -> tuple:
-        """The job's next event; before the response starts (`request` given), a client that
+        """The piece's next event; before the response starts (`request` given), a client that
         went away cancels it. Past the deadline: 504."""
-        loop = asyncio.get_running_loop()
-        while (left := self.deadline - loop.time()) > 0:
+        while True:
             try:
-                return await asyncio.wait_for(self.queues[index].get(),
-                                              min(left, POLL_S) if request else left)
+                return await self.session.next_event(index, POLL_S if request else None)
             except TimeoutError:
+                if self.session.loop.time() >= self.session.deadline:
+                    raise ApiError(504, "the request took longer than --timeout "
+                                   f"({self.server.cfg.timeout:g} s)", code="timeout") from None
                 if request is not None and await request.is_disconnected():
                     raise ApiError(CLIENT_GONE, "client closed the request") from None
-        raise ApiError(504, f"the request took longer than --timeout ({self.server.cfg.timeout:g}"
-                       " s)", code="timeout")
 
     async def body(self, request):
         """The response body's bytes: pcm/wav as decoded, other formats whole at the end."""
         fmt, pause = self.params.fmt, PAUSE_FRAMES * self.server.tts.stage1.samples_per_frame
         header = wav_stream_header(SAMPLE_RATE) if fmt == "wav" else b""
         audios = []
-        for i in range(len(self.jobs)):
+        for i in range(len(self.session.jobs)):
             if i and fmt in STREAMED:
                 self.tally.samples += pause
                 yield pcm16(_zeros(pause))
@@ -308,7 +246,7 @@ class Speech:
                 yield data
             self.release("ok")
         except ApiError as exc:
-            self.server.log(f"{self.jobs[0].label}: aborted: {exc.message}")
+            self.server.log(f"{self.label}: aborted: {exc.message}")
             self.release(outcome_of(exc))
             raise StreamAborted from None
         finally:

@@ -3,10 +3,10 @@
 `ServerMetrics` owns a `CollectorRegistry` of its own (never the global one), so two servers in
 one process keep apart. It learns of a request's end from the ASGI wrapper `wrap` (status and
 the outcome the request decided: every response path passes there once), of its audio from its
-`Tally`, and of the engine from the `Meter` calls of `SpeechWorker` (rows live, Stage-1 decode
-time, engine errors). The names, types and labels are the README's table ("Metrics"). Nothing
-here imports prometheus_client until a `ServerMetrics` is built: the worker's default `Meter`
-(the Wyoming face) needs no extra.
+`Tally`, and of the engine from the `Meter` calls of the speech worker (`synthesis.worker`:
+rows live, Stage-1 decode time, engine errors). The names, types and labels are the README's
+table ("Metrics"). Nothing here imports prometheus_client until a `ServerMetrics` is built: the
+worker's default `Meter` (the Wyoming face) needs no extra.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import time
 
 from mimo_tts.server.protocol import CLIENT_GONE
 from mimo_tts.synthesis.audio import SAMPLE_RATE
+from mimo_tts.synthesis.worker import Meter
 
 OUTCOMES = ("ok", "client_error", "rejected", "timeout", "cancelled", "error")
 STAGES = ("stage0", "stage1")
@@ -48,25 +49,6 @@ def outcome_of(exc: BaseException) -> str:
     return outcome_of_status(getattr(exc, "status", 500))
 
 
-class Meter:
-    """What `SpeechWorker` reports while it works; this base records nothing (a face without
-    metrics, the Wyoming one)."""
-
-    def row_started(self) -> None:
-        """A job got a Stage-0 row."""
-
-    def row_finished(self, failed: bool = False) -> None:
-        """A job's row ended (`failed`: by an engine error, not a cancel)."""
-
-    def engine_error(self, stage: str) -> None:
-        """The engine failed a job, or a bug stopped a batch, in `stage`."""
-
-    @contextlib.contextmanager
-    def stage(self, name: str):
-        """Times one piece of work of stage `name`; an exception out of it is its error."""
-        yield
-
-
 class Tally:
     """One HTTP request as the metrics see it: when it came, what it decided, its audio."""
 
@@ -90,7 +72,8 @@ def tally_of(request) -> Tally:
 class ServerMetrics(Meter):
     """The server's metrics: counters, histograms and gauges in the app's own registry."""
 
-    def __init__(self, requests):
+    def __init__(self, places):
+        """`places()`: the requests in progress and waiting, {"active": n, "queued": m}."""
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.lock = threading.Lock()
@@ -114,11 +97,12 @@ class ServerMetrics(Meter):
         self.engine_errors = Counter("mimo_tts_engine_errors", "Jobs failed by the engine, "
                                      "and batches stopped by a bug, by stage", ["stage"],
                                      registry=registry)
-        Gauge("mimo_tts_queue_depth", "Admitted speech requests waiting for the engine",
-              registry=registry).set_function(lambda: requests.counts()["queued"])
-        Gauge("mimo_tts_active_requests", "Speech requests in progress (first job taken, not "
-              "yet released)", registry=registry).set_function(
-            lambda: requests.counts()["active"])
+        Gauge("mimo_tts_queue_depth", "Admitted speech requests waiting for a place in "
+              "progress (--max-queue)", registry=registry).set_function(
+            lambda: places()["queued"])
+        Gauge("mimo_tts_active_requests", "Speech requests in progress (--max-concurrent), "
+              "admitted and not yet released", registry=registry).set_function(
+            lambda: places()["active"])
         Gauge("mimo_tts_active_rows", "Stage-0 batch rows generating now", registry=registry
               ).set_function(lambda: self.rows)
         registry.register(_StageSeconds(self))

@@ -1,10 +1,12 @@
-"""`mimo-tts wyoming`: a Wyoming TTS server (Home Assistant's voice protocol) on the worker of
-`server/engine.py`, so it has the engine, limits and batching of `mimo-tts serve`.
+"""`mimo-tts wyoming`: a Wyoming TTS server (Home Assistant's voice protocol) on the speech worker,
+each text a `server/session.py` session, so it has the engine, limits and batching of
+`mimo-tts serve`.
 
 Events (the `wyoming` package, the optional `wyoming` extra): `describe` -> `info` (the model,
 its voices, languages); `synthesize` -> `audio-start`, `audio-chunk`s (24 kHz s16le mono, each
 as Stage-1 decodes it), `audio-stop`; the streaming form `synthesize-start`, `-chunk`s, `-stop`
-is spoken sentence by sentence as the text comes (one audio-start/stop per sentence), then
+is spoken sentence by sentence as the text comes (`synthesis.text.sentences`, the rule that
+splits long text; one audio-start/stop per sentence), then
 `synthesize-stopped`. A failure is an `error` event and the connection stays. Each connection
 speaks its texts in order in its own task, so a client that disconnects is seen at once: its
 jobs are cancelled and its place in the queue freed. TCP, loopback by default; no key (Wyoming
@@ -14,22 +16,12 @@ has none): bind another address only on a trusted network.
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
 import traceback
 from dataclasses import replace
 
 from mimo_tts import __version__
 from mimo_tts.errors import MimoTTSError, UsageError
-from mimo_tts.server.engine import (
-    ContinuousStrategy,
-    RequestQueue,
-    SpeechJob,
-    SpeechWorker,
-    StaticBatcher,
-    Ticket,
-    deliver_on,
-)
 from mimo_tts.server.lifecycle import SHUTDOWN_GRACE_S, STOP_SIGNALS, loaded
 from mimo_tts.server.protocol import (
     ApiError,
@@ -37,8 +29,9 @@ from mimo_tts.server.protocol import (
     public_model_name,
     serve_config,
 )
+from mimo_tts.server.session import Sessions
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, pcm16
-from mimo_tts.synthesis.text import clean_text
+from mimo_tts.synthesis.text import clean_text, ended_sentences
 from mimo_tts.synthesis.voices import VoiceStore
 
 EXTRA_HINT = "mimo-tts wyoming needs the wyoming extra: pip install 'mimo-tts[wyoming]'"
@@ -46,26 +39,19 @@ DEFAULT_PORT = 10200  # the port Home Assistant's Wyoming integration suggests f
 LANGUAGES = ["en", "zh"]  # what MiMo-Audio was trained to speak
 SOURCE = "https://github.com/XiaomiMiMo/MiMo-Audio"
 WIDTH, CHANNELS = 2, 1  # s16le mono
-# a sentence ends at . ! ? (or their CJK forms) followed by space, or at a CJK end mark itself
-SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[。！？])")
 VOICE_NOTES = {"default": "the model's own voice",
                "natural": "natural-language instruction: the text says how to speak"}
 
 
 class WyomingSpeech:
-    """The Wyoming face over one loaded `MiMoTTS`: its own `SpeechWorker` and `RequestQueue`,
+    """The Wyoming face over one loaded `MiMoTTS`: its own `Sessions` (worker and places),
     built as `mimo-tts serve` builds them, and the voices as `RequestParser` maps them."""
 
     def __init__(self, tts, cfg, base, model: str, log=None):
         self.tts, self.cfg, self.base, self.model = tts, cfg, base, model
         self.log = log or (lambda message: None)
         self.parser = RequestParser(cfg, base, model, ())
-        self.requests = RequestQueue(cfg.max_queue, cfg.max_concurrent)
-        strategy = ContinuousStrategy if tts.engine.continuous else StaticBatcher
-        self.worker = SpeechWorker(tts, self.requests, strategy(tts, cfg.batch_size, self.log),
-                                   base, self.log, cfg.stage1_batch)
-        self.serial = 0
-        self.counts = {"ok": 0, "failed": 0, "cancelled": 0, "rejected": 0}
+        self.sessions = Sessions(tts, cfg, base, self.log)
 
     def voices(self) -> list[str]:
         """The default, the natural-instruction style, the start-up voices and the registry's."""
@@ -102,29 +88,22 @@ class WyomingSpeech:
         from wyoming.audio import AudioChunk, AudioStart, AudioStop
 
         text, options = self.options(text, voice)
-        ticket = Ticket()
-        if not self.requests.admit(ticket):
-            self.counts["rejected"] += 1
+        session = self.sessions.open("wyoming")
+        if session is None:
             raise ApiError(503, "the server is busy (queue full); retry later", code="busy")
-        loop, jobs, outcome = asyncio.get_running_loop(), [], "cancelled"
+        loop, outcome = asyncio.get_running_loop(), "cancelled"
         try:
             async with asyncio.timeout(self.cfg.timeout):
                 prompts = await loop.run_in_executor(None, self.tts.prompts, text, options,
                                                      options.seed)
-                self.serial += 1
-                queues = [asyncio.Queue() for _ in prompts]
-                generation = options.generation_options(options.seed)
-                jobs = [SpeechJob(prompt, generation, options.seed, True, deliver_on(loop, q),
-                                  ticket, f"wyoming-{self.serial}", (self.serial, i))
-                        for i, (prompt, q) in enumerate(zip(prompts, queues, strict=True))]
-                self.worker.submit(jobs)
+                session.start(prompts, options, streamed=True)
                 fmt = {"rate": SAMPLE_RATE, "width": WIDTH, "channels": CHANNELS}
                 await send(AudioStart(**fmt).event())
                 pause = PAUSE_FRAMES * self.tts.stage1.samples_per_frame
-                for i, events in enumerate(queues):
+                for i in range(len(prompts)):
                     if i:
                         await send(AudioChunk(audio=bytes(WIDTH * pause), **fmt).event())
-                    while (event := await events.get())[0] == "audio":
+                    while (event := await session.next_event(i))[0] == "audio":
                         await send(AudioChunk(audio=pcm16(event[1]), **fmt).event())
                     if event[0] == "error":
                         outcome = "failed"
@@ -139,14 +118,12 @@ class WyomingSpeech:
             outcome = "failed"
             raise ApiError.of(exc) from None
         finally:
-            self.worker.cancel(jobs)
-            self.requests.release(ticket)
-            self.counts[outcome] += 1
+            session.release(outcome)
             if outcome == "cancelled":
-                self.log(f"wyoming-{self.serial}: cancelled (the client went away)")
+                self.log(f"{session.label}: cancelled (the client went away)")
 
     def close(self) -> None:
-        self.worker.close(timeout=SHUTDOWN_GRACE_S)
+        self.sessions.close(timeout=SHUTDOWN_GRACE_S)
 
 
 class Connection:
@@ -193,8 +170,8 @@ class Connection:
             self.stream = {"voice": _voice_name(started.voice), "text": ""}
         elif SynthesizeChunk.is_type(event.type) and self.stream is not None:
             self.stream["text"] += SynthesizeChunk.from_event(event).text
-            *done, self.stream["text"] = SENTENCE_END.split(self.stream["text"])
-            for sentence in filter(str.strip, done):
+            done, self.stream["text"] = ended_sentences(self.stream["text"])
+            for sentence in done:
                 await self.texts.put(("say", sentence, self.stream["voice"]))
         elif SynthesizeStop.is_type(event.type) and self.stream is not None:
             rest, voice, self.stream = self.stream["text"], self.stream["voice"], None

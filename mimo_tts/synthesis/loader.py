@@ -70,3 +70,23 @@ def thread_budgets(settings: Settings) -> dict:
         return {"lm": n - n // TURN_CORES, "tokenizer": n // TURN_CORES,
                 "source": "auto (--stream, cpu)"}
     return {"lm": e.lm_threads, "tokenizer": e.tokenizer_threads, "source": "options"}
+
+
+def stage1_mode(threads: dict, placement, stream: bool) -> str:
+    """Where Stage-1 runs beside Stage-0 (`synthesis.worker`): "turns" (in the Stage-0 thread
+    between steps, each stage with every thread) when both stages share the CPU and no thread
+    split is set: the budgets say so for `--stream` on up to TURN_CORES cores, and work that
+    is not streamed needs no overlap; else "thread" (another device, or split CPU budgets)."""
+    if placement is None:
+        return "turns"
+    if placement.lm_device.value != "cpu" or placement.tokenizer_device.value != "cpu":
+        return "thread"
+    if threads.get("interleave") or not stream:
+        return "turns"
+    split = threads.get("lm") is not None or threads.get("tokenizer") is not None
+    if not split:
+        import torch
+
+        if torch.get_num_threads() <= TURN_CORES:
+            return "turns"
+    return "thread"

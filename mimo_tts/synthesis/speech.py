@@ -1,14 +1,17 @@
 """Speech in memory: `Audio` and `AudioChunk`, and the library's calls that make them
 (`SpeechCalls`: `synthesize`, `synthesize_batch`, `stream`, `decode`), each argument checked as
 the CLI checks its flag. `MiMoTTS` (synthesizer.py) is the `SpeechCalls` over its loaded stages:
-the calls use its building blocks (`prompts`, `generate`, `run_batch`, `piece`, `finish`,
-`describe`, `stage1`, `engine`, `options`).
+each call turns its text pieces into jobs of the speech worker (`MiMoTTS.worker`,
+`synthesis/worker.py`) and finishes what they give (`prompts`, `finish`, `describe`, `stage1`,
+`options`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+import queue
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -33,8 +36,8 @@ from mimo_tts.synthesis.options import (
 )
 from mimo_tts.synthesis.pieces import Piece
 from mimo_tts.synthesis.stage1 import check_pause, codes_tensor
-from mimo_tts.synthesis.streaming import stream_chunks
 from mimo_tts.synthesis.text import clean_text
+from mimo_tts.synthesis.worker import Chunk, Failed, SpeechJob
 
 SYNTHESIS_FIELDS = frozenset(f.name for f in fields(SynthesisOptions))
 
@@ -120,8 +123,14 @@ class SpeechCalls:
     def stream(self, text: str, **given) -> Iterator[AudioChunk]:
         """Speech for `text` in chunks as Stage-1 decodes them (keywords as `synthesize`)."""
         o = self._options("stream", given.pop("options", None), **given)
-        chunks = stream_chunks(self, self.prompts(_text(text, "text"), o, o.seed), o)
-        for index, chunk in enumerate(chunks):
+        prompts = self.prompts(_text(text, "text"), o, o.seed)
+        options = o.generation_options(o.seed)
+        jobs = [SpeechJob(p, options, o.seed, decode="stream", label="stream", order=(0, i),
+                          key=i) for i, p in enumerate(prompts)]
+        worker = self.worker(1, stream=True, schedule=(o.stream_mode, o.stream_chunk_groups,
+                                                       o.stream_max_chunk_groups))
+        pause = PAUSE_FRAMES * self.stage1.samples_per_frame
+        for index, chunk in enumerate(_background(stream_audio(worker.run(jobs), pause))):
             yield AudioChunk(to_numpy(chunk), self.stage1.sample_rate, index)
 
     def decode(self, codes, pause_frames: int = PAUSE_FRAMES) -> Audio:
@@ -143,15 +152,23 @@ class SpeechCalls:
                       "tokenizer": self.tok_ref.describe() if self.tok_ref else None})
 
     def _synthesize(self, texts: list[str], o: SynthesisOptions, rows: int) -> list[Audio]:
-        prompts = [self.prompts(t, o, o.seed) for t in texts]
-        flat = [p for ps in prompts for p in ps]
-        if self.engine.continuous and rows > 1:
-            made = self._run_jobs(flat, o, rows)
-        else:
-            made = self.generate(flat, o.generation_options(o.seed), o.seed, rows)
+        """Every text's pieces as jobs of one speech worker of `rows` rows, each text's pieces
+        decoded together, then joined and checked per text."""
+        options = o.generation_options(o.seed)
+        groups: list[list[SpeechJob]] = []
+        for n, text in enumerate(texts):
+            group: list[SpeechJob] = []
+            group += [SpeechJob(p, options, o.seed, group=group, label=f"text {n + 1}",
+                                order=(n, i)) for i, p in enumerate(self.prompts(text, o, o.seed))]
+            groups.append(group)
+        jobs = [job for group in groups for job in group]
+        if jobs:
+            for event in self.worker(min(rows, len(jobs))).run(jobs):
+                if isinstance(event, Failed):
+                    raise event.error
         results = []
-        for n, ps in enumerate(prompts):
-            pieces, made = made[:len(ps)], made[len(ps):]
+        for n, group in enumerate(groups):
+            pieces = [job.piece for job in group]
             audio = self._audio(self.finish(pieces, f"text {n + 1}"), o, pieces)
             if o.captions:
                 audio = replace(audio, cues=tuple(self.cues(texts[n], o, pieces)))
@@ -163,26 +180,6 @@ class SpeechCalls:
         spf = self.stage1.samples_per_frame
         return cues(text_pieces(text, o), [piece_samples(p, spf) for p in pieces],
                     self.stage1.sample_rate, spf)
-
-    def _run_jobs(self, prompts: list, o: SynthesisOptions, rows: int) -> list[Piece]:
-        """Each prompt a job of one continuous batch (`run_batch`), sampling from its own
-        generator seeded with `o.seed`: its codes are its single run's."""
-        from mimo_tts.lm.batching import Job, JobDone, Jobs, StepFailed
-
-        if not prompts:
-            return []
-        options = o.generation_options(o.seed)
-        made: list[Piece | None] = [None] * len(prompts)
-        jobs = Jobs(Job(p.input_ids, options, key=i) for i, p in enumerate(prompts))
-        for event in self.run_batch(jobs, min(rows, len(prompts))):
-            if isinstance(event, StepFailed):
-                raise event.error
-            if isinstance(event, JobDone):
-                if event.error is not None:
-                    raise event.error
-                index = event.job.key
-                made[index] = self.piece(prompts[index], event.generation, o.seed)
-        return made
 
     def _options(self, call: str, options, **given) -> SynthesisOptions:
         """`options` (default `self.options`) with this call's keywords; a keyword that is no
@@ -231,3 +228,41 @@ def _texts(texts) -> list[str]:
         raise OptionTypeError(f"texts must be a list of strings, not "
                               f"{type(texts).__name__}") from None
     return [_text(t, f"texts[{i}]") for i, t in enumerate(texts)]
+
+
+def stream_audio(events: Iterable, pause: int) -> Iterator:
+    """The audio [S_i] of streamed jobs' events, in order, with `pause` zero samples between
+    consecutive jobs (the pieces of one text, run one at a time); a failure is raised."""
+    import torch
+
+    begun: set = set()
+    for event in events:
+        if isinstance(event, Failed):
+            raise event.error
+        job = event.job
+        if job.order[1] and job not in begun:  # the pause before a later piece's audio
+            begun.add(job)
+            yield torch.zeros(pause)
+        begun.add(job)
+        if isinstance(event, Chunk):
+            yield event.samples
+
+
+def _background(chunks: Iterator) -> Iterator:
+    """`chunks` produced in a thread of their own (Stage-0 goes on while the caller plays
+    what it has); an error there is raised here."""
+    out: queue.Queue = queue.Queue()
+
+    def run():
+        try:
+            for chunk in chunks:
+                out.put(chunk)
+            out.put(None)
+        except BaseException as exc:  # re-raised in the caller's thread
+            out.put(exc)
+
+    threading.Thread(target=run, name="mimo-tts-stream", daemon=True).start()
+    while (chunk := out.get()) is not None:
+        if isinstance(chunk, BaseException):
+            raise chunk
+        yield chunk

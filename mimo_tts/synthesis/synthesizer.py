@@ -3,8 +3,8 @@
 
 `MiMoTTS` holds the Stage-0 engine (`lm.engine.Engine`), the LM's text tokenizer and `Stage1`
 (the audio tokenizer with its safeguards); `from_settings` is the one loader of every face. Its
-building blocks (task prompts, generation, the continuous batch, streaming with Stage-1
-overlapped, joining) are what the batch runner and the server use too. It writes no files, no
+building blocks (task prompts, pieces, joining) and its speech worker (`worker()`, where every
+synthesis runs) are what the batch runner and the servers use too. It writes no files, no
 manifest and nothing to stdout: the batch runner and its sinks (`mimo_tts.batch`) do that.
 
     import mimo_tts
@@ -14,8 +14,7 @@ manifest and nothing to stdout: the batch runner and its sinks (`mimo_tts.batch`
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import asdict, fields
 
 import torch
@@ -27,9 +26,14 @@ from mimo_tts.lm.prompts import build_prompt
 from mimo_tts.lm.tasks import TASKS
 from mimo_tts.lm.text import TextTokenizer
 from mimo_tts.runtime.checkpoints import DEFAULT_MODEL
-from mimo_tts.runtime.guards import oom_advice, thread_budget
+from mimo_tts.runtime.guards import oom_advice
 from mimo_tts.synthesis.captions import text_pieces
-from mimo_tts.synthesis.loader import check_fits, resolve_checkpoints, thread_budgets
+from mimo_tts.synthesis.loader import (
+    check_fits,
+    resolve_checkpoints,
+    stage1_mode,
+    thread_budgets,
+)
 from mimo_tts.synthesis.options import (
     EngineOptions,
     SynthesisOptions,
@@ -39,8 +43,8 @@ from mimo_tts.synthesis.preflight import Lengths, weights_bytes
 from mimo_tts.synthesis.settings import Settings, resolve
 from mimo_tts.synthesis.speech import SpeechCalls
 from mimo_tts.synthesis.stage1 import Stage1, _naming, check_pairing
-from mimo_tts.synthesis.streaming import stream_piece
 from mimo_tts.synthesis.voices import VoiceStore, add_voice, file_sha256, tokenizer_record
+from mimo_tts.synthesis.worker import STAGE1_BATCH, SpeechWorker
 
 
 def load(model: str = DEFAULT_MODEL, tokenizer: str | None = None, *,
@@ -118,7 +122,7 @@ class MiMoTTS(SpeechCalls):
         described = stage0.describe()
         log(f"LM loaded from {lm_ref.path}" + (f" into {spec.name} {settings}" if settings else "")
             + (f" ({described['lm_quant']} weights)" if described.get("lm_quant") else "")
-            + (f" (CPU kernel: {stage0.kernel_words()})" if hasattr(stage0, "kernel_words")
+            + (f" (CPU kernel: {_kernel_words(described)})" if "cpu_kernel" in described
                else ""))
         try:
             beside = 0
@@ -197,18 +201,6 @@ class MiMoTTS(SpeechCalls):
     def remove_voice(self, name: str) -> None:
         self.voices.remove(name)
 
-    def generate(self, prompts: list, options, seed: int, batch_size: int = 1) -> list[Piece]:
-        """Stage-0 for prompts, `batch_size` at a time (a static engine: all at once), then
-        extraction."""
-        pieces = []
-        step = batch_size if self.engine.continuous else max(len(prompts), 1)
-        for start in range(0, len(prompts), step):
-            batch = prompts[start:start + step]
-            with self.stage0_guard():
-                outs = self.engine.generate([p.input_ids for p in batch], options)
-            pieces += [self.piece(p, out, seed) for p, out in zip(batch, outs, strict=True)]
-        return pieces
-
     def piece(self, prompt, generation, seed: int) -> Piece:
         """One prompt's generated groups (a lm.generate.Generation), text and codes extracted."""
         found = extract(generation.new_ids, self.text, self.empty_ids, self.group_size)
@@ -216,25 +208,16 @@ class MiMoTTS(SpeechCalls):
         return Piece(prompt, seed, list(found.text_tokens), found.text, found.codes,
                      timings=timings)
 
-    @contextmanager
-    def stage0_guard(self):
-        """The context Stage-0 work runs in: the LM's thread budget, out-of-memory advice."""
-        with thread_budget(self.lm_threads), oom_advice("Stage-0 generation", self.lm_device):
-            yield
-
-    def run_batch(self, source, rows: int):
-        """A continuous batch of `rows` pulling `lm.batching.Job`s from `source`, each step
-        under `stage0_guard` (`lm.batching.BatchRun`; continuous engines only)."""
-        return self.engine.run_batch(source, rows, self.stage0_guard)
-
-    def stream_steps(self, ids: list, options) -> Iterator:
-        """Stage-0 StepOutputs as produced (vLLM: an audio group arrives one step late)."""
-        return self.engine.stream(ids, options)
-
-    def stream_piece(self, prompt, o: SynthesisOptions, seed: int, on_chunk, log) -> Piece:
-        """One prompt with Stage-1 decoding its frames as they come (`on_chunk(samples)`)."""
-        return stream_piece(self, prompt, o.generation_options(seed), seed, on_chunk,
-                            o.stream_chunk_groups, log, o.stream_mode, o.stream_max_chunk_groups)
+    def worker(self, rows: int, *, stream: bool = False, schedule=None,
+               stage1_batch: int | None = None, meter=None, log=None) -> SpeechWorker:
+        """The speech worker over these stages with `rows` Stage-0 rows (`synthesis.worker`):
+        Stage-1 in turns or in its own thread as `loader.stage1_mode` says for this placement
+        (`stream`: the jobs decode while they generate); `schedule` (stream mode, first push,
+        largest push) defaults to `self.options`'."""
+        mode = stage1_mode(self.threads, self.placement, stream)
+        return SpeechWorker(self, rows, stage1=mode, schedule=schedule,
+                            stage1_batch=stage1_batch or STAGE1_BATCH, meter=meter,
+                            log=log or self.log)
 
     def finish(self, pieces: list[Piece], label: str) -> torch.Tensor:
         """The pieces' audio joined and checked [S] (24 kHz): `Stage1.finish`."""
@@ -248,6 +231,12 @@ class MiMoTTS(SpeechCalls):
                 "placement": self.placement.describe() if self.placement else None,
                 "engine": self.engine_record(),
                 "effective_sampler": {"text": asdict(text), "audio": asdict(audio)}}
+
+
+def _kernel_words(described: dict) -> str:
+    """Whether the decode steps run in the fused CPU kernel, and why (not): the load log."""
+    return (("on, " if described["cpu_kernel"] else "off, ") + described["cpu_kernel_reason"]
+            + "; prefill: " + described["prefill_products"])
 
 
 def _same_file(path: str, sha256: str | None) -> bool:

@@ -116,3 +116,12 @@ def _hard_spans(text: str, start: int, end: int, max_chars: int) -> list[tuple[i
     if end > start:
         spans.append((start, end))
     return spans
+
+
+def ended_sentences(text: str) -> tuple[list[str], str]:
+    """A text still being written: its sentences whose end is there (an ASCII end mark and the
+    whitespace after it, or a CJK one), and the rest, which more text may still extend."""
+    ends = _sentence_ends(text)
+    if not ends:
+        return [], text
+    return sentences(text[:ends[-1]]), text[ends[-1]:]

@@ -333,12 +333,14 @@ def test_version_and_help():
     assert "synth" in bare.stdout and "selftest" in bare.stdout
 
 
-def test_stream_piece_matches_one_shot_codes(tiny_cache):
-    """Streaming Stage-1 in a worker thread: same codes, audio close to one-shot decode."""
+def test_streamed_piece_matches_one_shot_codes(tiny_cache):
+    """Streaming Stage-1 (the speech worker, a streamed job): same codes, audio close to
+    one-shot decode."""
     import torch
 
     import mimo_tts
     from mimo_tts.synthesis.options import SynthesisOptions
+    from mimo_tts.synthesis.worker import Chunk, Done, SpeechJob
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -348,14 +350,18 @@ def test_stream_piece_matches_one_shot_codes(tiny_cache):
         tts = mimo_tts.load(str(lm_dir), str(tok_dir), lm_device="cpu", tokenizer_device="cpu")
         options = SynthesisOptions(max_new_groups=12, stream_chunk_groups=2)
         (prompt,) = tts.prompts("Streaming check.", options, 0)
-        chunks = []
-        piece = tts.stream_piece(prompt, options, 0, chunks.append, lambda m: None)
-        (reference,) = tts.generate([prompt], options.generation_options(0), 0)
+        generation = options.generation_options(0)
+        runs = {}
+        for decode in ("stream", "whole"):
+            worker = tts.worker(1, stream=decode == "stream", schedule=("incremental", 2, None))
+            runs[decode] = list(worker.run([SpeechJob(prompt, generation, 0, decode=decode)]))
     finally:
         torch.set_num_threads(threads)
+    piece, reference = runs["stream"][-1].piece, runs["whole"][-1].piece
+    assert isinstance(runs["stream"][-1], Done) and isinstance(runs["whole"][-1], Done)
     assert torch.equal(piece.codes, reference.codes) and piece.note is None
-    one_shot = tts.stage1.decode([reference.codes])[0].cpu()
-    streamed = torch.cat(chunks)
+    one_shot = reference.audio.cpu()
+    streamed = torch.cat([e.samples for e in runs["stream"] if isinstance(e, Chunk)])
     assert streamed.shape == one_shot.shape == (SPF * reference.codes.shape[1],)
     assert torch.equal(streamed, piece.audio)
     assert (streamed - one_shot).abs().max() < 0.03 * one_shot.abs().max()  # as above

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import torch
@@ -201,24 +200,24 @@ def test_chunk_schedule_grows_from_the_first_chunk_to_the_cap():
 
 def test_stream_pushes_follow_the_chunk_schedule(tiny_synth_options, monkeypatch):
     """Stage-1 gets the first audio after the decoder's look-ahead and `stream_chunk_groups`,
-    then ever larger chunks."""
+    then ever larger chunks (the stages take turns here: one push a round)."""
+    import mimo_tts.codec
     from mimo_tts.batch.items import Item
     from mimo_tts.batch.sinks import MemorySink
-    from mimo_tts.synthesis import streaming as overlap
     from mimo_tts.synthesis.options import SynthesisOptions
 
-    pushed = []
-    push = overlap.DecodeWorker.push
+    pushed, push_streams = [], mimo_tts.codec.push_streams
 
-    def record(self, codes, last=False):
-        pushed.append((codes.shape[1], last))
-        return push(self, codes, last=last)
+    def record(decoders, codes, lasts):
+        pushed.extend((c.shape[1], last) for c, last in zip(codes, lasts, strict=True))
+        return push_streams(decoders, codes, lasts)
 
-    monkeypatch.setattr(overlap.DecodeWorker, "push", record)
-    runner = _runner(**tiny_synth_options, stream=True, lm_threads=1, tokenizer_threads=1,
-                     max_new_groups=28, stream_chunk_groups=1, stream_max_chunk_groups=4)
+    monkeypatch.setattr(mimo_tts.codec, "push_streams", record)
+    runner = _runner(**tiny_synth_options, stream=True, max_new_groups=28,
+                     stream_chunk_groups=1, stream_max_chunk_groups=4)
     (result,) = runner.run([Item(id="a", text="Chunks.", source="t")], MemorySink())
     assert result.status == "ok", result.error
+    assert runner.threads.get("interleave")
     frames = result.audio.shape[0] // 960
     assert sum(n for n, _ in pushed) == frames and frames > 8 * 4
     # the tiny preset holds back 9 groups (its norm warm-up of 40 frames): 9 + 1, then 2, 4
@@ -229,33 +228,3 @@ def test_stream_pushes_follow_the_chunk_schedule(tiny_synth_options, monkeypatch
         SynthesisOptions(stream_chunk_groups=8, stream_max_chunk_groups=4)
 
 
-def test_incremental_worker_merges_queued_chunks_without_changing_the_audio(tiny_synth_options):
-    """While Stage-1 is busy, later chunks queue up; the incremental worker decodes them in one
-    push, and the audio equals decoding the same frames in one stream of small pushes."""
-    from mimo_tts.codec import StreamingDecoder, load_audio_tokenizer
-    from mimo_tts.synthesis.streaming import DecodeWorker
-
-    codec = load_audio_tokenizer(tiny_synth_options["tokenizer"])
-    generator = torch.Generator().manual_seed(5)
-    codes = torch.stack([torch.randint(0, n, (120,), generator=generator)
-                         for n in codec.config.codebook_size[:8]])
-    reference = StreamingDecoder(codec, mode="incremental")
-    expected = torch.cat([w for w in (reference.push(codes[:, i:i + 20], last=i + 20 >= 120)
-                                      for i in range(0, 120, 20)) if w is not None])
-    release, pieces = threading.Event(), []
-
-    def sink(wave):
-        pieces.append(wave)
-        release.wait(timeout=30)  # hold the worker after its first piece
-
-    worker = DecodeWorker(codec, sink, threads=1, mode="incremental")
-    worker.push(codes[:, :60])  # 60 frames: past the 40-frame look-ahead, so audio comes out
-    while not pieces:
-        time.sleep(0.01)
-    for i in range(60, 120, 20):
-        worker.push(codes[:, i:i + 20], last=i + 20 >= 120)
-    release.set()
-    audio = worker.join()
-    assert len(pieces) == 2  # the first push, then the three queued ones merged
-    assert audio.shape == expected.shape == (960 * 120,)
-    torch.testing.assert_close(audio, expected.float(), atol=1e-5, rtol=0)

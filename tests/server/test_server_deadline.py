@@ -23,12 +23,12 @@ class FakeSpeech:
     """What `Speech.bounded` and the response class use of a request."""
 
     bounded = Speech.bounded
+    label = "speech-1"
 
     def __init__(self, left_s: float):
-        self.deadline = asyncio.get_running_loop().time() + left_s
+        self.session = SimpleNamespace(deadline=asyncio.get_running_loop().time() + left_s)
         self.logs: list[str] = []
         self.server = SimpleNamespace(log=self.logs.append, cfg=SimpleNamespace(timeout=left_s))
-        self.jobs = [SimpleNamespace(label="speech-1")]
         self.outcomes: list[str] = []
 
     def release(self, outcome: str) -> None:

@@ -202,48 +202,35 @@ def test_a_client_gone_before_its_audio_is_cancelled(tiny_tts):
     assert value(scraped, "mimo_tts_audio_seconds_total") == 0
 
 
-def test_the_worker_reports_rows_stage_time_and_engine_errors():
-    """No model: a strategy whose batch fails; its rows and errors reach the metrics."""
-    import queue
-    from types import SimpleNamespace
-
-    from mimo_tts.errors import MimoTTSError
-    from mimo_tts.server.engine import (
-        Finished,
-        RequestQueue,
-        SpeechJob,
-        SpeechWorker,
-        Started,
-        Ticket,
-    )
+def test_the_worker_reports_rows_stage_time_and_engine_errors(tiny_tts):
+    """A worker whose steps fail: its rows and errors reach the metrics."""
+    from mimo_tts.errors import DeviceError, MimoTTSError
+    from mimo_tts.lm import batching
     from mimo_tts.server.metrics import ServerMetrics
+    from mimo_tts.synthesis.options import SynthesisOptions
+    from mimo_tts.synthesis.worker import Failed, SpeechJob
 
-    class Failing:
-        def run(self, source):
-            while (jobs := source.take(8)) is not None:
-                for job in jobs:
-                    yield Started(job, len(jobs))
-                time.sleep(0.01)  # the batch's work
-                for job in jobs:
-                    yield Finished(job, MimoTTSError("out of memory"))
+    def failing(self):
+        if not self.idle:
+            time.sleep(0.01)  # the batch's work
+            raise DeviceError("out of memory on cpu during Stage-0 generation")
+        return step(self)
 
-    requests = RequestQueue(8, 8)
-    metrics = ServerMetrics(requests)
-    options = SimpleNamespace(stream_chunk_groups=1, stream_mode="official",
-                              stream_max_chunk_groups=None)
-    worker = SpeechWorker(SimpleNamespace(lm_threads=None, tokenizer_threads=None), requests,
-                          Failing(), options, meter=metrics)
-    events, ticket = queue.Queue(), Ticket()
-    assert requests.admit(ticket)
-    requests.put([SpeechJob(None, "a", 0, True, events.put, ticket) for _ in range(2)])
+    step = batching.ContinuousBatcher.step
+    metrics = ServerMetrics(lambda: {"active": 0, "queued": 0})
+    tts = tiny_tts[0]
+    o = SynthesisOptions(max_new_groups=4)
+    jobs = [SpeechJob(p, o.generation_options(0), 0) for p in tts.prompts("Hi.", o, 0) * 2]
+    batching.ContinuousBatcher.step = failing
     try:
-        assert [events.get(timeout=20)[0] for _ in range(2)] == ["error", "error"]
+        events = list(tts.worker(2, meter=metrics).run(jobs))
     finally:
-        worker.close(timeout=10)
+        batching.ContinuousBatcher.step = step
+    assert [type(e) for e in events] == [Failed, Failed]
     with pytest.raises(MimoTTSError), metrics.stage("stage1"):
         raise MimoTTSError("decode failed")
     scraped = parse(prometheus_client.generate_latest(metrics.registry).decode())
-    assert value(scraped, "mimo_tts_engine_errors_total", stage="stage0") == 2
+    assert value(scraped, "mimo_tts_engine_errors_total", stage="stage0") >= 2
     assert value(scraped, "mimo_tts_engine_errors_total", stage="stage1") == 1
     assert value(scraped, "mimo_tts_active_rows") == 0
     assert value(scraped, "mimo_tts_stage_seconds_total", stage="stage0") >= 0.01

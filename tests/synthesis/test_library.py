@@ -211,7 +211,6 @@ def test_wrong_types_in_calls_name_the_parameter(tts):
 def test_batch_of_3_equals_batch_of_1_byte_for_byte(tts):
     """Each text's audio is its own run's at any batch_size (continuous batch: a generator per
     job), as the CLI's --batch-size; before, the rows shared one seed stream (0 of 3 equal)."""
-    assert tts.engine.continuous
     texts = ["One.", "Two, a bit longer.", "And the third text."]
     one = tts.synthesize_batch(texts, batch_size=1, seed=3, max_new_groups=6)
     three = tts.synthesize_batch(texts, batch_size=3, seed=3, max_new_groups=6)

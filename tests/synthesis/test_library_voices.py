@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from mimo_tts.lm.batching import generate_all
 from mimo_tts.presets import ensure_tiny_preset
 from mimo_tts.runtime.paths import CACHE_ENV
 from mimo_tts.synthesis.captions import caption_pieces
@@ -57,7 +58,9 @@ def test_cues_are_the_pieces_samples_in_the_joined_audio(tts):
     assert cues[-1].end_sample == len(audio.samples)  # within one frame: exactly the end
     # Each cue's span is that piece's decoded samples; the gaps are the pauses' zeros.
     o = tts._options("synthesize", None, captions=True, seed=1)
-    pieces = tts.generate(tts.prompts(FIVE, o, 1), o.generation_options(1), 1)
+    gens = generate_all(tts.engine, [p.input_ids for p in tts.prompts(FIVE, o, 1)],
+                        o.generation_options(1), rows=1)
+    pieces = [tts.piece(p, g, 1) for p, g in zip(tts.prompts(FIVE, o, 1), gens, strict=True)]
     decoded = tts.stage1.decode([p.codes for p in pieces])
     for cue, piece in zip(cues, decoded, strict=True):
         assert np.array_equal(audio.samples[cue.start_sample:cue.end_sample], piece.numpy())
