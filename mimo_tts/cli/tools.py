@@ -15,6 +15,7 @@ from mimo_tts.presets import TINY
 from mimo_tts.runtime import checkpoints
 from mimo_tts.runtime.checkpoints import DEFAULT_MODEL, DEFAULT_TOKENIZER
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE
+from mimo_tts.synthesis.options import DEFAULT_TASK
 from mimo_tts.synthesis.settings import OptionValues, resolve
 
 
@@ -28,7 +29,7 @@ def status(
     task: Annotated[str, typer.Option(
         metavar="TASK", help="synth's --task: the task folder under OUTPUT_DIR (for the folder "
                              "of a task that JSONL lines name, give that folder as "
-                             "OUTPUT_DIR).")] = "tts_sft",
+                             "OUTPUT_DIR).")] = DEFAULT_TASK,
     seed: Annotated[int, typer.Option(
         metavar="SEED", help="synth's --seed: with --input it names and keys the items "
                              "(default 0).")] = 0,
