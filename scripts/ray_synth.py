@@ -13,36 +13,16 @@ the same `mimo-tts book` command again, which finds the pieces done and assemble
 import argparse
 import sys
 
-# (flag, type, help) of synth's options this script passes on, by their OptionValues names
-SYNTH_OPTIONS = [
-    ("--model", str, "LM checkpoint (default: the published LM)"),
-    ("--tokenizer", str, "audio tokenizer checkpoint (default: the published one)"),
-    ("--task", str, "prompt task (default tts_sft)"),
-    ("--instruct", str, "style instruction"),
-    ("--prompt-audio", str, "voice prompt audio file"),
-    ("--voice", str, "a stored voice (mimo-tts voices add)"),
-    ("--seed", int, "sampling seed (default 0)"),
-    ("--max-new-groups", int, "cap on generated groups (one group = 160 ms)"),
-    ("--batch-size", int, "prompts generated together per Stage-0 call (default 1)"),
-    ("--lm-device", str, "Stage-0 device: cpu, cuda, cuda:N"),
-    ("--tokenizer-device", str, "Stage-1 device"),
-    ("--dtype", str, "LM dtype (default auto)"),
-    ("--tokenizer-dtype", str, "tokenizer dtype (default auto)"),
-    ("--engine", str, "Stage-0 engine: native or vllm"),
-    ("--format", str, "audio format (default wav)"),
-]
-
 
 def parser() -> argparse.ArgumentParser:
+    from mimo_tts.cli.params import add_arguments
+    from mimo_tts.synthesis.options import RunOptions
+
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", help=".txt or .jsonl items, as synth --input")
-    p.add_argument("--output-dir", default="output_audio")
-    p.add_argument("--config", help="a TOML profile, as synth --config")
-    p.add_argument("--save-codes", action="store_true", default=None)
-    p.add_argument("--overwrite", action="store_true", default=None)
-    for flag, kind, text in SYNTH_OPTIONS:
-        p.add_argument(flag, type=kind, help=text)
+    add_arguments(p, "ray_synth")  # synth's flags that a Ray run takes (cli/params.py)
+    p.set_defaults(output_dir=RunOptions.output_dir)
     p.add_argument("--address", help="a Ray cluster, e.g. auto (default: start a local instance)")
     p.add_argument("--stage0-actors", type=int, default=1)
     p.add_argument("--stage0-gpus", type=float, help="GPUs per Stage-0 actor (default: 1 on CUDA)")
@@ -53,12 +33,11 @@ def parser() -> argparse.ArgumentParser:
 def request(args: argparse.Namespace):
     """The typed request synth's flags would make (`batch.plan.SynthRequest`)."""
     from mimo_tts.batch.plan import SynthRequest
+    from mimo_tts.cli.params import OPTIONS, options_of
     from mimo_tts.synthesis.settings import OptionValues
 
-    names = ["output_dir", "save_codes", "overwrite",
-             *(flag[2:].replace("-", "_") for flag, _, _ in SYNTH_OPTIONS)]
-    return SynthRequest(OptionValues(**{n: getattr(args, n) for n in names}),
-                        inputs=(args.input,), config=args.config)
+    given = {o.name: getattr(args, o.name) for o in options_of("ray_synth") if o.home == OPTIONS}
+    return SynthRequest(OptionValues(**given), inputs=(args.input,), config=args.config)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,10 +1,11 @@
 """`mimo-tts`: the command line (Typer + rich). Thin: parse -> options -> batch runner -> report.
 
 One module per command (`synth.py`: synth, devices; `book.py`; `decode.py`; `tools.py`: status,
-download, selftest, serve; `wyoming.py`), their shared options in `params.py`, messages and exit
-codes in `report.py`; this module is the app: the group, its parse-error handling, the
-registration and `main`. torch is never imported at import: the command bodies import what they
-need, and `--help`, `devices`, `status`, `synth --dry-run` and `book --list` never import it.
+download, selftest, serve; `wyoming.py`), every option once in `params.py` (the catalogue each
+command's signature is built from), messages and exit codes in `report.py`; this module is the
+app: the group, its parse-error handling, the registration and `main`. torch is never imported
+at import: the command bodies import what they need, and `--help`, `devices`, `status`,
+`synth --dry-run` and `book --list` never import it.
 """
 
 from __future__ import annotations

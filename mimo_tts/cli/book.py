@@ -10,45 +10,7 @@ from typing import Annotated
 
 import typer
 
-from mimo_tts.cli.params import (
-    OUT,
-    RUN,
-    AllowDownload,
-    AudioTemperature,
-    AudioTopK,
-    AudioTopP,
-    BatchSize,
-    Config,
-    Debug,
-    Dtype,
-    EngineName,
-    GpuMemoryUtilization,
-    Graph,
-    Instruct,
-    LmDevice,
-    LmQuant,
-    LmThreads,
-    MaxModelLen,
-    MaxNewGroups,
-    MaxNumSeqs,
-    Model,
-    NoMemoryCheck,
-    Overwrite,
-    PromptAudio,
-    Quiet,
-    Seed,
-    Shard,
-    Temperature,
-    TensorParallelSize,
-    TokDevice,
-    TokDtype,
-    Tokenizer,
-    TokThreads,
-    TopK,
-    TopP,
-    Verbose,
-    Voice,
-)
+from mimo_tts.cli.params import OUT, RUN, Debug, Quiet, Verbose, takes
 from mimo_tts.cli.report import Reporter, quiet_libraries, run_command
 from mimo_tts.errors import EXIT_OK
 from mimo_tts.synthesis.audio import FORMATS
@@ -57,14 +19,11 @@ from mimo_tts.synthesis.settings import OptionValues
 BOOK = "Book"
 
 
+@takes("book")
 def book(
     input: Annotated[str, typer.Argument(
         metavar="BOOK", help="The book: .txt (chapters at headings such as 'Chapter 3'), .md "
                              "(chapters at headings) or .epub (the spine's documents).")],
-    output_dir: Annotated[str | None, typer.Option(
-        rich_help_panel=OUT, metavar="DIR", help="The book's folder: pieces, chapters/, "
-        "book.m4b, book.srt, book.vtt, book.json (default output_audio/<the book's name>).")
-    ] = None,
     list_chapters: Annotated[bool, typer.Option(
         "--list", rich_help_panel=BOOK, help="Print the chapters (number, title, characters, "
         "estimated minutes) and exit; loads no model.")] = False,
@@ -86,38 +45,7 @@ def book(
     items_out: Annotated[str | None, typer.Option(
         rich_help_panel=BOOK, metavar="FILE", help="Write the pieces as JSON lines (id, text, "
         "seed, task) for synth --input or scripts/ray_synth.py, and exit.")] = None,
-    voice: Voice = None,
-    prompt_audio: PromptAudio = None,
-    instruct: Instruct = None,
-    model: Model = None,
-    tokenizer: Tokenizer = None,
-    allow_download: AllowDownload = None,
-    lm_device: LmDevice = None,
-    tokenizer_device: TokDevice = None,
-    dtype: Dtype = None,
-    tokenizer_dtype: TokDtype = None,
-    cuda_graph: Graph = None,
-    no_memory_check: NoMemoryCheck = None,
-    lm_quant: LmQuant = None,
-    lm_threads: LmThreads = None,
-    tokenizer_threads: TokThreads = None,
-    seed: Seed = None,
-    temperature: Temperature = None,
-    top_k: TopK = None,
-    top_p: TopP = None,
-    audio_temperature: AudioTemperature = None,
-    audio_top_k: AudioTopK = None,
-    audio_top_p: AudioTopP = None,
-    max_new_groups: MaxNewGroups = None,
-    batch_size: BatchSize = None,
-    overwrite: Overwrite = None,
-    engine: EngineName = None,
-    gpu_memory_utilization: GpuMemoryUtilization = None,
-    max_num_seqs: MaxNumSeqs = None,
-    tensor_parallel_size: TensorParallelSize = None,
-    max_model_len: MaxModelLen = None,
-    config: Config = None,
-    shard: Shard = None,
+    *, options: OptionValues, config: str | None, shard: str | None,
     as_json: Annotated[bool, typer.Option("--json", rich_help_panel=RUN,
         help="JSON on stdout: the chapter table (--list), or one object per piece and one "
              "for the book.")] = False,
@@ -128,17 +56,6 @@ def book(
     """Read a book aloud: [b]DIR/chapters/[/b], [b]book.m4b[/b], captions, book.json."""
     from mimo_tts.book.plan import BookRequest
 
-    options = OptionValues(
-        output_dir=output_dir, voice=voice, prompt_audio=prompt_audio, instruct=instruct,
-        model=model, tokenizer=tokenizer, allow_download=allow_download, lm_device=lm_device,
-        tokenizer_device=tokenizer_device, dtype=dtype, tokenizer_dtype=tokenizer_dtype,
-        cuda_graph=cuda_graph, no_memory_check=no_memory_check, lm_quant=lm_quant,
-        lm_threads=lm_threads, tokenizer_threads=tokenizer_threads, seed=seed,
-        temperature=temperature, top_k=top_k, top_p=top_p, audio_temperature=audio_temperature,
-        audio_top_k=audio_top_k, audio_top_p=audio_top_p, max_new_groups=max_new_groups,
-        batch_size=batch_size, overwrite=overwrite, engine=engine,
-        gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
-        tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len)
     request = BookRequest(input, options, chapters, title, author, format, not no_m4b, shard,
                           config, as_json)
     reporter = Reporter(quiet, verbose, as_json, debug)

@@ -16,18 +16,7 @@ import typer
 from mimo_tts import presets
 from mimo_tts.batch.files import load_codes
 from mimo_tts.batch.sinks import FileSink, StdoutSink
-from mimo_tts.cli.params import (
-    OUT,
-    Debug,
-    Fmt,
-    Graph,
-    NoMemoryCheck,
-    Quiet,
-    Rate,
-    TokDevice,
-    TokDtype,
-    Tokenizer,
-)
+from mimo_tts.cli.params import OUT, Debug, Quiet, takes
 from mimo_tts.cli.report import Reporter, run_command
 from mimo_tts.errors import MimoTTSError, UsageError
 from mimo_tts.synthesis.audio import (
@@ -42,17 +31,16 @@ from mimo_tts.synthesis.preflight import lengths_for
 from mimo_tts.synthesis.settings import OptionValues, resolve
 
 
+@takes("decode")
 def decode(
     codes: Annotated[list[str], typer.Argument(
         metavar="CODES", help="Codes file(s) written by --save-codes.")],
-    tokenizer: Tokenizer = None, tokenizer_device: TokDevice = None,
-    tokenizer_dtype: TokDtype = None, cuda_graph: Graph = None,
-    no_memory_check: NoMemoryCheck = None,
+    *, options: OptionValues,
     output: Annotated[str | None, typer.Option("--output", "-o", rich_help_panel=OUT,
         metavar="FILE",
         help="Output file ('-' = stdout); default <codes stem>.decoded.wav beside the codes.")
     ] = None,
-    format: Fmt = None, sample_rate: Rate = None,
+    format: str | None, sample_rate: int | None,
     overwrite: Annotated[bool, typer.Option("--overwrite", rich_help_panel=OUT,
         help="Replace existing output files (kept otherwise: that file fails, exit 5).")
     ] = False,
@@ -62,9 +50,6 @@ def decode(
 
     A bad file (unreadable, codes out of range, audio failing its check) fails alone.
     """
-    options = OptionValues(tokenizer=tokenizer, tokenizer_device=tokenizer_device,
-                           tokenizer_dtype=tokenizer_dtype, cuda_graph=cuda_graph,
-                           no_memory_check=no_memory_check)
     reporter = Reporter(quiet=quiet, debug=debug, stdout_data=output != "-")
 
     def body() -> int:

@@ -12,61 +12,16 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 
-from mimo_tts.cli.params import (
-    IN,
-    OUT,
-    RUN,
-    AllowDownload,
-    AsJson,
-    AudioTemperature,
-    AudioTopK,
-    AudioTopP,
-    BatchSize,
-    Config,
-    Debug,
-    DevicesJson,
-    Dtype,
-    EngineName,
-    Fmt,
-    GpuMemoryUtilization,
-    Graph,
-    Instruct,
-    LmDevice,
-    LmQuant,
-    LmThreads,
-    MaxModelLen,
-    MaxNewGroups,
-    MaxNumSeqs,
-    Model,
-    NoMemoryCheck,
-    Overwrite,
-    PromptAudio,
-    Quiet,
-    Rate,
-    Seed,
-    Shard,
-    Temperature,
-    TensorParallelSize,
-    TokDevice,
-    TokDtype,
-    Tokenizer,
-    TokThreads,
-    TopK,
-    TopP,
-    Verbose,
-    Voice,
-)
+from mimo_tts.cli.params import IN, RUN, AsJson, Debug, DevicesJson, Quiet, Verbose, takes
 from mimo_tts.cli.report import Reporter, quiet_libraries, run_command
-from mimo_tts.codec.config import STREAM_MODES
 from mimo_tts.errors import EXIT_CHECKPOINT, EXIT_DEVICE, EXIT_OK
-from mimo_tts.lm.tasks import TASKS
-from mimo_tts.synthesis.options import SynthesisOptions
 from mimo_tts.synthesis.settings import OptionValues, resolve
 
 if TYPE_CHECKING:
     from mimo_tts.batch.plan import SynthRequest
 
 
+@takes("synth")
 def synth(
     text: Annotated[list[str] | None, typer.Option(
         "--text", "-t", rich_help_panel=IN, metavar="TEXT",
@@ -75,63 +30,7 @@ def synth(
         "--input", "-i", rich_help_panel=IN, metavar="FILE",
         help=".txt (one item per line) or .jsonl (id, text, instruct, prompt_audio, seed, "
              "task); '-' reads stdin.")] = None,
-    task: Annotated[str | None, typer.Option(rich_help_panel=IN, metavar="TASK",
-        help=f"Prompt task: {', '.join(TASKS)} (default {SynthesisOptions.task}).")] = None,
-    instruct: Instruct = None,
-    prompt_audio: PromptAudio = None,
-    voice: Voice = None,
-    captions: Annotated[str | None, typer.Option(rich_help_panel=OUT, metavar="FORMATS",
-        help="Write captions beside each output: srt, vtt or srt,vtt. Each sentence is then "
-             "synthesised as its own piece, so the audio differs from a run without.")] = None,
-    template: Annotated[int | None, typer.Option(rich_help_panel=IN, metavar="N",
-        help="Fix the instruction template index (default: drawn from the seed).")] = None,
-    max_chars: Annotated[int | None, typer.Option(rich_help_panel=IN, metavar="N",
-        help="Split longer text on sentence ends (default 300; 0 = never).")] = None,
-    model: Model = None,
-    tokenizer: Tokenizer = None,
-    allow_download: AllowDownload = None,
-    lm_device: LmDevice = None,
-    tokenizer_device: TokDevice = None,
-    dtype: Dtype = None,
-    tokenizer_dtype: TokDtype = None,
-    cuda_graph: Graph = None,
-    no_memory_check: NoMemoryCheck = None,
-    lm_quant: LmQuant = None,
-    lm_threads: LmThreads = None,
-    tokenizer_threads: TokThreads = None,
-    seed: Seed = None,
-    temperature: Temperature = None,
-    top_k: TopK = None,
-    top_p: TopP = None,
-    audio_temperature: AudioTemperature = None,
-    audio_top_k: AudioTopK = None,
-    audio_top_p: AudioTopP = None,
-    max_new_groups: MaxNewGroups = None,
-    batch_size: BatchSize = None,
-    output_dir: Annotated[str | None, typer.Option(rich_help_panel=OUT, metavar="DIR",
-        help="Root of <dir>/<task>/<id>.wav (default output_audio).")] = None,
-    output: Annotated[str | None, typer.Option("--output", "-o", rich_help_panel=OUT,
-        metavar="FILE", help="One item: write to this file, or '-' for stdout.")] = None,
-    format: Fmt = None,
-    sample_rate: Rate = None,
-    save_codes: Annotated[bool | None, typer.Option("--save-codes", rich_help_panel=OUT,
-        help="Also write the Stage-0 codes (<id>.codes.safetensors).")] = None,
-    overwrite: Overwrite = None,
-    stream: Annotated[bool | None, typer.Option("--stream", rich_help_panel=OUT,
-        help="Decode audio while the LM generates (streaming Stage-1).")] = None,
-    raw: Annotated[bool | None, typer.Option("--raw", rich_help_panel=OUT,
-        help="Stream 16-bit 24 kHz mono PCM to stdout as it is decoded.")] = None,
-    stream_mode: Annotated[str | None, typer.Option(rich_help_panel=OUT, metavar="MODE",
-        help=f"Streaming decoder ({', '.join(STREAM_MODES)}): incremental (default) decodes "
-             "each frame once, closest to one-shot; official re-decodes overlapping windows "
-             "(spec §7.2).")] = None,
-    engine: EngineName = None,
-    gpu_memory_utilization: GpuMemoryUtilization = None,
-    max_num_seqs: MaxNumSeqs = None,
-    tensor_parallel_size: TensorParallelSize = None,
-    max_model_len: MaxModelLen = None,
-    config: Config = None,
-    shard: Shard = None,
+    *, options: OptionValues, config: str | None, shard: str | None,
     dry_run: Annotated[bool, typer.Option("--dry-run", rich_help_panel=RUN,
         help="Preflight only (devices, checkpoints, memory); load nothing.")] = False,
     as_json: AsJson = False,
@@ -142,23 +41,10 @@ def synth(
     """Synthesise speech: text -> [b]output_audio/<task>/<id>.wav[/b] (+ sidecar, manifest)."""
     from mimo_tts.batch.plan import SynthRequest
 
-    options = OptionValues(
-        task=task, instruct=instruct, prompt_audio=prompt_audio, template=template,
-        voice=voice, caption_formats=captions,
-        max_chars=max_chars, model=model, tokenizer=tokenizer, allow_download=allow_download,
-        lm_device=lm_device, tokenizer_device=tokenizer_device, dtype=dtype,
-        tokenizer_dtype=tokenizer_dtype, cuda_graph=cuda_graph, no_memory_check=no_memory_check,
-        lm_quant=lm_quant, lm_threads=lm_threads, tokenizer_threads=tokenizer_threads, seed=seed,
-        temperature=temperature, top_k=top_k, top_p=top_p, audio_temperature=audio_temperature,
-        audio_top_k=audio_top_k, audio_top_p=audio_top_p, max_new_groups=max_new_groups,
-        batch_size=batch_size, output_dir=output_dir, output=output, format=format,
-        sample_rate=sample_rate, save_codes=save_codes, overwrite=overwrite, stream=stream,
-        raw=raw, stream_mode=stream_mode, engine=engine,
-        gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
-        tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len)
     request = SynthRequest(options, texts=tuple(text or ()), inputs=tuple(input or ()),
                            shard=shard, config=config, as_json=as_json)
-    reporter = Reporter(quiet, verbose, as_json, debug, stdout_data=not (raw or output == "-"))
+    reporter = Reporter(quiet, verbose, as_json, debug,
+                        stdout_data=not (options.raw or options.output == "-"))
 
     def body() -> int:
         from mimo_tts.batch.files import stdout_stream
@@ -269,12 +155,9 @@ def _print_table(rows: list[tuple[str, str, str]]) -> None:
     Console(file=stdout_stream(), highlight=False).print(table)
 
 
-def devices(
-    model: Model = None, tokenizer: Tokenizer = None, lm_device: LmDevice = None,
-    tokenizer_device: TokDevice = None, dtype: Dtype = None, tokenizer_dtype: TokDtype = None,
-    cuda_graph: Graph = None, engine: EngineName = None, config: Config = None,
-    no_memory_check: NoMemoryCheck = None, as_json: DevicesJson = False, debug: Debug = False,
-) -> None:
+@takes("devices")
+def devices(*, options: OptionValues, config: str | None, as_json: DevicesJson = False,
+            debug: Debug = False) -> None:
     """Preflight: devices (and why), CUDA, graph policy, checkpoints, memory, Stage-0 engine.
 
     Loads no weights. Exits 3 when a checkpoint is missing, 4 on a bad device or when the
@@ -282,10 +165,6 @@ def devices(
     """
     from mimo_tts.batch.plan import SynthRequest
 
-    options = OptionValues(model=model, tokenizer=tokenizer, lm_device=lm_device,
-                           tokenizer_device=tokenizer_device, dtype=dtype,
-                           tokenizer_dtype=tokenizer_dtype, cuda_graph=cuda_graph, engine=engine,
-                           no_memory_check=no_memory_check)
     request = SynthRequest(options, config=config, as_json=as_json)
     reporter = Reporter(as_json=as_json, debug=debug)
     run_command(reporter, lambda: _preflight(reporter, request))

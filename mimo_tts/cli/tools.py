@@ -3,35 +3,19 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import typer
 
-from mimo_tts.cli.params import (
-    GEN,
-    SERVE,
-    Config,
-    Debug,
-    Dtype,
-    Graph,
-    LmDevice,
-    LmThreads,
-    Model,
-    NoMemoryCheck,
-    SelftestJson,
-    StatusJson,
-    TokDevice,
-    TokDtype,
-    Tokenizer,
-    TokThreads,
-    Verbose,
-)
+from mimo_tts.cli.params import Debug, SelftestJson, StatusJson, Verbose, takes
 from mimo_tts.cli.report import Reporter, run_command
 from mimo_tts.errors import EXIT_OK, AudioCheckError
 from mimo_tts.presets import TINY
 from mimo_tts.runtime import checkpoints
 from mimo_tts.runtime.checkpoints import DEFAULT_MODEL, DEFAULT_TOKENIZER
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE
+from mimo_tts.synthesis.options import DEFAULT_TASK
 from mimo_tts.synthesis.settings import OptionValues, resolve
 
 
@@ -45,7 +29,7 @@ def status(
     task: Annotated[str, typer.Option(
         metavar="TASK", help="synth's --task: the task folder under OUTPUT_DIR (for the folder "
                              "of a task that JSONL lines name, give that folder as "
-                             "OUTPUT_DIR).")] = "tts_sft",
+                             "OUTPUT_DIR).")] = DEFAULT_TASK,
     seed: Annotated[int, typer.Option(
         metavar="SEED", help="synth's --seed: with --input it names and keys the items "
                              "(default 0).")] = 0,
@@ -103,10 +87,9 @@ def download(
     run_command(reporter, body)
 
 
-def selftest(
-    lm_device: LmDevice = None, tokenizer_device: TokDevice = None,
-    as_json: SelftestJson = False, debug: Debug = False,
-) -> None:
+@takes("selftest")
+def selftest(*, lm_device: str | None, tokenizer_device: str | None,
+             as_json: SelftestJson = False, debug: Debug = False) -> None:
     """A seconds-long end-to-end run on the tiny preset; checks length, finiteness, loudness."""
     reporter = Reporter(as_json=as_json, debug=debug)
 
@@ -171,61 +154,27 @@ def _selftest_problems(audio, rate: int, frames: int, per_frame: int) -> list[st
     return problems
 
 
-def serve(
-    host: Annotated[str | None, typer.Option(rich_help_panel=SERVE, metavar="HOST",
-        help="Address to bind (default 127.0.0.1: this machine only).")] = None,
-    port: Annotated[int | None, typer.Option(rich_help_panel=SERVE, metavar="PORT",
-                                             help="Port (default 8000).")] = None,
-    api_key: Annotated[str | None, typer.Option(rich_help_panel=SERVE, metavar="KEY",
-                                                show_default=False,
-        help="Require 'Authorization: Bearer KEY' on /v1 and /metrics (env "
-             "MIMO_TTS_API_KEY).")] = None,
-    voice: Annotated[list[str] | None, typer.Option(rich_help_panel=SERVE, metavar="VOICE",
-        help="Register a voice-clone voice: NAME=PROMPT.wav (repeatable).")] = None,
-    batch_size: Annotated[int | None, typer.Option(rich_help_panel=SERVE, metavar="N",
-        help="Requests generated together in one Stage-0 batch (default 8).")] = None,
-    max_concurrent: Annotated[int | None, typer.Option(rich_help_panel=SERVE, metavar="N",
-        help="Requests in progress at once (default 16).")] = None,
-    max_queue: Annotated[int | None, typer.Option(rich_help_panel=SERVE, metavar="N",
-        help="Requests waiting beyond those; more get 503 + Retry-After (default 32).")] = None,
-    max_input_chars: Annotated[int | None, typer.Option(rich_help_panel=SERVE, metavar="N",
-        help="Longest input text (default 4096).")] = None,
-    timeout: Annotated[float | None, typer.Option(rich_help_panel=SERVE, metavar="SECONDS",
-        help="Seconds a request may take (default 300).")] = None,
-    stage1_batch: Annotated[int | None, typer.Option(rich_help_panel=SERVE, metavar="N",
-        help="Streamed requests whose audio is decoded together (default 16; 1: one at a "
-             "time).")] = None,
-    max_new_groups: Annotated[int | None, typer.Option(rich_help_panel=GEN, metavar="N",
-        help="Cap on generated groups per text piece (one group = 160 ms).")] = None,
-    model: Model = None, tokenizer: Tokenizer = None, lm_device: LmDevice = None,
-    tokenizer_device: TokDevice = None, dtype: Dtype = None, tokenizer_dtype: TokDtype = None,
-    cuda_graph: Graph = None, no_memory_check: NoMemoryCheck = None,
-    lm_threads: LmThreads = None, tokenizer_threads: TokThreads = None, config: Config = None,
-    verbose: Verbose = False, debug: Debug = False,
-) -> None:
+@takes("serve")
+def serve(*, serving: dict, options: OptionValues, config: str | None, verbose: Verbose = False,
+          debug: Debug = False) -> None:
     """Serve an OpenAI-compatible speech API: POST /v1/audio/speech (needs the serve extra)."""
-    serving = {"host": host, "port": port, "api_key": api_key, "voice": voice,
-               "batch_size": batch_size, "max_concurrent": max_concurrent, "max_queue": max_queue,
-               "max_input_chars": max_input_chars, "timeout": timeout,
-               "stage1_batch": stage1_batch}
-    options = OptionValues(
-        max_new_groups=max_new_groups, model=model, tokenizer=tokenizer, lm_device=lm_device,
-        tokenizer_device=tokenizer_device, dtype=dtype, tokenizer_dtype=tokenizer_dtype,
-        cuda_graph=cuda_graph, no_memory_check=no_memory_check, lm_threads=lm_threads,
-        tokenizer_threads=tokenizer_threads)
-    run_server("mimo_tts.server.app", serving, options, config, verbose, debug)
+    run_server("mimo_tts.server.app", serving, os.environ, options, config, verbose, debug)
 
 
-def run_server(module: str, serving: dict, options: OptionValues, config: str | None,
+def run_server(module: str, serving: dict, environ, options: OptionValues, config: str | None,
                verbose: bool, debug: bool) -> None:
-    """A server face's body (`serve`, `wyoming`): its `main` gets the server's own settings,
-    then the model's options by name (`settings.resolve`); imported only when it runs."""
+    """A server face's body (`serve`, `wyoming`): once its extra is there, its `main` gets the
+    server's own options (`ServeConfig`, the key from `environ`) and the model's
+    (`OptionValues`); imported only when it runs."""
     reporter = Reporter(verbose=verbose, debug=debug)
 
     def body() -> int:
         import importlib
 
-        return importlib.import_module(module).main({**serving, **options.given()}, config,
-                                                    reporter)
+        from mimo_tts.server.protocol import serve_config
+
+        face = importlib.import_module(module)
+        face.require_extra()
+        return face.main(serve_config(serving, environ), options, config, reporter)
 
     run_command(reporter, body)

@@ -12,9 +12,10 @@ from typing import Annotated
 
 import typer
 
-from mimo_tts.cli.params import AsJson, Debug, Model, TokDevice, TokDtype, Tokenizer, Verbose
+from mimo_tts.cli.params import AsJson, Debug, Verbose, takes
 from mimo_tts.cli.report import Reporter, run_command
 from mimo_tts.errors import EXIT_OK
+from mimo_tts.synthesis.settings import OptionValues
 
 HELP = "Voices kept by name: add, list, show, rm."
 Name = Annotated[str, typer.Argument(metavar="NAME", help="The voice's name.", show_default=False)]
@@ -26,6 +27,7 @@ def _store():
     return VoiceStore()
 
 
+@takes("voices-add")
 def add(
     name: Name,
     file: Annotated[str, typer.Argument(metavar="FILE", help="The voice recording (any rate).",
@@ -34,8 +36,7 @@ def add(
         help="What the recording says (kept in the record).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite",
         help="Replace a voice of the same name.")] = False,
-    model: Model = None, tokenizer: Tokenizer = None, tokenizer_device: TokDevice = None,
-    tokenizer_dtype: TokDtype = None, as_json: AsJson = False, verbose: Verbose = False,
+    *, options: OptionValues, as_json: AsJson = False, verbose: Verbose = False,
     debug: Debug = False,
 ) -> None:
     """Encode FILE once and keep its voice-prompt codes as NAME."""
@@ -43,15 +44,13 @@ def add(
 
     def body() -> int:
         from mimo_tts.synthesis.loader import resolve_tokenizer
-        from mimo_tts.synthesis.settings import OptionValues, resolve
+        from mimo_tts.synthesis.settings import resolve
         from mimo_tts.synthesis.stage1 import Stage1
         from mimo_tts.synthesis.voices import add_voice, check_name, source_record
 
         check_name(name)
         source_record(file)  # an unreadable recording fails before the tokenizer loads
-        settings = resolve(OptionValues(model=model, tokenizer=tokenizer,
-                                        tokenizer_device=tokenizer_device,
-                                        tokenizer_dtype=tokenizer_dtype))
+        settings = resolve(options)
         ref = resolve_tokenizer(settings)
         stage1 = Stage1.from_settings(settings, ref, reporter.log)
         store = _store()

@@ -19,7 +19,6 @@ import base64
 import functools
 import hmac
 import json
-import os
 from typing import TYPE_CHECKING
 
 from mimo_tts.errors import MimoTTSError, UsageError
@@ -37,7 +36,6 @@ from mimo_tts.server.protocol import (
     media_type,
     public_model_name,
     read_body,
-    serve_config,
     served_formats,
     sse,
 )
@@ -54,6 +52,7 @@ from mimo_tts.synthesis.captions import cues, text_pieces
 
 if TYPE_CHECKING:
     from mimo_tts.synthesis.options import SynthesisOptions
+    from mimo_tts.synthesis.settings import OptionValues
 
 EXTRA_HINT = "mimo-tts serve needs the serve extra: pip install 'mimo-tts[serve]'"
 RETRY_AFTER_S = 1
@@ -313,16 +312,20 @@ def _zeros(n: int):
     return np.zeros(n, dtype=np.float32)
 
 
-def main(flags: dict, config: str | None, reporter) -> int:
-    """`mimo-tts serve`: check the options and voices, bind, load once, serve until a signal."""
+def require_extra() -> None:
+    """The serve extra's packages import, else a UsageError naming the extra."""
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
         raise UsageError(EXTRA_HINT) from None
-    cfg = serve_config(flags, os.environ)
-    with loaded(cfg, flags, config, reporter) as (settings, sock, tts):
+
+
+def main(cfg: ServeConfig, options: "OptionValues", config: str | None, reporter) -> int:
+    """`mimo-tts serve` (after `require_extra`): check the voices, bind, load once, serve until
+    a signal."""
+    with loaded(cfg, options, config, reporter) as (settings, sock, tts):
         server = SpeechServer(tts, cfg, settings.synthesis,
                               public_model_name(settings.checkpoints.lm[0]), reporter.info)
         reporter.info(serving_line(server, sock, tts))

@@ -13,10 +13,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
+from dataclasses import replace
 
 from mimo_tts.errors import OutputError
+from mimo_tts.server.protocol import ServeConfig, encode_voices, read_voices
+from mimo_tts.synthesis.settings import OptionValues, resolve
 
 SHUTDOWN_GRACE_S = 5  # uvicorn's timeout_graceful_shutdown: what requests in flight get on a stop
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -86,21 +90,16 @@ def _replaced(record: logging.LogRecord) -> bool:
 
 
 @contextlib.contextmanager
-def loaded(cfg, flags: dict, config: str | None, reporter):
+def loaded(cfg: ServeConfig, options: OptionValues, config: str | None, reporter):
     """What both servers do before they answer: resolve the model's options (Stage-0 and
     Stage-1 side by side, as with --stream, so the thread budgets split the CPU), check the
     start-up voices, bind (a taken port fails before anything loads), load once through the one
     loader and encode the voices -> (settings, the bound socket, the loaded MiMoTTS)."""
-    import os
-
-    from mimo_tts.server.protocol import SERVE_KEYS, encode_voices, read_voices
     from mimo_tts.synthesis.preflight import lengths_for
     from mimo_tts.synthesis.profiles import load_profile
-    from mimo_tts.synthesis.settings import resolve
     from mimo_tts.synthesis.synthesizer import MiMoTTS
 
-    model_flags = {k: v for k, v in flags.items() if k not in (*SERVE_KEYS, "voice")}
-    settings = resolve({**model_flags, "stream": True}, load_profile(config), os.environ)
+    settings = resolve(replace(options, stream=True), load_profile(config), os.environ)
     read_voices(cfg.voices)  # before anything loads
     sock = bind(cfg.host, cfg.port)
     # requests' audio may decode together: a batch of rows; uploads encode voices

@@ -13,7 +13,8 @@ import json
 import os
 import stat
 import sys
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
 from mimo_tts.errors import DeviceError, InputError, MimoTTSError, UsageError, short_repr
@@ -21,6 +22,7 @@ from mimo_tts.synthesis.audio import FORMATS, LOSSY_FORMATS, lossy_formats
 from mimo_tts.synthesis.options import MAX_SEED
 from mimo_tts.synthesis.text import clean_text
 from mimo_tts.synthesis.voices import VoiceStore
+from mimo_tts.synthesis.worker import STAGE1_BATCH
 
 if TYPE_CHECKING:
     from mimo_tts.synthesis.options import SynthesisOptions
@@ -42,8 +44,6 @@ STREAMED = (PCM, "wav")  # formats whose bytes go out as Stage-1 decodes them
 MAX_BODY_BYTES = 1 << 20
 CLIENT_GONE = 499  # the status nginx logs for a client that closed its request
 API_KEY_ENV = "MIMO_TTS_API_KEY"
-SERVE_KEYS = ("host", "port", "api_key", "batch_size", "max_queue", "max_concurrent",
-              "max_input_chars", "timeout", "stage1_batch")  # the serve command's own flags
 SHOWN_NAMES = 5  # unknown field names quoted in a refusal
 
 
@@ -60,7 +60,7 @@ class ServeConfig:
     max_concurrent: int = 16
     max_input_chars: int = 4096
     timeout: float = 300.0
-    stage1_batch: int = 16  # streamed requests decoded together (engine.STAGE1_BATCH)
+    stage1_batch: int = STAGE1_BATCH  # streamed requests whose pushes one round decodes
 
     def __post_init__(self):
         for name in ("batch_size", "max_queue", "max_concurrent", "max_input_chars",
@@ -75,11 +75,19 @@ class ServeConfig:
             check_api_key(self.api_key, "--api-key")
 
 
-def serve_config(flags: dict, environ) -> ServeConfig:
-    """The server's options from the command's flags; the key may come from the environment."""
-    given = {k: flags[k] for k in SERVE_KEYS if flags.get(k) is not None and k != "api_key"}
-    return ServeConfig(**given, api_key=api_key_from(flags.get("api_key"), environ),
-                       voices=parse_voices(flags.get("voice") or []))
+# A server's options as its command gives them, by name: ServeConfig's fields, with the files
+# of `--voice NAME=PATH` (`voice_files`) in place of the voices they make.
+SERVE_KEYS = (*(f.name for f in fields(ServeConfig) if f.name != "voices"), "voice_files")
+WYOMING_PORT = 10200  # the port Home Assistant's Wyoming integration suggests for TTS
+
+
+def serve_config(given: Mapping[str, object], environ) -> ServeConfig:
+    """The server's options from a command's (`SERVE_KEYS`; None: not given); the key may come
+    from the environment."""
+    values = {k: v for k, v in given.items()
+              if v is not None and k not in ("api_key", "voice_files")}
+    return ServeConfig(**values, api_key=api_key_from(given.get("api_key"), environ),
+                       voices=parse_voices(given.get("voice_files") or []))
 
 
 def api_key_from(flag: str | None, environ) -> str | None:

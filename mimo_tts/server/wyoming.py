@@ -26,16 +26,16 @@ from mimo_tts.server.lifecycle import SHUTDOWN_GRACE_S, STOP_SIGNALS, loaded
 from mimo_tts.server.protocol import (
     ApiError,
     RequestParser,
+    ServeConfig,
     public_model_name,
-    serve_config,
 )
 from mimo_tts.server.session import Sessions
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, pcm16
+from mimo_tts.synthesis.settings import OptionValues
 from mimo_tts.synthesis.text import clean_text, ended_sentences
 from mimo_tts.synthesis.voices import VoiceStore
 
 EXTRA_HINT = "mimo-tts wyoming needs the wyoming extra: pip install 'mimo-tts[wyoming]'"
-DEFAULT_PORT = 10200  # the port Home Assistant's Wyoming integration suggests for TTS
 LANGUAGES = ["en", "zh"]  # what MiMo-Audio was trained to speak
 SOURCE = "https://github.com/XiaomiMiMo/MiMo-Audio"
 WIDTH, CHANNELS = 2, 1  # s16le mono
@@ -240,15 +240,18 @@ async def serve_wyoming(speech: WyomingSpeech, sock) -> str:
     return signal.Signals(caught[0]).name if caught else "exit"
 
 
-def main(flags: dict, config: str | None, reporter) -> int:
-    """`mimo-tts wyoming`: check the options and voices, bind, load once, serve until a signal."""
+def require_extra() -> None:
+    """The wyoming extra's package imports, else a UsageError naming the extra."""
     try:
         import wyoming  # noqa: F401
     except ImportError:
         raise UsageError(EXTRA_HINT) from None
-    cfg = serve_config({"port": DEFAULT_PORT, **{k: v for k, v in flags.items()
-                                                 if v is not None}}, {})  # no key
-    with loaded(cfg, flags, config, reporter) as (settings, sock, tts):
+
+
+def main(cfg: ServeConfig, options: OptionValues, config: str | None, reporter) -> int:
+    """`mimo-tts wyoming` (after `require_extra`): check the voices, bind, load once, serve
+    until a signal."""
+    with loaded(cfg, options, config, reporter) as (settings, sock, tts):
         speech = WyomingSpeech(tts, cfg, settings.synthesis,
                                public_model_name(settings.checkpoints.lm[0]), reporter.info)
         host, port = sock.getsockname()[:2]

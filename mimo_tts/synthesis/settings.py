@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, make_dataclass, replace
 from pathlib import Path
 from typing import get_args, get_type_hints
 
@@ -41,67 +41,30 @@ from mimo_tts.synthesis.options import (
 GROUPS = {"run": RunOptions, "synthesis": SynthesisOptions, "engine": EngineOptions}
 
 
-def _value_type(hint) -> type:
-    """The type an option field holds when set (`int | None` -> int)."""
+def value_type(hint) -> type:
+    """The type an option field holds when set (`int | None` -> int; a union's first type)."""
     return next(t for t in get_args(hint) or (hint,) if t is not type(None))
 
 
-@dataclass(frozen=True)
-class OptionValues:
-    """The options a caller gives, by name (None: not given, so env, profile or default
-    decide): what the CLI's commands build from their flags and `resolve` reads. Every field is
-    an option group's field, a placement field or a checkpoint field, of that field's type."""
+# The options no group holds, each with its value type: the placement's (in
+# `resolve_placement`'s order) and the checkpoints'.
+UNGROUPED = {**dict.fromkeys(PLACEMENT_FIELDS, str), "cuda_graph": bool, "model": str,
+             "tokenizer": str, "allow_download": bool}
 
-    # SynthesisOptions
-    task: str | None = None
-    instruct: str | None = None
-    prompt_audio: str | None = None
-    template: int | None = None
-    seed: int | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    audio_temperature: float | None = None
-    audio_top_k: int | None = None
-    audio_top_p: float | None = None
-    max_new_groups: int | None = None
-    max_chars: int | None = None
-    stream_chunk_groups: int | None = None
-    stream_max_chunk_groups: int | None = None
-    stream_mode: str | None = None
-    voice: str | None = None
-    captions: bool | None = None
-    # EngineOptions
-    engine: str | None = None
-    lm_threads: int | None = None
-    tokenizer_threads: int | None = None
-    no_memory_check: bool | None = None
-    lm_quant: str | None = None
-    gpu_memory_utilization: float | None = None
-    max_num_seqs: int | None = None
-    tensor_parallel_size: int | None = None
-    max_model_len: int | None = None
-    kv_cache_mib: int | None = None
-    # RunOptions
-    batch_size: int | None = None
-    output_dir: str | None = None
-    output: str | None = None
-    format: str | None = None
-    sample_rate: int | None = None
-    save_codes: bool | None = None
-    overwrite: bool | None = None
-    stream: bool | None = None
-    raw: bool | None = None
-    caption_formats: str | None = None
-    # the placement (PLACEMENT_FIELDS) and the checkpoints
-    lm_device: str | None = None
-    tokenizer_device: str | None = None
-    dtype: str | None = None
-    tokenizer_dtype: str | None = None
-    cuda_graph: bool | None = None
-    model: str | None = None
-    tokenizer: str | None = None
-    allow_download: bool | None = None
+
+def _option_fields() -> list[tuple[str, object, object]]:
+    """Every option group's fields, then the ungrouped options: each `T | None`, None."""
+    named = [(f.name, value_type(get_type_hints(cls)[f.name]))
+             for cls in (SynthesisOptions, EngineOptions, RunOptions) for f in fields(cls)]
+    return [(name, kind | None, field(default=None))
+            for name, kind in [*named, *UNGROUPED.items()]]
+
+
+class _OptionValues:
+    """The options a caller gives, by name (None: not given, so env, profile or default
+    decide): what the CLI's commands build from their flags and `resolve` reads. Its fields are
+    made from the groups: each field of `SynthesisOptions`, `EngineOptions` and `RunOptions`,
+    then `UNGROUPED`'s, each of that field's value type or None."""
 
     def __post_init__(self):
         check_types(self)
@@ -121,14 +84,12 @@ class OptionValues:
                 if getattr(self, f.name) is not None}
 
 
+OptionValues = make_dataclass("OptionValues", _option_fields(), bases=(_OptionValues,),
+                              frozen=True, namespace={"__module__": __name__,
+                                                      "__doc__": _OptionValues.__doc__})
 OPTION_NAMES = frozenset(f.name for f in fields(OptionValues))
-
-
 # Profile key -> the type its value must have (an option field's own annotation).
-PROFILE_TYPES = {f.name: _value_type(get_type_hints(OptionValues)[f.name])
-                 for f in fields(OptionValues)}
-
-
+PROFILE_TYPES = {f.name: value_type(f.type) for f in fields(OptionValues)}
 PROFILE_KEYS = frozenset(PROFILE_TYPES)
 
 
