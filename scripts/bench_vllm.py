@@ -10,7 +10,8 @@ checkpoint (hidden 1024, 8 layers, 16/4 heads of 64, ffn 2816; patch decoder 256
 written by the preset writer (mimo_tts/presets/write.py) with the tiny preset's text tokenizer.
 Both engines generate exactly --groups `<|empty|>` groups per prompt (text forced to
 `<|empty|>`: a native logits hook, vLLM's allowed_token_ids), so each group is one backbone
-step plus one 11-step patch decode.
+step plus one 11-step patch decode. The native engine runs its static `generate` (one batch of
+all prompts); vLLM runs `lm.batching.generate_all` (`run_batch` with a row per prompt).
 groups/s = batch x groups / seconds, best of --repeat runs after a warm-up, excluding start-up
 (reported separately). The machine may be shared: best-of, and the load average is recorded.
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from mimo_tts.lm.batching import generate_all
 from mimo_tts.lm.generate import GenerationOptions, generate
 from mimo_tts.lm.load import load_config, load_lm
 from mimo_tts.lm.prompts import build_prompt
@@ -105,8 +107,8 @@ def bench_vllm(lm_dir, batches, groups, repeat, dtype: str, kv_bytes: int | None
     try:
         for b in batches:
             ps = prompts_for(lm_dir, b)
-            out[f"batch_{b}"] = best_rate(lambda ps=ps: engine.generate(ps, plain), b, groups,
-                                          repeat)
+            out[f"batch_{b}"] = best_rate(lambda ps=ps: generate_all(engine, ps, plain), b,
+                                          groups, repeat)
     finally:
         engine.close()
     return out

@@ -8,9 +8,13 @@ vLLM). Every section runs on its own; a failing one records its error and the re
 2. `seeded`: the tts samplers with a seed, twice: identical.
 3. `preempt`: a KV cache too small for the batch (preemption + chunked prefill): still equal.
 4. `equal_bf16`: the same batch in bfloat16: agreement rate only (kernels differ, no exactness).
-5. `throughput`: native vs vLLM groups/s at batch 1, 8, 32 (tiny, mid, and with --wide the
+5. `batch_invariance_fp32` / `_bf16` / `_bf16_greedy`: each prompt a job with its own seed (tts
+   samplers; greedy), all in one `run_batch`, against each job run alone: which jobs' groups are
+   equal, and the first group that differs (a job's output should not depend on its
+   batch-mates; exact only where vLLM's kernels give a row the same logits in any batch).
+6. `throughput`: native vs vLLM groups/s at batch 1, 8, 32 (tiny, mid, and with --wide the
    full-width backbone with --wide-layers layers), text forced to `<|empty|>`.
-6. `tensor_parallel`: with 2+ GPUs, TP=2 greedy equality.
+7. `tensor_parallel`: with 2+ GPUs, TP=2 greedy equality.
 
     python scripts/check_vllm_gpu.py --out /tmp/vllm_gpu.json [--wide] [--skip throughput]
 
@@ -32,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_vllm  # noqa: E402  (scripts/bench_vllm.py: shared checkpoint and prompt helpers)
 
+from mimo_tts.lm.batching import Job, JobDone, Jobs, generate_all
 from mimo_tts.lm.generate import GenerationOptions, generate
 from mimo_tts.lm.load import load_config, load_lm
 from mimo_tts.lm.prompts import build_prompt
@@ -78,7 +83,7 @@ def check_equal(lm_dir, dtype=torch.float32, copies: int = 1, **engine_kw) -> di
     special = TextTokenizer.from_dir(lm_dir).special
     want = generate(native, batch, GREEDY_OPTIONS, special)
     with engine(lm_dir, dtype=str(dtype).removeprefix("torch."), **engine_kw) as eng:
-        out = compare(want, eng.generate(batch, GREEDY_OPTIONS))
+        out = compare(want, generate_all(eng, batch, GREEDY_OPTIONS))
         out["joins"] = eng.last_joins
         out["preempted"] = max(eng.last_joins.values(), default=0) > 1
     return out
@@ -89,9 +94,46 @@ def check_seeded(lm_dir) -> dict:
     opts = GenerationOptions(text_sampler=text, audio_sampler=audio, seed=11, max_new_groups=32)
     batch = mixed_batch(lm_dir)
     with engine(lm_dir, dtype="float32", kv_cache_memory_bytes=KV_BYTES) as eng:
-        first, again = eng.generate(batch, opts), eng.generate(batch, opts)
+        first, again = generate_all(eng, batch, opts), generate_all(eng, batch, opts)
     return {"repeat_equal": all(torch.equal(a.new_ids, b.new_ids)
                                 for a, b in zip(first, again, strict=True))}
+
+
+def check_batch_invariance(lm_dir, dtype: str, greedy: bool = False) -> dict:
+    """Each prompt (twice over) a job with its own seed, together and each alone."""
+    text, audio = (GREEDY, GREEDY) if greedy else TASK_SAMPLERS["tts"]
+    batch = mixed_batch(lm_dir) * 2
+    frames = load_config(lm_dir).group_size
+    jobs = [Job(ids, GenerationOptions(text_sampler=text, audio_sampler=audio, seed=100 + i,
+                                       max_new_groups=32), key=i) for i, ids in enumerate(batch)]
+
+    def run(eng, some, rows):
+        found = {}
+        for event in eng.run_batch(Jobs(some), rows):
+            if isinstance(event, JobDone):
+                if event.error is not None:
+                    raise event.error
+                found[event.job.key] = event.generation
+        return found
+
+    with engine(lm_dir, dtype=dtype, kv_cache_memory_bytes=KV_BYTES) as eng:
+        together = run(eng, jobs, len(jobs))
+        alone = {}
+        for job in jobs:
+            alone |= run(eng, [job], 1)
+    first = [first_difference(together[i], alone[i], frames) for i in range(len(jobs))]
+    return {"jobs": len(jobs), "equal": first.count(None), "rows_equal": [f is None for f in first],
+            "first_different_group": first}
+
+
+def first_difference(a, b, frames: int) -> int | None:
+    """The first group where two generations differ (text or any code), None when equal."""
+    for g in range(max(len(a.text_tokens), len(b.text_tokens))):
+        block = slice(g * frames, (g + 1) * frames)
+        if (g >= min(len(a.text_tokens), len(b.text_tokens))
+                or not torch.equal(a.new_ids[:, block], b.new_ids[:, block])):
+            return g
+    return None
 
 
 def check_throughput(tiny: Path, tmp: Path, wide: bool, wide_layers: int) -> dict:
@@ -153,6 +195,10 @@ def main() -> None:
                                                "max_num_seqs": 8}),
             "equal_bf16": (check_equal, (tiny, torch.bfloat16),
                            {"kv_cache_memory_bytes": KV_BYTES}),
+            "batch_invariance_fp32": (check_batch_invariance, (tiny, "float32"), {}),
+            "batch_invariance_bf16": (check_batch_invariance, (tiny, "bfloat16"), {}),
+            "batch_invariance_bf16_greedy": (check_batch_invariance, (tiny, "bfloat16", True),
+                                             {}),
             "throughput": (check_throughput, (tiny, Path(tmp), args.wide, args.wide_layers), {}),
         }
         if report["gpus"] > 1:

@@ -1,7 +1,8 @@
 """The vLLM engine against the native engine on the tiny preset, float32 (issue 7).
 
 Greedy runs must be equal id for id (text tokens and every code); sampled runs must repeat
-under a seed; and the codes must follow the text token vLLM actually sampled.
+under a seed; and the codes must follow the text token vLLM actually sampled. Whole runs go
+through `lm.batching.generate_all` / `stream_steps` over the engine's `run_batch`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/setup_vllm_venv.sh)")
 
 from mimo_tts.errors import InputError, UsageError
+from mimo_tts.lm.batching import generate_all, stream_steps
 from mimo_tts.lm.extract import extract
 from mimo_tts.lm.generate import GenerationOptions, generate
 from mimo_tts.lm.sampling import GREEDY, TASK_SAMPLERS, SamplerConfig
@@ -41,7 +43,7 @@ def test_greedy_batch_of_different_lengths_equals_native(engine, native, preset_
     assert len({p.shape[1] for p in batch}) == 4  # four prompt lengths in one batch
     options = greedy_options()
     want = generate(native, batch, options, preset_special)
-    got = engine.generate(batch, options)
+    got = generate_all(engine, batch, options)
     _assert_same(want, got)
     cfg = native.cfg
     for result in got:  # real speech came out: audio groups, then <|eostm|>
@@ -54,15 +56,16 @@ def test_voice_prompt_task_equals_native(engine, native, preset_special, prompts
     # next to a plain prompt in the same batch.
     batch = [prompts["voice"], prompts["short"]]
     options = greedy_options()
-    _assert_same(generate(native, batch, options, preset_special), engine.generate(batch, options))
+    _assert_same(generate(native, batch, options, preset_special),
+                 generate_all(engine, batch, options))
 
 
 def test_stream_yields_each_rows_groups_in_order_with_their_codes(engine, preset_special, prompts,
                                                                   greedy_options):
     batch = [prompts["short"], prompts["voice"]]
     options = greedy_options()
-    steps = list(engine.stream(batch, options))
-    results = engine.generate(batch, options)
+    steps = list(stream_steps(engine, batch, options))
+    results = generate_all(engine, batch, options)
     for row, result in enumerate(results):
         mine = [s for s in steps if s.index == row]
         assert [s.step for s in mine] == list(range(len(result.text_tokens)))
@@ -81,7 +84,7 @@ def test_group_cap_decides_the_last_audio_group(engine, native, preset_special, 
     # Capped while speaking: the last group is <|empty|> and no forward pass follows it, so
     # its codes are decided when the request finishes.
     options = greedy_options(max_new_groups=5)
-    got = engine.generate([prompts["long"]], options)
+    got = generate_all(engine, [prompts["long"]], options)
     assert got[0].text_tokens == [preset_special.empty] * 5
     _assert_same(generate(native, [prompts["long"]], options, preset_special), got)
 
@@ -89,7 +92,7 @@ def test_group_cap_decides_the_last_audio_group(engine, native, preset_special, 
 def test_min_new_groups_hold_off_the_stop_like_native(engine, native, preset_special, prompts,
                                                       greedy_options):
     options = greedy_options(min_new_groups=30, max_new_groups=34)
-    got = engine.generate([prompts["short"]], options)
+    got = generate_all(engine, [prompts["short"]], options)
     assert len(got[0].text_tokens) >= 30
     _assert_same(generate(native, [prompts["short"]], options, preset_special), got)
 
@@ -97,8 +100,8 @@ def test_min_new_groups_hold_off_the_stop_like_native(engine, native, preset_spe
 def test_seeded_sampling_repeats_and_seeds_matter(engine, prompts):
     text, audio = TASK_SAMPLERS["tts"]
     batch = [prompts["short"], prompts["voice"]]
-    runs = [engine.generate(batch, GenerationOptions(text_sampler=text, audio_sampler=audio,
-                                                     seed=seed, max_new_groups=12))
+    runs = [generate_all(engine, batch, GenerationOptions(
+                text_sampler=text, audio_sampler=audio, seed=seed, max_new_groups=12))
             for seed in (7, 7, 8)]
     for first, again in zip(runs[0], runs[1], strict=True):
         assert torch.equal(first.new_ids, again.new_ids)
@@ -115,7 +118,7 @@ def test_codes_follow_the_sampled_text_token(engine, native, preset_special, pro
     options = GenerationOptions(text_sampler=SamplerConfig(2.0, 4, 1.0), audio_sampler=GREEDY,
                                 seed=3, max_new_groups=40, stop_tokens=("im_end",))
     batch = [prompts["short"], prompts["zh"], prompts["instruct"]]
-    got = engine.generate(batch, options)
+    got = generate_all(engine, batch, options)
     drawn = [token for r in got for token in r.text_tokens]
     empty = drawn.count(preset_special.empty)
     assert empty >= 5 and len(drawn) - empty >= 5
@@ -128,21 +131,21 @@ def test_codes_follow_the_sampled_text_token(engine, native, preset_special, pro
 
 def test_unsupported_options_and_bad_prompts_are_refused(engine, prompts, greedy_options):
     with pytest.raises(UsageError, match="text_logits_processor"):
-        list(engine.stream([prompts["short"]],
-                           greedy_options(text_logits_processor=lambda s, x: x)))
+        list(stream_steps(engine, [prompts["short"]],
+                          greedy_options(text_logits_processor=lambda s, x: x)))
     with pytest.raises(UsageError, match="step logits"):
-        engine.generate([prompts["short"]], greedy_options(keep_logits=True))
+        generate_all(engine, [prompts["short"]], greedy_options(keep_logits=True))
     with pytest.raises(UsageError, match="temperature"):  # vLLM's range is [0, 2]
-        engine.generate([prompts["short"]], GenerationOptions(text_sampler=SamplerConfig(3.0),
-                                                              audio_sampler=GREEDY))
+        generate_all(engine, [prompts["short"]],
+                     GenerationOptions(text_sampler=SamplerConfig(3.0), audio_sampler=GREEDY))
     with pytest.raises(InputError):
-        engine.generate([prompts["short"][:, :6]], greedy_options())  # not whole groups
-    with pytest.raises(InputError, match="no prompts"):
-        engine.generate([], greedy_options())
-    first = engine.stream([prompts["short"]], greedy_options())
+        generate_all(engine, [prompts["short"][:, :6]], greedy_options())  # not whole groups
+    with pytest.raises(UsageError, match="no prompts"):
+        generate_all(engine, [], greedy_options())
+    first = stream_steps(engine, [prompts["short"]], greedy_options())
     next(first)
-    with pytest.raises(UsageError, match="already streaming"):
-        engine.generate([prompts["short"]], greedy_options())
-    first.close()  # an abandoned stream aborts its requests and frees the engine
-    (capped,) = engine.generate([prompts["short"]], greedy_options(max_new_groups=2))
+    with pytest.raises(UsageError, match="already running a batch"):
+        generate_all(engine, [prompts["short"]], greedy_options())
+    first.close()  # an abandoned run aborts its requests and frees the engine
+    (capped,) = generate_all(engine, [prompts["short"]], greedy_options(max_new_groups=2))
     assert len(capped.text_tokens) == 2

@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/setup_vllm_venv.sh)")
 
+from mimo_tts.lm.batching import generate_all
 from mimo_tts.lm.generate import generate
 from mimo_tts.lm.vllm import ARCHITECTURE
 
@@ -33,7 +34,7 @@ def test_spawned_engine_core_generates_like_native(preset_lm_dir, native, preset
     options = greedy_options()
     with VLLMEngine(preset_lm_dir, VLLMOptions(dtype="float32", kv_cache_memory_bytes=KV_BYTES,
                                                max_num_seqs=4, in_process=False)) as engine:
-        got = engine.generate(batch, options)
+        got = generate_all(engine, batch, options)
     for want, result in zip(generate(native, batch, options, preset_special), got, strict=True):
         assert result.text_tokens == want.text_tokens
         assert torch.equal(result.new_ids, want.new_ids)

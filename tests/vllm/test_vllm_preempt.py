@@ -9,6 +9,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/setup_vllm_venv.sh)")
 
+from mimo_tts.lm.batching import generate_all
 from mimo_tts.lm.generate import generate
 
 MAX_LEN = 256  # groups per request
@@ -36,7 +37,7 @@ def test_preempted_and_chunked_requests_equal_native(tight_engine, native, prese
                                   "zh")]
     assert min(p.shape[1] // 4 for p in batch) > CHUNK  # every prefill is chunked
     options = greedy_options()
-    got = tight_engine.generate(batch, options)
+    got = generate_all(tight_engine, batch, options)
     # Requests were preempted (left the batch and joined again), mid-speech.
     assert max(tight_engine.last_joins.values()) > 1
     want = generate(native, batch, options, preset_special)

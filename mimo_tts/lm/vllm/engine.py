@@ -1,36 +1,28 @@
-"""VLLMEngine: Stage-0 on vLLM with the native engine's API (spec §4.5-4.7; issue 7).
+"""VLLMEngine: Stage-0 on vLLM behind the `lm.engine.Engine` interface (spec §4.5-4.7; issue 7).
 
     engine = VLLMEngine(lm_dir, VLLMOptions(max_num_seqs=32))
-    for step in engine.stream([prompt.input_ids, ...], GenerationOptions.for_task("tts")):
-        ...  # StepOutput per row and group, as in mimo_tts.lm.generate.stream
-    results = engine.generate(prompts, options)  # list[Generation], as the native generate
+    for event in engine.run_batch(lm.batching.Jobs(jobs), rows=8):
+        ...  # JobGroup / JobDone / IDLE / StepFailed, as the native engine's run_batch
+    generations = lm.batching.generate_all(engine, prompts, options)  # whole runs
 
-Text tokens are sampled by vLLM's sampler (temperature / top-k / top-p, per-request seed);
-the patch decoder samples the codes in the worker with the request's own generator. A group's
-codes are known one step after its token (they are decided when the token is fed back, see
-model.py), so `stream` yields an `<|empty|>` group one step late, and right away at the finish.
+Each job is its own vLLM request with its own seed: text tokens are sampled by vLLM's sampler
+(temperature / top-k / top-p, the request's generator), the codes by the patch decoder in the
+worker with the request's own generator. A group's codes are known one step after its token
+(they are decided when the token is fed back, see model.py), so an `<|empty|>` group arrives
+one step late, and right away at the finish (run.py drives the steps).
 """
 
 from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from torch import Tensor
-
 from mimo_tts.errors import InputError, UsageError
+from mimo_tts.lm.batching import Job
 from mimo_tts.lm.config import MAX_GROUPS
-from mimo_tts.lm.generate import (
-    Generation,
-    GenerationOptions,
-    StepOutput,
-    resolve_stop_ids,
-    split_prompt,
-)
+from mimo_tts.lm.generate import Collector, GenerationOptions, resolve_stop_ids, split_prompt
 from mimo_tts.lm.load import load_config
 from mimo_tts.lm.text import TextTokenizer
 from mimo_tts.lm.vllm import (
@@ -41,6 +33,7 @@ from mimo_tts.lm.vllm import (
     setting_problem,
 )
 from mimo_tts.lm.vllm.launch import vllm_options
+from mimo_tts.lm.vllm.run import Request, VLLMBatchRun
 
 # Set before vLLM is imported, unless the caller chose otherwise. The V1 model runner is the one
 # whose logits-processor hook the row tracker relies on (state.py); vLLM picks V2 on GPUs.
@@ -74,70 +67,35 @@ class VLLMOptions:
                 raise UsageError(f"{name} {problem}, got {getattr(self, name)}")
 
 
-@dataclass
-class _Request:
-    """Engine-side view of one running request."""
-
-    row: int
-    key: str
-    prompt_len: int
-    tokens: list[int] = field(default_factory=list)
-    codes: dict[int, Tensor] = field(default_factory=dict)  # generated index -> [F, K]
-    emitted: int = 0
-    finished: bool = False
-    joins: int = 0
-
-
 class VLLMEngine:
     """The MiMo-Audio LM served by vLLM (paged attention, continuous batching, tensor
-    parallelism), generating like `mimo_tts.lm.generate` (an `lm.engine.Engine`; its batches
-    are static to the caller: vLLM schedules the rows itself)."""
+    parallelism), generating like `mimo_tts.lm.generate` (an `lm.engine.Engine`)."""
 
     name = "vllm"
-    continuous = False
 
     def __init__(self, model_dir: str | Path, options: VLLMOptions | None = None):
         self.options = options = options or VLLMOptions()
         self.model_dir = Path(model_dir)
         self.cfg = load_config(self.model_dir)
         self.special = TextTokenizer.from_dir(self.model_dir).special
-        self.last_joins: dict[int, int] = {}  # row -> batch joins in the last run (> 1: preempted)
+        # the last run's n-th pulled job -> times its request joined vLLM's batch (> 1: preempted)
+        self.last_joins: dict[int, int] = {}
         self._busy = False
         self.llm = _start_llm(self.model_dir, options, self.special.empty)
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
 
     # -- public API ---------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Tensor], options: GenerationOptions) -> list[Generation]:
-        """Per prompt the new groups as ids [1 + K, F * N], like the native `generate`."""
-        frames = self.cfg.group_size
-        empty = torch.tensor(self.cfg.speech_empty_ids).unsqueeze(0).expand(frames, -1)
-        blocks: list[list[Tensor]] = [[] for _ in prompts]
-        tokens: list[list[int]] = [[] for _ in prompts]
-        for out in self.stream(prompts, options):
-            codes = empty if out.codes is None else out.codes  # [F, K]
-            text = torch.full((1, frames), out.text_token, dtype=torch.long)
-            blocks[out.index].append(torch.cat((text, codes.T.long()), dim=0))  # [1 + K, F]
-            tokens[out.index].append(out.text_token)
-        return [Generation(torch.cat(b, dim=1), t) for b, t in zip(blocks, tokens, strict=True)]
+    def run_batch(self, source, rows: int, guard=None) -> VLLMBatchRun:
+        """A continuous batch of up to `rows` requests (at most max_num_seqs) pulling
+        `lm.batching.Job`s from `source`, each sampling with its own job's options and seed,
+        each step under `guard()` when given; the events of `lm.batching.BatchRun` (run.py).
+        One run is iterated at a time: it steps the whole vLLM engine."""
+        if rows < 1:
+            raise UsageError(f"a batch needs at least one row, got {rows}")
+        return VLLMBatchRun(self, source, min(rows, self.options.max_num_seqs), guard)
 
-    def stream(self, prompts: Sequence[Tensor], options: GenerationOptions) -> Iterator[StepOutput]:
-        """Yield each row's groups in order as soon as their codes are known.
-
-        One stream at a time per engine: a stream steps the whole vLLM engine."""
-        _check_options(options)
-        if not prompts:
-            raise InputError("no prompts to generate from")
-        if self._busy:
-            raise UsageError("this VLLMEngine is already streaming; finish that stream first")
-        self._busy, self.last_joins, requests = True, {}, {}
-        try:
-            for row, ids in enumerate(prompts):
-                req_id, request = self._add(row, ids, options)
-                requests[req_id] = request
-            yield from self._run(requests)
-        finally:
-            self._busy = False
-            self._abandon(requests)
+    def describe(self) -> dict:
+        return {"name": self.name}
 
     def close(self) -> None:
         """Shut the engine down and free its memory (a new engine may start afterwards)."""
@@ -153,39 +111,49 @@ class VLLMEngine:
         gc.collect()
         cleanup_dist_env_and_memory()
 
-    def run_batch(self, source, rows: int, guard=None):
-        raise UsageError("continuous batching runs on the native engine, not vLLM")
-
-    def describe(self) -> dict:
-        return {"name": self.name}
-
     def __enter__(self) -> VLLMEngine:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- steps ---------------------------------------------------------------------------------
-    def _add(self, row: int, ids: Tensor, options: GenerationOptions) -> tuple[str, _Request]:
+    # -- requests (VLLMBatchRun calls these) ---------------------------------------------------
+    def _claim(self) -> None:
+        """A run begins: one at a time per engine."""
+        if self.llm is None:
+            raise UsageError("this VLLMEngine is closed")
+        if self._busy:
+            raise UsageError("this VLLMEngine is already running a batch; finish or close "
+                             "that one first")
+        self._busy, self.last_joins = True, {}
+
+    def _add(self, job: Job, slot: int, number: int) -> Request:
+        """`job` as a vLLM request with its own options and seed. Refused (InputError,
+        UsageError): nothing is added."""
+        from vllm.exceptions import VLLMValidationError
         from vllm.inputs import TokensPrompt
 
         from mimo_tts.lm.vllm.state import request_args
 
-        text, codes = split_prompt(self, ids.cpu(), self.special.empty)  # [G], [G, F, K]
+        options = job.options
+        _check_options(options)
+        text, codes = split_prompt(self, job.ids.cpu(), self.special.empty)  # [G], [G, F, K]
         prompt_len = text.shape[0]
         if prompt_len >= self.max_model_len:
             raise InputError(f"prompt of {prompt_len} groups leaves no room under "
                              f"max_model_len {self.max_model_len}")
         audio_groups = (text == self.special.empty).nonzero()[:, 0].tolist()
         audio = {p: codes[p].tolist() for p in audio_groups}  # position -> [F][K]
-        key = uuid.uuid4().hex
-        seed = None if options.seed is None else options.seed + row
+        key, seed = uuid.uuid4().hex, options.seed
         params = self._sampling_params(options, prompt_len, seed,
                                        request_args(key, audio, options.audio_sampler, seed))
         req_id = f"mimo-{key}"  # outputs and aborts use this external id
         rendered = self.llm.renderer.render_cmpl([TokensPrompt(prompt_token_ids=text.tolist())])
-        self.llm.llm_engine.add_request(req_id, rendered[0], params)
-        return req_id, _Request(row, key, prompt_len)
+        try:
+            self.llm.llm_engine.add_request(req_id, rendered[0], params)
+        except (ValueError, VLLMValidationError) as exc:
+            raise InputError(f"vLLM refuses the prompt: {exc}") from None
+        return Request(job, req_id, number, slot, key, prompt_len, Collector(self.cfg))
 
     def _sampling_params(self, options: GenerationOptions, prompt_len: int, seed, args):
         from vllm import SamplingParams
@@ -205,63 +173,19 @@ class VLLMEngine:
         except (ValueError, VLLMValidationError) as exc:  # e.g. vLLM caps temperature at 2
             raise UsageError(f"vLLM refuses the text sampler {text}: {exc}") from None
 
-    def _run(self, requests: dict[str, _Request]) -> Iterator[StepOutput]:
-        engine = self.llm.llm_engine
-        while any(r.emitted < len(r.tokens) or not r.finished for r in requests.values()):
-            if not engine.has_unfinished_requests():
-                if any(not r.finished for r in requests.values()):
-                    raise RuntimeError("vLLM stopped before every MiMo request finished")
-            for out in engine.step():
-                request = requests.get(out.request_id)
-                if request is not None:
-                    request.tokens = list(out.outputs[0].token_ids)
-                    request.finished = out.finished
-            self._collect(requests)
-            for request in requests.values():
-                yield from self._ready(request)
-
-    def _collect(self, requests: dict[str, _Request]) -> None:
-        """Fetch newly decided codes; finish (and drop the state of) finished requests."""
-        live = [r for r in requests.values() if r.key is not None]
-        if not live:
+    def _abandon(self, requests) -> None:
+        """Abort the requests still running in vLLM and drop their worker states."""
+        requests = list(requests)
+        if self.llm is None or not requests:
             return
-        taken = self._rpc("mimo_audio_take", [r.key for r in live])
-        for r in live:
-            self._store(r, taken.get(r.key, []))
-            if r.finished:
-                position = r.prompt_len + len(r.tokens) - 1
-                codes, r.joins = self._rpc("mimo_audio_finish", r.key, r.tokens[-1], position)
-                self._store(r, codes)
-                self.last_joins[r.row] = r.joins
-                r.key = None
-
-    def _store(self, request: _Request, decided: list) -> None:
-        for position, codes in decided:
-            request.codes[position - request.prompt_len] = torch.tensor(codes, dtype=torch.long)
-
-    def _ready(self, r: _Request) -> Iterator[StepOutput]:
-        while r.emitted < len(r.tokens):
-            j, token = r.emitted, r.tokens[r.emitted]
-            codes = None
-            if token == self.special.empty:
-                codes = r.codes.get(j)
-                if codes is None:
-                    if r.key is None:  # finished, yet never decided: a bug, not a wait
-                        raise RuntimeError(f"no codes for audio group {j} of row {r.row}")
-                    return
-            r.emitted += 1
-            yield StepOutput(r.row, j, token, codes, r.finished and r.emitted == len(r.tokens))
-
-    def _abandon(self, requests: dict[str, _Request]) -> None:
-        """Abort what is still running (an error or an abandoned iterator) and drop states."""
-        if self.llm is None:
-            return
-        running = [rid for rid, r in requests.items() if not r.finished]
+        running = [r.req_id for r in requests if not r.finished]
         if running:
             self.llm.llm_engine.abort_request(running)
-        keys = [r.key for r in requests.values() if r.key is not None]
+        keys = [r.key for r in requests if r.key is not None]
         if keys:
             self._rpc("mimo_audio_release", keys)
+        for r in requests:
+            r.key = None
 
     def _rpc(self, method: str, *args):
         return self.llm.collective_rpc(method, args=args)[0]
