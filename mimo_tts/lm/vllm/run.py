@@ -14,6 +14,7 @@ the batch), then runs one `LLMEngine.step()`, takes the codes the worker decided
   the groups so far, None when there are none) or "error": a prompt refused before it runs
   (InputError / UsageError: too long, not whole groups, options vLLM cannot honour), or a
   request vLLM ended itself (generation so far);
+- `STEPPED` after each step's events (a consumer that works between steps does it then);
 - `IDLE` when no request is live and the source has nothing now (wait, then iterate on);
 - `StepFailed(error)` when a step fails with a MimoTTSError (out of memory, from `guard`): the
   live requests are aborted and lost (no `JobDone`), the batch goes on with jobs not yet begun.
@@ -38,7 +39,7 @@ import torch
 from torch import Tensor
 
 from mimo_tts.errors import MimoTTSError
-from mimo_tts.lm.batching import IDLE, Event, Job, JobDone, JobGroup, StepFailed
+from mimo_tts.lm.batching import IDLE, STEPPED, Event, Job, JobDone, JobGroup, StepFailed
 from mimo_tts.lm.generate import Collector, StepOutput
 
 # vLLM's finish reasons -> JobDone's; any other ("abort", "error") is an error of that job.
@@ -121,6 +122,7 @@ class VLLMBatchRun:
                     yield StepFailed(exc)
                     continue
                 yield from events
+                yield STEPPED
         finally:
             try:
                 self.engine._abandon(live.values())
