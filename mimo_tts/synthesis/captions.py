@@ -99,3 +99,37 @@ def cues(texts: list[str], lengths: list[int], sample_rate: int, samples_per_fra
         at += length
     return out
 
+
+# --- caption files -----------------------------------------------------------------------------
+
+
+def caption_text(cues: list[dict], fmt: str) -> str:
+    """SubRip (`srt`) or WebVTT (`vtt`) text of cue records (`Cue.record`), each cue's text
+    escaped for its format (`cue_text`)."""
+    mark = "," if fmt == "srt" else "."
+    blocks = [f"{c['index']}\n{_stamp(c['start'], mark)} --> {_stamp(c['end'], mark)}\n"
+              f"{cue_text(c['text'], fmt)}\n" for c in cues]
+    text = "\n".join(blocks)
+    return f"WEBVTT\n\n{text}" if fmt == "vtt" else text
+
+
+_SRT_ARROW = re.compile(r"--+>")
+
+
+def cue_text(text: str, fmt: str) -> str:
+    """A cue's text as its file needs it: on one line (a line break could end the cue); in
+    WebVTT `&`, `<` and `>` as character references (the WebVTT spec: `<` opens a tag, `&` a
+    reference, and `-->` may not occur in cue text); in SubRip, which has no escapes, `-->`
+    broken as `-- >` so no reader takes the line for a timing line."""
+    text = " ".join(text.split())
+    if fmt == "vtt":
+        return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return _SRT_ARROW.sub(lambda m: m[0][:-1] + " >", text)
+
+
+def _stamp(seconds: float, mark: str) -> str:
+    ms = round(seconds * 1000)
+    hours, ms = divmod(ms, 3_600_000)
+    minutes, ms = divmod(ms, 60_000)
+    secs, ms = divmod(ms, 1000)
+    return f"{hours:02d}:{minutes:02d}:{secs:02d}{mark}{ms:03d}"
