@@ -230,17 +230,17 @@ class VoiceStore:
                    "NAME FILE`"))
 
 
-def source_record(path: str | Path, transcript: str | None = None) -> dict:
-    """What a record keeps of the source recording: its path, sha256, duration and rate."""
-    import soundfile as sf
-
+def source_record(path: str | Path, transcript: str | None = None,
+                  shown: str | None = None) -> dict:
+    """What a record keeps of the source recording: its path (or `shown` in its place), sha256,
+    duration (of the decoded samples: a FLAC's header may not say) and rate."""
     from mimo_tts.synthesis.audio import read_audio
 
-    audio, rate = read_audio(path)  # refuses unusable audio (InputError) before any encode
+    audio, rate = read_audio(path, shown=shown)  # refuses unusable audio before any encode
+    seconds = audio.shape[-1] / rate
     del audio
-    info = sf.info(str(path))
-    return {"source": {"path": str(Path(path).resolve()), "sha256": file_sha256(path),
-                       "seconds": round(info.frames / info.samplerate, 4), "sample_rate": rate},
+    return {"source": {"path": shown or str(Path(path).resolve()), "sha256": file_sha256(path),
+                       "seconds": round(seconds, 4), "sample_rate": rate},
             "transcript": transcript}
 
 
@@ -256,9 +256,7 @@ def add_voice(store: VoiceStore, stage1, tok_ref, name: str, path, transcript=No
     `label` replaces the source path in the record (an upload's temporary file)."""
     check_name(name)
     path = str(path)
-    record = source_record(path, transcript)  # an unusable file: InputError, nothing kept
-    if label is not None:
-        record["source"]["path"] = label
+    record = source_record(path, transcript, label)  # unusable: InputError, nothing kept
     codes = stage1.prompt_codes(path)
     return store.add(name, codes, {**record, "tokenizer": tokenizer_record(tok_ref)},
                      overwrite=overwrite)
