@@ -22,6 +22,7 @@ from mimo_tts.lm.config import AUDIO_CHANNELS
 from mimo_tts.runtime.paths import atomic_write
 from mimo_tts.synthesis import audio as audio_io
 from mimo_tts.synthesis.audio import encode_audio, pcm16
+from mimo_tts.synthesis.captions import caption_text
 
 
 def companion_paths(audio: Path) -> tuple[Path, Path]:
@@ -84,12 +85,12 @@ write_audio = audio_io.write_audio  # the one writer, shared with the library's 
 def save_codes(path: str | Path, pieces: list, metadata: dict) -> Path:
     """Stage-0 codes (one [8, T] int32 tensor per text piece) as safetensors + JSON metadata."""
     import torch
-    from safetensors.torch import save
 
+    from mimo_tts.synthesis.voices import stable_safetensors
     tensors = {f"codes.{i}": p.to(torch.int32).cpu().contiguous() for i, p in enumerate(pieces)}
     meta = {"format": "mimo-tts-codes", "pieces": str(len(pieces)),
             "metadata": json.dumps(metadata, ensure_ascii=False)}
-    data = save(tensors, metadata=meta)
+    data = stable_safetensors(tensors, meta)  # equal codes, equal bytes
     return atomic_write(path, lambda f: f.write(data))
 
 
@@ -230,23 +231,6 @@ def caption_path(audio: Path, fmt: str) -> Path:
     """`x.srt` beside `x.wav`, `x.flac.vtt` beside `x.flac` (as `companion_paths`)."""
     base = audio.stem if audio.suffix.lower() in ("", ".wav") else audio.name
     return audio.with_name(f"{base}.{fmt}")
-
-
-def _stamp(seconds: float, mark: str) -> str:
-    ms = round(seconds * 1000)
-    hours, ms = divmod(ms, 3_600_000)
-    minutes, ms = divmod(ms, 60_000)
-    secs, ms = divmod(ms, 1000)
-    return f"{hours:02d}:{minutes:02d}:{secs:02d}{mark}{ms:03d}"
-
-
-def caption_text(cues: list[dict], fmt: str) -> str:
-    """SubRip (`srt`) or WebVTT (`vtt`) text of cue records (`captions.Cue.record`)."""
-    mark = "," if fmt == "srt" else "."
-    blocks = [f"{c['index']}\n{_stamp(c['start'], mark)} --> {_stamp(c['end'], mark)}\n"
-              f"{c['text']}\n" for c in cues]
-    text = "\n".join(blocks)
-    return f"WEBVTT\n\n{text}" if fmt == "vtt" else text
 
 
 def write_captions(audio: Path, cues: list[dict], formats: list[str]) -> list[Path]:

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mimo_tts.batch.files import caption_text, companion_paths
+from mimo_tts.batch.files import companion_paths
 from mimo_tts.batch.items import Item
 from mimo_tts.batch.manifest import done_record, flock
 from mimo_tts.batch.resume import item_key
@@ -33,7 +33,7 @@ from mimo_tts.errors import OutputError
 from mimo_tts.runtime.paths import atomic_write, clean_temp_files, open_no_follow
 from mimo_tts.runtime.safetensors import parse_config
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, encode_audio
-from mimo_tts.synthesis.captions import Cue, cues
+from mimo_tts.synthesis.captions import Cue, caption_text, cues
 
 CHAPTERS_DIR = "chapters"
 BOOK_JSON, M4B_NAME = "book.json", "book.m4b"

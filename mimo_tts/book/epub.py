@@ -13,6 +13,13 @@ files (container, OPF, NCX, encryption) and `html.parser` for the XHTML text.
 - A book whose `META-INF/encryption.xml` encrypts anything but fonts (font obfuscation is not
   DRM) is DRM-protected; that, a file that is not a zip archive, or one missing its container
   or package document, is an InputError (exit 9), before anything is written.
+- Limits (a zip bomb is refused before it is unpacked, also by `--list`): at most
+  `MAX_ENTRIES` members, read from the archive's end record before `zipfile` lists them; a
+  document (a member that is read: package files, XHTML) unpacks to at most
+  `MAX_MEMBER_BYTES`, and past 1 MiB to at most `MAX_RATIO` times its packed size; the
+  documents read unpack to at most `MAX_UNPACKED_BYTES` together (a spine naming one document
+  many times counts it each time). Images, fonts and styles are never unpacked. Each is an
+  InputError (exit 9) naming the member and the limit.
 """
 
 from __future__ import annotations
@@ -34,7 +41,12 @@ ENCRYPTION = "META-INF/encryption.xml"
 # Font obfuscation (IDPF's and Adobe's) hides fonts only: the text stays readable.
 FONT_OBFUSCATION = frozenset({"http://www.idpf.org/2008/embedding",
                               "http://ns.adobe.com/pdf/enc#RC"})
-MAX_MEMBER_BYTES = 64 * 2**20  # one document (a zip member) read whole at most
+MAX_ENTRIES = 10_000  # members of the archive (a large illustrated book has a few thousand)
+MAX_CENTRAL_BYTES = 16 * 2**20  # the archive's list of members, as its end record sizes it
+MAX_MEMBER_BYTES = 32 * 2**20  # one document unpacked (a whole novel in one file: about 5 MiB)
+MAX_UNPACKED_BYTES = 64 * 2**20  # every document read, unpacked, together
+MAX_RATIO = 100  # unpacked : packed, for a document past RATIO_FLOOR (text deflates 3-10:1)
+RATIO_FLOOR = 2**20
 BLOCKS = frozenset("address article aside blockquote body br dd div dl dt figcaption figure "
                    "footer h1 h2 h3 h4 h5 h6 header hr li main nav ol p pre section table td "
                    "th tr ul".split())
@@ -50,21 +62,97 @@ class _Corrupt(Exception):
     """A structural problem, reported as "NAME is not a readable EPUB: ..."."""
 
 
+class _TooBig(Exception):
+    """Past one of the limits, reported as "NAME is refused: ..."."""
+
+
 def read_epub(path: Path) -> tuple[str | None, str | None, list[Section]]:
     """(title, author, sections) of an EPUB file (module docstring)."""
     try:
+        _check_directory(path)
         archive = zipfile.ZipFile(path)
     except (zipfile.BadZipFile, zipfile.LargeZipFile) as exc:
         raise InputError(f"{path.name} is not a readable EPUB: not a zip archive ({exc})"
                          ) from None
     except OSError as exc:
         raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except _TooBig as exc:
+        raise InputError(f"{path.name} is refused: {exc}") from None
     try:
         with archive:
-            _refuse_encrypted(archive, path.name)
-            return _Package(archive).sections()
+            if len(archive.infolist()) > MAX_ENTRIES:  # the end record undercounted them
+                raise _TooBig(f"it holds {len(archive.infolist())} files; an EPUB may hold at "
+                              f"most {MAX_ENTRIES}")
+            book = _Archive(archive)
+            _refuse_encrypted(book, path.name)
+            return _Package(book).sections()
     except _Corrupt as exc:
         raise InputError(f"{path.name} is not a readable EPUB: {exc}") from None
+    except _TooBig as exc:
+        raise InputError(f"{path.name} is refused: {exc}") from None
+
+
+_END = b"PK\x05\x06"  # the end of central directory record (APPNOTE 4.3.16)
+_END64 = b"PK\x06\x06"  # its zip64 form, found through the locator before the end record
+_LOCATOR64 = b"PK\x06\x07"
+
+
+def _check_directory(path: Path) -> None:
+    """Refuse an archive whose end record counts more than `MAX_ENTRIES` members or a list of
+    them past `MAX_CENTRAL_BYTES`, before `zipfile` builds an object for each. Without an end
+    record nothing is said here (`zipfile` then says the file is not a zip archive)."""
+    with open(path, "rb") as handle:
+        size = handle.seek(0, 2)
+        handle.seek(max(0, size - 22 - 0xFFFF))  # the record, then a comment of up to 64 KiB
+        tail = handle.read()
+        at = tail.rfind(_END)
+        if at < 0 or len(tail) < at + 22:
+            return
+        count = int.from_bytes(tail[at + 10:at + 12], "little")
+        listed = int.from_bytes(tail[at + 12:at + 16], "little")
+        if (count == 0xFFFF or listed == 0xFFFFFFFF) and tail[at - 20:at - 16] == _LOCATOR64:
+            handle.seek(int.from_bytes(tail[at - 12:at - 4], "little"))
+            record = handle.read(56)
+            if record[:4] == _END64 and len(record) == 56:
+                count = int.from_bytes(record[32:40], "little")
+                listed = int.from_bytes(record[40:48], "little")
+    if count > MAX_ENTRIES:
+        raise _TooBig(f"it holds {count} files; an EPUB may hold at most {MAX_ENTRIES}")
+    if listed > MAX_CENTRAL_BYTES:
+        raise _TooBig(f"its list of files is {listed / 2**20:.1f} MiB; an EPUB's may be at most "
+                      f"{MAX_CENTRAL_BYTES >> 20} MiB")
+
+
+class _Archive:
+    """The book's zip archive, its documents unpacked within the limits (module docstring)."""
+
+    def __init__(self, archive: zipfile.ZipFile):
+        self.zip = archive
+        self.names = frozenset(archive.namelist())
+        self.unpacked = 0  # bytes of the documents read so far
+
+    def read(self, name: str) -> bytes:
+        try:
+            info = self.zip.getinfo(name)
+        except KeyError:
+            raise _Corrupt(f"{name} is missing") from None
+        size, packed = info.file_size, max(info.compress_size, 1)
+        if size > MAX_MEMBER_BYTES:
+            raise _TooBig(f"{name} unpacks to {size / 2**20:.1f} MiB; a document may unpack "
+                          f"to at most {MAX_MEMBER_BYTES >> 20} MiB")
+        if size > RATIO_FLOOR and size > MAX_RATIO * packed:
+            raise _TooBig(f"{name} unpacks to {size / 2**20:.1f} MiB from {packed / 2**10:.1f} "
+                          f"KiB ({size // packed}:1); a document past "
+                          f"{RATIO_FLOOR >> 20} MiB may unpack to at most {MAX_RATIO}:1")
+        if self.unpacked + size > MAX_UNPACKED_BYTES:
+            raise _TooBig(f"its documents unpack to more than {MAX_UNPACKED_BYTES >> 20} MiB "
+                          f"together (at {name})")
+        self.unpacked += size
+        try:
+            return self.zip.read(info)  # at most file_size bytes: zipfile stops there
+        except (zipfile.BadZipFile, zlib.error, EOFError, OSError, NotImplementedError,
+                RuntimeError) as exc:
+            raise _Corrupt(f"{name} cannot be unpacked ({exc})") from None
 
 
 def _local(tag) -> str:
@@ -76,30 +164,20 @@ def _all(root, name: str) -> list:
     return [e for e in root.iter() if _local(e.tag) == name]
 
 
-def _read(archive: zipfile.ZipFile, name: str) -> bytes:
-    try:
-        info = archive.getinfo(name)
-    except KeyError:
-        raise _Corrupt(f"{name} is missing") from None
-    if info.file_size > MAX_MEMBER_BYTES:
-        raise _Corrupt(f"{name} is {info.file_size} bytes, past {MAX_MEMBER_BYTES}")
-    try:
-        return archive.read(info)
-    except (zipfile.BadZipFile, zlib.error, EOFError, OSError, NotImplementedError,
-            RuntimeError) as exc:
-        raise _Corrupt(f"{name} cannot be unpacked ({exc})") from None
+def _read(archive: _Archive, name: str) -> bytes:
+    return archive.read(name)
 
 
-def _xml(archive: zipfile.ZipFile, name: str):
+def _xml(archive: _Archive, name: str):
     try:
         return ET.fromstring(_read(archive, name))
     except ET.ParseError as exc:
         raise _Corrupt(f"{name} is not well-formed XML ({exc})") from None
 
 
-def _refuse_encrypted(archive: zipfile.ZipFile, name: str) -> None:
+def _refuse_encrypted(archive: _Archive, name: str) -> None:
     """DRM: `encryption.xml` naming a resource encrypted by anything but font obfuscation."""
-    if ENCRYPTION not in archive.namelist():
+    if ENCRYPTION not in archive.names:
         return
     try:
         root = _xml(archive, ENCRYPTION)
@@ -121,7 +199,7 @@ def _refuse_encrypted(archive: zipfile.ZipFile, name: str) -> None:
 class _Package:
     """The package document (OPF): metadata, manifest, spine, and the navigation's titles."""
 
-    def __init__(self, archive: zipfile.ZipFile):
+    def __init__(self, archive: _Archive):
         self.archive = archive
         rootfiles = [r.get("full-path") for r in _all(_xml(archive, CONTAINER), "rootfile")]
         if not rootfiles or not rootfiles[0]:

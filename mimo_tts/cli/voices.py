@@ -73,7 +73,7 @@ def list_(as_json: AsJson = False, debug: Debug = False) -> None:
             if as_json:
                 reporter.data(record)
             elif "error" in record:
-                reporter.data(f"{record['name']}\tcorrupt: {record['error']}")
+                reporter.data(f"{record['name']}\tbroken: {record['error']}")
             else:
                 reporter.data(f"{record['name']}\t{record['source']['seconds']:.2f} s\t"
                               f"{record['tokenizer'].get('name')}\t{record['created_at']}")

@@ -40,6 +40,7 @@ from mimo_tts.server.protocol import (
     sse,
 )
 from mimo_tts.server.session import Session, Sessions
+from mimo_tts.server.voices import client_message
 from mimo_tts.synthesis.audio import (
     PAUSE_FRAMES,
     SAMPLE_RATE,
@@ -93,8 +94,8 @@ class SpeechServer:
                                               params.options.seed)
         except BaseException as exc:
             session.release("failed" if isinstance(exc, MimoTTSError) else "cancelled")
-            if isinstance(exc, MimoTTSError):
-                raise ApiError.of(exc) from None
+            if isinstance(exc, MimoTTSError):  # a voice that cannot be read, say
+                raise ApiError.of(exc, client_message(str(exc), self)) from None
             raise
         speech = Speech(self, params, prompts, session, tally)
         body = speech.body(request)

@@ -215,10 +215,12 @@ class ApiError(Exception):
         self.headers = headers or {}
 
     @classmethod
-    def of(cls, exc: MimoTTSError) -> ApiError:
+    def of(cls, exc: MimoTTSError, message: str | None = None) -> ApiError:
+        """`exc` as a response: 400 for bad input, 503 for a device error, else 500;
+        `message` in place of its own (the client's words, no server paths)."""
         status = 400 if isinstance(exc, UsageError | InputError) else \
             503 if isinstance(exc, DeviceError) else 500
-        return cls(status, str(exc))
+        return cls(status, str(exc) if message is None else message)
 
     def response(self):
         from fastapi.responses import Response

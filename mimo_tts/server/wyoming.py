@@ -30,6 +30,7 @@ from mimo_tts.server.protocol import (
     public_model_name,
 )
 from mimo_tts.server.session import Sessions
+from mimo_tts.server.voices import client_message
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, pcm16
 from mimo_tts.synthesis.settings import OptionValues
 from mimo_tts.synthesis.text import clean_text, ended_sentences
@@ -114,9 +115,9 @@ class WyomingSpeech:
             outcome = "failed"
             raise ApiError(504, f"the request took longer than --timeout "
                            f"({self.cfg.timeout:g} s)", code="timeout") from None
-        except MimoTTSError as exc:
+        except MimoTTSError as exc:  # a voice that cannot be read, say
             outcome = "failed"
-            raise ApiError.of(exc) from None
+            raise ApiError.of(exc, client_message(str(exc), self)) from None
         finally:
             session.release(outcome)
             if outcome == "cancelled":

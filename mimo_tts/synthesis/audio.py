@@ -7,6 +7,7 @@ from __future__ import annotations
 import io as _io
 import numbers
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -218,25 +219,116 @@ def write_audio(path: str | Path, audio, sample_rate: int, fmt: str = "wav") -> 
     return atomic_write(path, lambda f: f.write(data))
 
 
-def read_audio(path: str | Path, where: str = "prompt audio"):
-    """A [C, S] float32 tensor and its sample rate; unusable audio is an InputError."""
-    import soundfile as sf
+MAX_PROMPT_SECONDS = 600  # a voice prompt file, decoded (a voice needs seconds, not hours)
+MAX_PROMPT_SAMPLES = 1 << 26  # and its samples over all channels (256 MiB as float32)
+UNKNOWN_FRAMES = 2**63 - 1  # what libsndfile reports for a stream that does not say its length
+_BLOCK = 1 << 16  # frames decoded at a time from a file of unknown length
+
+
+def check_prompt_file(path: str | Path, where: str = "prompt audio",
+                      shown: str | None = None) -> Path:
+    """`path` as a prompt file: a regular file, else an InputError saying what is there (a
+    directory is not "not found"). `shown` names the file in messages instead of its path."""
+    path, shown = Path(path), shown or str(path)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise InputError(f"{where} not found: {shown}") from None
+    except OSError as exc:
+        raise InputError(f"{where} {shown} cannot be read: {exc.strerror or exc}") from None
+    if stat.S_ISDIR(mode):
+        raise InputError(f"{where} {shown} is a directory, not an audio file")
+    if not stat.S_ISREG(mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "a device")
+        raise InputError(f"{where} {shown} is {kind}, not a regular file")
+    return path
+
+
+def read_audio(path: str | Path, where: str = "prompt audio", shown: str | None = None):
+    """A [C, S] float32 tensor and its sample rate; unusable audio is an InputError. A file
+    whose header does not give its length (a FLAC streamed to disk: STREAMINFO's total of 0)
+    is decoded to its end. `shown` names the file in messages instead of its path."""
     import torch
 
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{where} not found: {path}")
-    try:
-        data, rate = sf.read(str(path), dtype="float32", always_2d=True)
-    except (sf.LibsndfileError, RuntimeError, TypeError, ValueError, OSError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise InputError(f"{where} {path} is unreadable or unsupported: {reason}") from None
+    data, rate = _decode(path, where, shown or str(path), False)
     audio = torch.from_numpy(data.T.copy())  # [S, C] -> [C, S]
     if audio.shape[-1] == 0:
-        raise InputError(f"{where} {path} has no samples")
+        raise InputError(f"{where} {shown or path} has no samples")
     if not torch.isfinite(audio).all():
-        raise InputError(f"{where} {path} contains NaN or infinite samples")
+        raise InputError(f"{where} {shown or path} contains NaN or infinite samples")
     return audio, int(rate)
+
+
+def audio_seconds(path: str | Path, where: str = "prompt audio", shown: str | None = None,
+                  max_seconds: float = MAX_PROMPT_SECONDS) -> float:
+    """A prompt file's length in seconds: from its header, or (when the header does not say)
+    by decoding it; past `max_seconds` it is refused (InputError) without decoding further."""
+    frames, rate = _decode(path, where, shown or str(path), True, max_seconds)
+    return frames / rate
+
+
+def _decode(path, where: str, shown: str, frames_only: bool,
+            max_seconds: float = MAX_PROMPT_SECONDS):
+    """(samples [S, C] float32, rate), or (frames, rate) when `frames_only`; a file past
+    `max_seconds` or `MAX_PROMPT_SAMPLES` is refused before it is decoded whole."""
+    import soundfile as sf
+
+    path = check_prompt_file(path, where, shown)
+    try:
+        with sf.SoundFile(str(path)) as handle:
+            rate, frames = handle.samplerate, handle.frames
+            limit = min(max_seconds * rate, MAX_PROMPT_SAMPLES // handle.channels)
+            if 0 <= frames < UNKNOWN_FRAMES:
+                _check_length(frames, handle, limit, max_seconds, where, shown)
+                if frames_only:
+                    return frames, rate
+                data = handle.read(dtype="float32", always_2d=True)
+            else:
+                data = _decode_to_end(handle, limit, max_seconds, where, shown)
+    except (sf.LibsndfileError, RuntimeError, TypeError, ValueError, OSError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        reason = reason.replace(f"'{path}'", "it").replace(str(path), shown)  # libsndfile's
+        raise InputError(f"{where} {shown} is unreadable or unsupported: {reason}") from None
+    return (len(data), rate) if frames_only else (data, rate)
+
+
+def _decode_to_end(handle, limit: float, max_seconds: float, where: str, shown: str):
+    """All the frames of a file of unknown length, block by block ([S, C] float32).
+
+    soundfile moves its position after each read by seeking, and libsndfile cannot seek in a
+    stream of unknown length once it is at its end: the last read's frames arrive, then the
+    seek fails. Each block is therefore read into NaN, and where that failure comes, the
+    frames before the first NaN are the ones decoded (decoded PCM is never NaN)."""
+    import numpy as np
+    import soundfile as sf
+
+    blocks, total = [], 0
+    while True:
+        block = np.full((_BLOCK, handle.channels), np.nan, dtype=np.float32)
+        try:
+            got = len(handle.read(_BLOCK, dtype="float32", always_2d=True, out=block))
+            last = got < _BLOCK
+        except sf.LibsndfileError:
+            unread = np.flatnonzero(np.isnan(block[:, 0]))
+            got, last = (int(unread[0]) if unread.size else _BLOCK), True
+        blocks.append(block[:got])
+        total += got
+        _check_length(total, handle, limit, max_seconds, where, shown, "more than ")
+        if last:
+            return np.concatenate(blocks)
+
+
+def _check_length(frames: int, handle, limit: float, max_seconds: float, where: str,
+                  shown: str, more: str = "") -> None:
+    if frames <= limit:
+        return
+    if frames > max_seconds * handle.samplerate:
+        raise InputError(f"{where} {shown} is {more}{frames / handle.samplerate:.0f} s long; a "
+                         f"voice prompt may be at most {max_seconds:g} s")
+    raise InputError(f"{where} {shown} holds {more}{frames * handle.channels} samples "
+                     f"({handle.channels} channels); a voice prompt may hold at most "
+                     f"{MAX_PROMPT_SAMPLES}")
 
 
 PROMPT_RATES = (1000, 768000)  # sample rates a voice prompt in memory may have, in Hz

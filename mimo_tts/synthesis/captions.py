@@ -1,7 +1,8 @@
 """Captions with exact times: one cue per synthesised piece.
 
 With captions asked, a text is cut into one piece per sentence (a sentence past `CUE_CHARS` is
-cut at clause punctuation, then at whitespace), and each piece is generated on its own. The
+cut at clause punctuation, then at whitespace, never inside a grapheme cluster), and each piece
+is generated on its own. The
 pieces' audio is joined with `PAUSE_FRAMES` of silence between them (`audio.join_pieces`), so
 a cue's start and end are known to the sample: piece i starts after the samples of the pieces
 before it and their pauses. MiMo-Audio's TTS output carries no text aligned with its audio, so
@@ -14,7 +15,7 @@ import re
 from dataclasses import dataclass
 
 from mimo_tts.synthesis.audio import PAUSE_FRAMES
-from mimo_tts.synthesis.text import sentences, split_text
+from mimo_tts.synthesis.text import grapheme_boundary, sentences, split_text, trim
 
 CUE_CHARS = 84  # two subtitle lines of 42 characters, the usual readable cue
 # A clause ends at `,;:` (or a dash) before whitespace, or at CJK clause punctuation.
@@ -37,7 +38,8 @@ def caption_pieces(text: str, max_chars: int = 0) -> list[str]:
 def _clauses(sentence: str, limit: int) -> list[str]:
     if len(sentence) <= limit:
         return [sentence]
-    cuts = [m.end() for m in _CLAUSE_END.finditer(sentence)]
+    cuts = [m.end() for m in _CLAUSE_END.finditer(sentence)
+            if grapheme_boundary(sentence, m.end())]  # never inside a cluster
     parts, start, last = [], 0, 0
     for cut in [*cuts, len(sentence)]:
         if cut - start > limit and last > start:  # close the cue at the clause before
@@ -46,7 +48,7 @@ def _clauses(sentence: str, limit: int) -> list[str]:
         last = cut
     parts.append(sentence[start:])
     out = []
-    for part in (p.strip() for p in parts):
+    for part in map(trim, parts):
         if part:  # a clause still too long is cut at whitespace (`split_text`'s rule)
             out.extend(split_text(part, limit) if len(part) > limit else [part])
     return out
@@ -96,3 +98,38 @@ def cues(texts: list[str], lengths: list[int], sample_rate: int, samples_per_fra
         out.append(Cue(i + 1, text, at, at + length, sample_rate))
         at += length
     return out
+
+
+# --- caption files -----------------------------------------------------------------------------
+
+
+def caption_text(cues: list[dict], fmt: str) -> str:
+    """SubRip (`srt`) or WebVTT (`vtt`) text of cue records (`Cue.record`), each cue's text
+    escaped for its format (`cue_text`)."""
+    mark = "," if fmt == "srt" else "."
+    blocks = [f"{c['index']}\n{_stamp(c['start'], mark)} --> {_stamp(c['end'], mark)}\n"
+              f"{cue_text(c['text'], fmt)}\n" for c in cues]
+    text = "\n".join(blocks)
+    return f"WEBVTT\n\n{text}" if fmt == "vtt" else text
+
+
+_SRT_ARROW = re.compile(r"--+>")
+
+
+def cue_text(text: str, fmt: str) -> str:
+    """A cue's text as its file needs it: on one line (a line break could end the cue); in
+    WebVTT `&`, `<` and `>` as character references (the WebVTT spec: `<` opens a tag, `&` a
+    reference, and `-->` may not occur in cue text); in SubRip, which has no escapes, `-->`
+    broken as `-- >` so no reader takes the line for a timing line."""
+    text = " ".join(text.split())
+    if fmt == "vtt":
+        return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return _SRT_ARROW.sub(lambda m: m[0][:-1] + " >", text)
+
+
+def _stamp(seconds: float, mark: str) -> str:
+    ms = round(seconds * 1000)
+    hours, ms = divmod(ms, 3_600_000)
+    minutes, ms = divmod(ms, 60_000)
+    secs, ms = divmod(ms, 1000)
+    return f"{hours:02d}:{minutes:02d}:{secs:02d}{mark}{ms:03d}"

@@ -9,13 +9,18 @@ audio tokenizer that encoded it, the codes' sha256, created-at, an optional tran
 Writes take an exclusive `flock` on the store's lock file; reads a shared one, so two processes
 never see half a voice. Each file is written through `atomic_write`, the codes before the
 record: a record present means the voice is complete, and its `codes_sha256` must match the
-codes file (else the voice is reported corrupt). Removing drops the record first.
+codes file (else the voice is reported corrupt, by `list` too). Removing drops the record first.
+Reading never creates anything: a store folder that does not exist is empty, and a read-only
+one (no lock file, none can be made) is read without the lock, as nothing can write there.
+The codes file's bytes depend on the codes and the name only (`stable_safetensors`), so adding
+the same recording again gives the same file, and the same resume keys for what it voiced.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import fcntl
 import hashlib
 import json
@@ -84,6 +89,59 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+_DTYPES = {"int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
+           "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+           "bool": "BOOL"}
+
+
+def stable_safetensors(tensors: dict, metadata: dict[str, str]) -> bytes:
+    """A safetensors file whose bytes depend on its tensors and metadata only.
+
+    `safetensors.torch.save` writes the metadata in its hash map's order, which changes from
+    process to process, so the same codes gave other bytes (and another sha256) on each run.
+    Here the header is JSON with sorted keys, the tensors are laid out by name, and the header
+    is padded with spaces to 8 bytes, as the format describes; any safetensors reader reads it.
+    """
+    import torch
+
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    blobs, at = [], 0
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        dtype = _DTYPES[str(tensor.dtype).removeprefix("torch.")]
+        blob = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        header[name] = {"dtype": dtype, "shape": list(tensor.shape),
+                        "data_offsets": [at, at + len(blob)]}
+        blobs.append(blob)
+        at += len(blob)
+    text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    text += " " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text.encode("ascii") + b"".join(blobs)
+
+
+def _file_above(root: Path) -> Path | None:
+    """A file (not a folder) where one of `root`'s parent folders should be."""
+    return next((p for p in root.parents if p.exists() and not p.is_dir()), None)
+
+
+def folder_problem(root: Path, exc: OSError | None) -> str:
+    """What is wrong with a store folder, in words (not `[Errno 17] File exists`)."""
+    if os.path.islink(root) and not root.exists():
+        return "it is a symbolic link to nothing; make it a folder"
+    if root.exists() and not root.is_dir():
+        return "it is a file, not a folder; move it away or set MIMO_TTS_VOICES_DIR to a folder"
+    if (above := _file_above(root)) is not None:
+        return f"{above} is a file, not a folder; set MIMO_TTS_VOICES_DIR to a folder"
+    code = getattr(exc, "errno", None)
+    if code in (errno.EACCES, errno.EPERM):
+        return "permission denied: this user cannot write there; set MIMO_TTS_VOICES_DIR"
+    if code == errno.EROFS:
+        return "the file system is read-only: voices can be listed and used, not added"
+    if code == errno.ENOSPC:
+        return "no space left on the device"
+    return (exc.strerror or str(exc)).lower() if exc is not None else "not a usable folder"
+
+
 @dataclass(frozen=True)
 class Voice:
     """A stored voice: its prompt codes [K, T] int64 and its record."""
@@ -109,23 +167,44 @@ class VoiceStore:
 
     @contextlib.contextmanager
     def _lock(self, exclusive: bool):
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            handle = open_no_follow(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT)
-        except OSError as exc:
-            raise OutputError(f"voice store {self.root}: {exc.strerror or exc}") from None
+        """The store's lock: exclusive for writes (the folder made first), shared for reads,
+        which make nothing: a missing folder is read as empty, a read-only one unlocked."""
+        handle = self._open_lock() if exclusive else self._open_lock_to_read()
+        if handle is None:
+            yield
+            return
         with handle:  # closing releases the lock
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
             yield
 
+    def _open_lock(self):
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            return open_no_follow(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT)
+        except OSError as exc:
+            raise OutputError(f"voice store {self.root}: {folder_problem(self.root, exc)}"
+                              ) from None
+
+    def _open_lock_to_read(self):
+        if not os.path.lexists(self.root) and not _file_above(self.root):
+            return None  # nothing stored yet
+        if not self.root.is_dir():
+            raise OutputError(f"voice store {self.root}: {folder_problem(self.root, None)}")
+        for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):
+            try:
+                return open_no_follow(self.root / LOCK_NAME, flags)
+            except OSError as exc:
+                if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT):
+                    raise OutputError(f"voice store {self.root}: "
+                                      f"{folder_problem(self.root, exc)}") from None
+        return None  # read-only and never locked: nothing can be writing there
+
     def add(self, name: str, codes, record: dict, overwrite: bool = False) -> dict:
         """Store `codes` [K, T] under `name` with `record` (source, tokenizer, transcript);
         an existing voice is kept unless `overwrite`. Returns the full record."""
-        from safetensors.torch import save
-
         codes_path, record_path = self.paths(name)
-        payload = save({"codes": codes.detach().cpu().long().contiguous()},
-                       metadata={"name": name, "format": str(RECORD_FORMAT)})
+        payload = stable_safetensors({"codes": codes.detach().cpu().long().contiguous()},
+                                     {"name": name, "format": str(RECORD_FORMAT)})
         full = {"name": name, "format": RECORD_FORMAT,
                 "created_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 **record, "codes": {"shape": list(codes.shape),
@@ -150,14 +229,18 @@ class VoiceStore:
                       if NAME_PATTERN.fullmatch(p.stem) and p.stem.lower() not in RESERVED)
 
     def list(self) -> list[dict]:
-        """Every voice's record, by name; a corrupt one is listed with its `error`."""
+        """Every voice's record, by name; one that cannot be used (a corrupt record, codes
+        gone or not matching the record) is listed with its `error`."""
         out = []
         with self._lock(exclusive=False):
             for name in self._names():
                 try:
-                    out.append(self._record(name))
+                    record = self._record(name)
+                    self._codes(name, record)
                 except InputError as exc:
                     out.append({"name": name, "error": str(exc)})
+                else:
+                    out.append(record)
         return out
 
     def record(self, name: str) -> dict:
@@ -173,14 +256,7 @@ class VoiceStore:
         codes_path, _ = self.paths(name)
         with self._lock(exclusive=False):
             record = self._record(name)
-            try:
-                payload = codes_path.read_bytes()
-            except OSError as exc:
-                raise InputError(f"voice {name!r} is corrupt: its codes {codes_path} cannot be "
-                                 f"read ({exc.strerror or exc}); add it again") from None
-        if hashlib.sha256(payload).hexdigest() != record.get("codes", {}).get("sha256"):
-            raise InputError(f"voice {name!r} is corrupt: {codes_path} does not match its "
-                             "record; add it again")
+            payload = self._codes(name, record)
         try:
             codes = load(payload)["codes"]
         except (SafetensorError, KeyError, ValueError) as exc:
@@ -203,6 +279,22 @@ class VoiceStore:
                 except OSError as exc:
                     raise OutputError(f"cannot remove {path}: {exc.strerror or exc}") from None
 
+    def _codes(self, name: str, record: dict) -> bytes:
+        """A voice's codes file, checked against its record's sha256."""
+        codes_path, _ = self.paths(name)
+        try:
+            payload = codes_path.read_bytes()
+        except FileNotFoundError:
+            raise InputError(f"voice {name!r} is broken: its codes file {codes_path} is gone; "
+                             "add it again") from None
+        except OSError as exc:
+            raise InputError(f"voice {name!r} is corrupt: its codes {codes_path} cannot be "
+                             f"read ({exc.strerror or exc}); add it again") from None
+        if hashlib.sha256(payload).hexdigest() != record["codes"].get("sha256"):
+            raise InputError(f"voice {name!r} is corrupt: {codes_path} does not match its "
+                             "record; add it again")
+        return payload
+
     def _record(self, name: str) -> dict:
         _, record_path = self.paths(name)
         try:
@@ -218,7 +310,10 @@ class VoiceStore:
                              f"({exc.msg} at line {exc.lineno}); add it again") from None
         if (not isinstance(record, dict) or record.get("name") != name
                 or not isinstance(record.get("codes"), dict)
-                or not isinstance(record.get("tokenizer"), dict)):
+                or not isinstance(record.get("tokenizer"), dict)
+                or not isinstance(record.get("source"), dict)
+                or not isinstance(record["source"].get("seconds"), int | float)
+                or not isinstance(record.get("created_at"), str)):
             raise InputError(f"voice {name!r} is corrupt: {record_path} is not a voice record; "
                              "add it again")
         return record
@@ -230,17 +325,17 @@ class VoiceStore:
                    "NAME FILE`"))
 
 
-def source_record(path: str | Path, transcript: str | None = None) -> dict:
-    """What a record keeps of the source recording: its path, sha256, duration and rate."""
-    import soundfile as sf
-
+def source_record(path: str | Path, transcript: str | None = None,
+                  shown: str | None = None) -> dict:
+    """What a record keeps of the source recording: its path (or `shown` in its place), sha256,
+    duration (of the decoded samples: a FLAC's header may not say) and rate."""
     from mimo_tts.synthesis.audio import read_audio
 
-    audio, rate = read_audio(path)  # refuses unusable audio (InputError) before any encode
+    audio, rate = read_audio(path, shown=shown)  # refuses unusable audio before any encode
+    seconds = audio.shape[-1] / rate
     del audio
-    info = sf.info(str(path))
-    return {"source": {"path": str(Path(path).resolve()), "sha256": file_sha256(path),
-                       "seconds": round(info.frames / info.samplerate, 4), "sample_rate": rate},
+    return {"source": {"path": shown or str(Path(path).resolve()), "sha256": file_sha256(path),
+                       "seconds": round(seconds, 4), "sample_rate": rate},
             "transcript": transcript}
 
 
@@ -256,9 +351,7 @@ def add_voice(store: VoiceStore, stage1, tok_ref, name: str, path, transcript=No
     `label` replaces the source path in the record (an upload's temporary file)."""
     check_name(name)
     path = str(path)
-    record = source_record(path, transcript)  # an unusable file: InputError, nothing kept
-    if label is not None:
-        record["source"]["path"] = label
+    record = source_record(path, transcript, label)  # unusable: InputError, nothing kept
     codes = stage1.prompt_codes(path)
     return store.add(name, codes, {**record, "tokenizer": tokenizer_record(tok_ref)},
                      overwrite=overwrite)

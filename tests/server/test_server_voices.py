@@ -49,6 +49,8 @@ def test_upload_list_use_delete(served):
                        files=files, headers=AUTH, timeout=60)
     assert added.status_code == 201, added.text
     assert added.json()["source"]["path"] == "upload:me.wav"
+    assert set(added.json()["tokenizer"]) == {"id", "name"}  # issue 32 item 18: no path
+    assert str(root) not in added.text and '"/' not in added.text
     assert (root / "store" / "me.json").is_file()
     clash = httpx.post(url + "/v1/audio/voices", data={"name": "me"}, files=files,
                        headers=AUTH, timeout=60)
@@ -77,6 +79,7 @@ def test_bad_uploads_are_refused_and_nothing_is_kept(served):
                             timeout=60)
         assert answer.status_code == status, (data, answer.text)
         assert "error" in answer.json()
+        assert "/tmp" not in answer.text and "mimo-voice-" not in answer.text  # no temp path
     assert not list((root / "store").glob("*.json")) if (root / "store").exists() else True
 
 
