@@ -14,6 +14,7 @@ in memory raises `NotEnoughMemoryError` before anything is loaded.
 """
 
 from mimo_tts._lazy import lazy_exports
+from mimo_tts._version import __version__  # noqa: F401 (the package face)
 from mimo_tts.errors import (
     AudioCheckError,
     CheckpointError,
@@ -27,7 +28,6 @@ from mimo_tts.errors import (
     UsageError,
 )
 
-__version__ = "0.1.0"
 __all__ = ["Audio", "AudioChunk", "MiMoTTS", "SynthesisOptions", "VoiceStore", "load",
            "AudioCheckError", "CheckpointError", "DeviceError", "InputError", "MimoTTSError",
            "NoAudioError",

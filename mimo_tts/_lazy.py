@@ -1,8 +1,6 @@
 """Lazy package attributes: a name is imported on first use."""
 
 
-
-
 def lazy_exports(package: str, exports: dict[str, str]):
     """A package's module `__getattr__`: each name in `exports` (name -> defining module) is
     imported on first use, so importing the package itself stays cheap."""

@@ -130,7 +130,7 @@ def child_stage0(args) -> dict:
 
     torch.set_num_threads(args.lm_threads)
     synth = _runner(args, name="stage0", save_codes=True)
-    synth.load()
+    synth.ensure_loaded()
     runs = _timed_runs(synth, args, "stage0")
     result = min((r["result"] for r in runs), key=lambda r: r.timings["generate_s"])
     return {"seconds": result.timings["generate_s"], "audio_s": result.seconds,
@@ -179,7 +179,7 @@ def child_stream(args) -> dict:
                     stream_chunk_groups=args.chunk_groups,
                     stream_max_chunk_groups=args.max_chunk_groups, lm_threads=args.lm_threads,
                     tokenizer_threads=args.tokenizer_threads)
-    synth.load()
+    synth.ensure_loaded()
 
     def sink_factory():
         seen: list[float] = []

@@ -1,11 +1,9 @@
-"""Files, streams and audio: atomic writes, audio checks, joins and encoding, codes files, stdout.
+"""A batch run's files beside its audio, and stdout: sidecar and codes paths, codes files,
+caption files, raw PCM and whole files on stdout.
 
-Nothing here imports torch at module level, so the CLI can import it cheaply. Every regular
-file is written through a temp file in the destination directory followed by `os.replace`, so
-an output is either complete or absent, even after `kill -9`; temp files are created with
-O_EXCL | O_NOFOLLOW (never written through a link) and `clean_temp_files` removes what a killed
-run left behind. A target that is not a regular file (`/dev/null`, a FIFO) is written
-in place: renaming over it would replace the device or pipe.
+Nothing here imports torch at module level, so the CLI can import it cheaply. Files are written
+through `runtime.paths.atomic_write` (a temp file renamed into place: an output is complete or
+absent, even after `kill -9`); the audio itself through `synthesis.audio.write_audio`.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ from pathlib import Path
 from mimo_tts.errors import InputError, OutputError
 from mimo_tts.lm.config import AUDIO_CHANNELS
 from mimo_tts.runtime.paths import atomic_write
-from mimo_tts.synthesis import audio as audio_io
 from mimo_tts.synthesis.audio import encode_audio, pcm16
 from mimo_tts.synthesis.captions import caption_text
 
@@ -30,53 +27,6 @@ def companion_paths(audio: Path) -> tuple[Path, Path]:
     beside `x.flac` (each format has its own, so formats in one folder never share one)."""
     base = audio.stem if audio.suffix.lower() in ("", ".wav") else audio.name
     return audio.with_name(base + ".json"), audio.with_name(base + ".codes.safetensors")
-
-
-# --- atomic files -------------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-# --- audio --------------------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-write_audio = audio_io.write_audio  # the one writer, shared with the library's `Audio.save`
-
-
 
 
 # --- codes files --------------------------------------------------------------------------------

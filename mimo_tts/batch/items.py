@@ -100,20 +100,6 @@ def text_id(text: str, seed: int = 0, instruct: str | None = None,
     return f"{slug}-{digest}" if slug != "item" else f"item-{digest}"
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 # --- reading items ------------------------------------------------------------------------------
 
 
@@ -254,8 +240,6 @@ def _make_item(raw_id, text, label: str, record: dict) -> Item:
     return Item(id=item_id, text=text, source=label, instruct=instruct,
                 prompt_audio=record.get("prompt_audio"), seed=seed, task=record.get("task"),
                 source_id=printable(str(raw_id)) if raw_id is not None else None)
-
-
 
 
 def _check_path(path: str, where: str) -> None:

@@ -24,18 +24,14 @@ from mimo_tts.batch.sinks import (
     TaskDirectories,
 )
 from mimo_tts.errors import UsageError
+from mimo_tts.synthesis.options import check
 from mimo_tts.synthesis.profiles import load_profile
 from mimo_tts.synthesis.settings import OptionValues, Settings, place, resolve_options
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise UsageError(message)
-
-
 def check_binary_stdout(to_stdout: bool, flag: str) -> None:
     """Audio bytes are never dumped on a terminal (like gzip): pipe or redirect stdout."""
-    _check(not (to_stdout and os.isatty(1)),
+    check(not (to_stdout and os.isatty(1)),
            f"{flag} writes audio bytes to stdout, which is a terminal; pipe it (| aplay) or "
            "redirect it (> file)")
 
@@ -86,18 +82,18 @@ def plan_synth(request: SynthRequest, stdin=None, log=None, make_items=None) -> 
     profile = load_profile(request.config)
     settings = resolve_options(request.options, profile)
     run = settings.run
-    _check(not (request.as_json and run.to_stdout),
+    check(not (request.as_json and run.to_stdout),
            "--json prints to stdout, which -o - / --raw already use")
     check_binary_stdout(run.to_stdout, "--raw" if run.raw else "-o -")
     o = settings.synthesis
     items = make_items(settings) if make_items is not None else read_items(
         request.texts, request.inputs, stdin, Naming(o.seed, o.instruct, o.prompt_audio, o.task))
-    _check(bool(items), "nothing to say: give --text, --input FILE or --input -")
-    _check(run.output is None or run.raw or len(items) == 1,
+    check(bool(items), "nothing to say: give --text, --input FILE or --input -")
+    check(run.output is None or run.raw or len(items) == 1,
            f"-o/--output takes exactly one item, got {len(items)}; use --output-dir")
     settings = place(settings, request.options, profile, os.environ)
     if run.output or run.raw:
-        _check(request.shard is None, "--shard splits an --output-dir run; drop -o/--raw")
+        check(request.shard is None, "--shard splits an --output-dir run; drop -o/--raw")
     shard = shard_for(settings, request.shard)
     if shard is not None:  # shard K of N takes its part of the items
         items = [i for i in items if shard.owns(i.id)]

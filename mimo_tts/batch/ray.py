@@ -51,7 +51,7 @@ class GenerateCodes:
 
     def __init__(self, settings, argv: list[str] | None = None):
         self.runner = BatchRunner(settings)
-        self.runner.load()
+        self.runner.ensure_loaded()
         self.context = {**self.runner.context(), "argv": list(argv or [])}
 
     def __call__(self, batch: Mapping) -> dict:

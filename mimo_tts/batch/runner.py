@@ -61,7 +61,7 @@ class BatchRunner:
             self.refs = resolve_checkpoints(self.settings, self.env)
         return self.refs
 
-    def load(self):
+    def ensure_loaded(self):
         """Load both stages once, through the one loader (`MiMoTTS.from_settings`)."""
         if self.tts is None:
             from mimo_tts.synthesis.synthesizer import MiMoTTS
@@ -145,7 +145,7 @@ class BatchRunner:
     def codes(self, results: list[ItemResult]) -> dict[int, list[Piece] | None]:
         """Stage-0 alone for pending results (the Ray pipeline's Stage-0 actors): prompts and
         generation, no decode; {id(result): pieces}. A failing item is marked failed."""
-        self.load()
+        self.ensure_loaded()
         pieces: dict[int, list[Piece | None]] = {}
         for _ in self._generate([r for r in results if r.status == "pending"], pieces,
                                 decode="none"):
@@ -160,7 +160,7 @@ class BatchRunner:
 
         from mimo_tts.synthesis.worker import Chunk, Done, Failed
 
-        self.load()
+        self.ensure_loaded()
         stream = self.settings.run.stream
         decode = decode or ("stream" if stream else "whole")
         count = sum(len(text_pieces(r.item.text, self.options(r.item))) for r in pending)
@@ -313,7 +313,7 @@ def finish_item(stage1, settings: Settings, context: dict, result: ItemResult,
     if settings.synthesis.captions:  # cues from the pieces' samples, at 24 kHz
         spf = stage1.samples_per_frame
         found = cues(text_pieces(result.item.text, settings.synthesis),
-                     [piece_samples(p, spf) for p in pieces], stage1.sample_rate, spf)
+                     [piece_samples(p, spf) for p in pieces], SAMPLE_RATE, spf)
         formats = (run.caption_formats or "").split(",") if run.caption_formats else []
         record["captions"] = {"formats": formats, "cues": [c.record() for c in found]}
     return samples, codes, record

@@ -25,7 +25,14 @@ import contextlib
 import os
 from pathlib import Path
 
-from mimo_tts.batch import files as mio
+from mimo_tts.batch.files import (
+    caption_path,
+    companion_paths,
+    save_codes,
+    write_captions,
+    write_stdout_audio,
+    write_stdout_pcm,
+)
 from mimo_tts.batch.manifest import (
     LOCK_NAME,
     SHARED_LOCK_WAIT_S,
@@ -47,7 +54,7 @@ from mimo_tts.runtime.paths import (
     remove_quietly,
     write_json,
 )
-from mimo_tts.synthesis.audio import FORMATS, SAMPLE_RATE, encode_audio
+from mimo_tts.synthesis.audio import FORMATS, SAMPLE_RATE, encode_audio, write_audio
 
 
 def _skip(result, path: Path, done: dict) -> None:
@@ -97,7 +104,7 @@ class StdoutSink(Sink):
         self.fmt, self.sample_rate = fmt, sample_rate
 
     def write(self, result, samples, codes, record) -> None:
-        mio.write_stdout_audio(samples, self.sample_rate, self.fmt)
+        write_stdout_audio(samples, self.sample_rate, self.fmt)
 
 
 class RawPcmSink(Sink):
@@ -108,11 +115,11 @@ class RawPcmSink(Sink):
         self.stream, self.streamed = stream, streamed
 
     def on_chunk(self, chunk) -> None:
-        mio.write_stdout_pcm(chunk, self.stream)
+        write_stdout_pcm(chunk, self.stream)
 
     def write(self, result, samples, codes, record) -> None:
         if not self.streamed:
-            mio.write_stdout_pcm(samples, self.stream)
+            write_stdout_pcm(samples, self.stream)
 
 
 class FileSink(Sink):
@@ -137,11 +144,11 @@ class FileSink(Sink):
         return self
 
     def _own_files(self, path: Path) -> tuple[Path, ...]:
-        sidecar, codes = mio.companion_paths(path)
+        sidecar, codes = companion_paths(path)
         return (path,) if self.audio_only else (path, sidecar, codes)
 
     def targets(self, result) -> tuple[Path, Path, Path]:
-        return (self.path, *mio.companion_paths(self.path))
+        return (self.path, *companion_paths(self.path))
 
     def check(self, result) -> None:
         """Skip an item done with the same inputs; refuse to replace anything else."""
@@ -169,23 +176,23 @@ class FileSink(Sink):
         """
         path, sidecar, codes_path = self.targets(result)
         if self.audio_only or is_special_file(path):
-            result.path = mio.write_audio(path, samples, self.sample_rate, self.fmt)
+            result.path = write_audio(path, samples, self.sample_rate, self.fmt)
             return
         if path.is_file() or path.is_symlink():
             remove_quietly(path)
         try:
             if self.save_codes:
-                result.codes_path = mio.save_codes(codes_path, codes["pieces"],
+                result.codes_path = save_codes(codes_path, codes["pieces"],
                                                    codes["metadata"])
             data = encode_audio(samples, self.sample_rate, self.fmt)
             result.path, result.sidecar = path, sidecar
             captions = record.get("captions") or {}
-            caption_files = [mio.caption_path(path, f) for f in captions.get("formats", ())]
+            caption_files = [caption_path(path, f) for f in captions.get("formats", ())]
             result.captions = [str(p) for p in caption_files] or None
             audio = {**record.get("audio", {}), "bytes": len(data)}  # done: this size on disk
             write_json(sidecar, {**record, "audio": audio,
                                  "result": result.record(record["task"])})
-            mio.write_captions(path, captions.get("cues", []), captions.get("formats", []))
+            write_captions(path, captions.get("cues", []), captions.get("formats", []))
             atomic_write(path, lambda f: f.write(data))
         except BaseException:
             remove_quietly(sidecar, result.codes_path,
@@ -327,10 +334,10 @@ class DirectorySink(FileSink):
         return self.dir / f"{item_id}{self.suffix}"
 
     def sidecar_path(self, item_id: str) -> Path:
-        return mio.companion_paths(self.audio_path(item_id))[0]
+        return companion_paths(self.audio_path(item_id))[0]
 
     def codes_path(self, item_id: str) -> Path:
-        return mio.companion_paths(self.audio_path(item_id))[1]
+        return companion_paths(self.audio_path(item_id))[1]
 
     def done_record(self, item_id: str, key: str) -> dict | None:
         """The result of a finished item with this input key, or None (`done_record`)."""

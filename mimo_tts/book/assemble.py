@@ -34,10 +34,10 @@ from mimo_tts.runtime.paths import atomic_write, clean_temp_files, open_no_follo
 from mimo_tts.runtime.safetensors import parse_config
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, encode_audio
 from mimo_tts.synthesis.captions import Cue, caption_text, cues
+from mimo_tts.synthesis.options import CAPTION_FORMATS
 
 CHAPTERS_DIR = "chapters"
 BOOK_JSON, M4B_NAME = "book.json", "book.m4b"
-CAPTION_FORMATS = ("srt", "vtt")
 CHAPTER_PAUSE_FRAMES = 50  # 2 s of silence between chapters (in the m4b and the captions)
 LOCK_NAME = ".mimo-tts.book.lock"
 LOCK_WAIT_S = 3600.0  # another run assembling the same book is waited for this long

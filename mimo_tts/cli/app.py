@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 
-from mimo_tts import __version__
+from mimo_tts._version import __version__
 from mimo_tts.batch.files import _broken_pipe
 from mimo_tts.cli import book, decode, synth, tools, voices, wyoming
 from mimo_tts.cli.params import EXAMPLES

@@ -13,7 +13,6 @@ _EXPORTS = {
     "CodecConfig": "mimo_tts.codec.config",
     "IncrementalDecoder": "mimo_tts.codec.incremental",
     "StreamingDecoder": "mimo_tts.codec.streaming",
-    "TokenizerService": "mimo_tts.codec.service",
     "load_audio_tokenizer": "mimo_tts.codec.load",
     "push_streams": "mimo_tts.codec.streaming",
 }

@@ -89,6 +89,9 @@ def _codebook_sizes(value, num_quantizers: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+# Spec §3.1 step 4: the encoder runs on independent segments of 6000 mel frames (60 s).
+SEGMENT_MEL_FRAMES = 6000
+
 @dataclass(frozen=True)
 class CodecConfig:
     """Every architecture field of the audio tokenizer's config.json, plus derived rates."""
@@ -188,6 +191,12 @@ class CodecConfig:
     @property
     def mel_rate(self) -> float:
         return self.sampling_rate / self.hop_length
+
+    @property
+    def segment_seconds(self) -> float:
+        """The audio one encoder segment holds (spec §3.1 step 4: 6000 mel frames, 60 s):
+        the longest recording that is one voice prompt."""
+        return SEGMENT_MEL_FRAMES / self.mel_rate
 
     @property
     def mel_frames_per_code(self) -> int:

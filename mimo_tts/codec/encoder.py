@@ -12,12 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mimo_tts.codec.config import CodecConfig
+from mimo_tts.codec.config import SEGMENT_MEL_FRAMES, CodecConfig
 from mimo_tts.codec.layers import AttnSpec, Rotary, TransformerLayer, layer_norm_fp32, run_layers
 from mimo_tts.codec.quantizer import ResidualVectorQuantizer
-
-# Spec §3.1 step 4: the encoder runs on independent segments of 6000 mel frames (60 s).
-SEGMENT_MEL_FRAMES = 6000
 
 
 class AudioEncoder(nn.Module):

@@ -188,8 +188,6 @@ def faster() -> tuple[bool, float, float]:
             round(flops / best["torch"] / 1e9))
 
 
-
-
 def choose(beside: int = 0, weights: int = 0, mode: str = "auto") -> Choice:
     """Whether the codec's float32 CPU linears run through the GEMM, and why (not), in `mode`
     (the run's `Placement.codec_kernel`, which MIMO_TTS_CODEC_KERNEL sets): "on" wherever AMX

@@ -18,7 +18,6 @@ from mimo_tts.codec.decoder import AudioDecoder
 from mimo_tts.codec.encoder import AudioEncoder
 from mimo_tts.codec.layers import prepack
 from mimo_tts.codec.tokenizer import AudioTokenizer
-from mimo_tts.errors import UsageError
 from mimo_tts.runtime.devices import normalize_device, torch_dtype
 from mimo_tts.runtime.safetensors import load_module_weights, parse_config
 
@@ -36,17 +35,6 @@ class CodecModel(nn.Module):
         self.config = config
         self.encoder = AudioEncoder(config)
         self.decoder = AudioDecoder(config)
-
-
-def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """A torch dtype from a dtype or a name (float32, bfloat16, float16 and short forms)."""
-    if isinstance(dtype, torch.dtype):
-        dtype = str(dtype).removeprefix("torch.")
-    try:
-        return torch_dtype(dtype)
-    except UsageError:
-        raise UsageError(f"unsupported tokenizer dtype {dtype!r}: use float32, bfloat16 or "
-                         "float16") from None
 
 
 def build_model(config: CodecConfig, dtype: torch.dtype = torch.float32) -> CodecModel:
@@ -91,7 +79,7 @@ def load_audio_tokenizer(
     which otherwise decides in mode `codec_kernel` ("auto", "on", "off": the run's
     `Placement.codec_kernel`)."""
     device = torch.device(normalize_device(str(device)))
-    dtype = resolve_dtype(dtype)
+    dtype = torch_dtype(dtype, "tokenizer")
     config = parse_config(path, CodecConfig.from_json)
     model = build_model(config, dtype)
     load_module_weights(model, path, f"audio tokenizer {path}", ignore=IGNORED_TENSORS)

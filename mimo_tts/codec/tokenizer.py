@@ -24,7 +24,6 @@ from mimo_tts.errors import AudioCheckError, InputError
 WARMUP_CODES = (8, 4)
 
 
-
 def _on_device(method):
     """Run under inference mode with the tokenizer device as default device.
 

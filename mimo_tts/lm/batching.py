@@ -11,9 +11,10 @@ not depend on what it was batched with or which row it got.
 
 `step` returns events: `JobGroup` for each new group (streaming consumers take chunks from
 them), `JobDone` when a job ends (stop token, budget, cancelled, or a prompt it cannot take).
-`run` steps until the source is exhausted and every row is free, yielding `Idle` when no row
-is live and the source has nothing yet. Sources: `Jobs` (an iterable, the batch runner) and
-`JobQueue` (put from other threads, a server). Shapes: B rows, H hidden, F frames, K codebooks.
+`run` steps until the source is exhausted and every row is free, yielding `STEPPED` after each
+step and `IDLE` when no row is live and the source has nothing yet. Sources: anything with a
+non-blocking `pull` (`Jobs` over an iterable; the speech worker's feed, `synthesis/worker.py`).
+Shapes: B rows, H hidden, F frames, K codebooks.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -113,54 +113,6 @@ class Jobs:
         job = None if self.exhausted else next(self._jobs, None)
         self.exhausted = job is None
         return job
-
-
-class JobQueue:
-    """A thread-safe `JobSource` that other threads put jobs into (a server's requests).
-
-    The batching thread steps the batcher and, on `Idle`, calls `wait`; `close` ends the
-    source once the queued jobs are taken; `discard` drops a job not yet taken.
-    """
-
-    def __init__(self):
-        self._jobs: deque[Job] = deque()
-        self._closed = False
-        self._ready = threading.Condition()
-
-    @property
-    def exhausted(self) -> bool:
-        with self._ready:
-            return self._closed and not self._jobs
-
-    def put(self, job: Job) -> None:
-        with self._ready:
-            if self._closed:
-                raise UsageError("the job queue is closed")
-            self._jobs.append(job)
-            self._ready.notify_all()
-
-    def close(self) -> None:
-        with self._ready:
-            self._closed = True
-            self._ready.notify_all()
-
-    def discard(self, key) -> bool:
-        """Drop the queued job with this key; False when none is queued (taken or unknown)."""
-        with self._ready:
-            for job in self._jobs:
-                if job.key is key or job.key == key:
-                    self._jobs.remove(job)
-                    return True
-            return False
-
-    def pull(self) -> Job | None:
-        with self._ready:
-            return self._jobs.popleft() if self._jobs else None
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until a job is queued or the queue is closed; False on timeout."""
-        with self._ready:
-            return self._ready.wait_for(lambda: self._jobs or self._closed, timeout)
 
 
 @dataclass(eq=False)

@@ -3,7 +3,7 @@ C kernels, guards; and `runner_record`, who wrote a record."""
 
 from __future__ import annotations
 
-from mimo_tts import __version__
+from mimo_tts._version import __version__
 
 RUNNER_NAME = "mimo-tts"
 

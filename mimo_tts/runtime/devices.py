@@ -301,7 +301,7 @@ def auto_dtype(checkpoint: str | None, device: str, probe: Probe | None = None,
     return Choice(name, f"checkpoint (torch_dtype {name})")
 
 
-def resolve_dtype(flag: str | None, config: str | None, device: str, stage: str,
+def pick_dtype(flag: str | None, config: str | None, device: str, stage: str,
                   checkpoint: str | None = None, env: Mapping[str, str] | None = None,
                   probe: Probe | None = None) -> Choice:
     """flag > env > profile > auto; "auto" (the default) is `auto_dtype` of the checkpoint."""
@@ -359,8 +359,8 @@ def resolve_placement(
     return Placement(
         lm_device=lm,
         tokenizer_device=tok,
-        lm_dtype=resolve_dtype(dtype, profile.get("dtype"), lm.value, "LM", lm_ckpt, env, probe),
-        tokenizer_dtype=resolve_dtype(tokenizer_dtype, profile.get("tokenizer_dtype"), tok.value,
+        lm_dtype=pick_dtype(dtype, profile.get("dtype"), lm.value, "LM", lm_ckpt, env, probe),
+        tokenizer_dtype=pick_dtype(tokenizer_dtype, profile.get("tokenizer_dtype"), tok.value,
                                       "tokenizer", tok_ckpt, env, probe),
         cuda_graph=resolve_cuda_graph(tok.value, cuda_graph, profile.get("cuda_graph"), env),
         cpu_kernel=resolve_kernel(CPU_KERNEL_ENV, env),
@@ -368,8 +368,11 @@ def resolve_placement(
     )
 
 
-def torch_dtype(name: str):
-    """The torch dtype of a name or short form (float32, bf16, ...)."""
+def torch_dtype(name, what: str = "torch"):
+    """The torch dtype of a name or short form (float32, bf16, ...), or of a torch dtype;
+    another is a UsageError naming `what` ("tokenizer", ...)."""
     import torch
 
-    return getattr(torch, dtype_name(name, "torch", "argument"))
+    if isinstance(name, torch.dtype):
+        name = str(name).removeprefix("torch.")
+    return getattr(torch, dtype_name(name, what, "argument"))

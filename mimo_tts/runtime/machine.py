@@ -1,15 +1,11 @@
-"""Memory preflight: what a run needs on each device, what the device has, and a refusal.
+"""What memory the machine has, per device: the memory preflight's other half (what a run needs
+is `synthesis/preflight.py`'s).
 
-Before any weight is read, `plan` estimates each stage's memory from the checkpoints' safetensors
-headers and config.json (weights in the run dtype, the LM's KV cache for the run's lengths, a
-workspace), adds both stages up where they share a device, and compares with what the device
-has: `MemAvailable` (and the cgroup limit, in a container) on the CPU, `torch.cuda.mem_get_info`
-on CUDA. `check` turns a plan that does not fit into a one-line DeviceError (exit 4) naming the
-need, the availability and the fixes, instead of a run that the kernel's OOM killer ends.
-
-`MIMO_TTS_AVAILABLE_MEMORY` states the available memory instead of measuring it ("20GiB" for
-every device, or "cpu=20GiB,cuda:0=70GiB"); only this module reads it. No torch here except
-for CUDA's free-memory query.
+`available` gives a device's available bytes and where the figure came from: `MemAvailable` (and
+the cgroup limit, in a container) on the CPU, `torch.cuda.mem_get_info` on CUDA.
+`MIMO_TTS_AVAILABLE_MEMORY` states it instead of measuring ("20GiB" for every device, or
+"cpu=20GiB,cuda:0=70GiB"); only this module reads it. `packed_fits` is the rule for copies the
+CPU kernels make beside the mapped weights. No torch here except for CUDA's free-memory query.
 """
 
 from __future__ import annotations
@@ -29,18 +25,6 @@ _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 def gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB"
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def parse_size(text: str, source: str) -> int:
@@ -137,9 +121,5 @@ def available(device: str, env: Mapping[str, str] | None = None) -> tuple[int | 
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         return free, "torch.cuda.mem_get_info"
     return None, "unknown"  # mps: unified memory, no reliable free figure
-
-
-
-
 
 

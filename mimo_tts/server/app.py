@@ -50,6 +50,7 @@ from mimo_tts.synthesis.audio import (
     wav_stream_header,
 )
 from mimo_tts.synthesis.captions import cues, text_pieces
+from mimo_tts.synthesis.voices import served_voices
 
 if TYPE_CHECKING:
     from mimo_tts.synthesis.options import SynthesisOptions
@@ -71,7 +72,7 @@ class SpeechServer:
         self.tts, self.cfg, self.model = tts, cfg, model  # model: the public name
         self.log = log or (lambda message: None)
         self.formats = served_formats()
-        self.parser = RequestParser(cfg, base, model, tuple(self.formats))
+        self.parser = RequestParser(cfg, base, model, tuple(self.formats), tts.voices)
         self.metrics = ServerMetrics(lambda: self.sessions.places())
         self.sessions = Sessions(tts, cfg, base, self.log, self.metrics)
         self.live: set[Speech] = set()
@@ -135,7 +136,7 @@ class SpeechServer:
         """`/`: the page (open like /health; what it sends to /v1 needs the key, if any)."""
         from fastapi.responses import HTMLResponse
 
-        voices = ["default", "natural", *self.cfg.voices]
+        voices = [name for name, _ in served_voices(self.cfg.voices, self.tts.voices)]
         return HTMLResponse(page_html(self.model, voices, self.formats,
                                       self.cfg.api_key is not None))
 
@@ -179,7 +180,7 @@ class Speech:
     def cues(self) -> list[dict]:
         """The request's captions: a cue per piece from its samples and the pauses."""
         stage1, o = self.server.tts.stage1, self.params.options
-        found = cues(text_pieces(self.params.text, o), self.lengths, stage1.sample_rate,
+        found = cues(text_pieces(self.params.text, o), self.lengths, SAMPLE_RATE,
                      stage1.samples_per_frame)
         return [c.record() for c in found]
 
@@ -346,7 +347,7 @@ def serving_line(server: SpeechServer, sock, tts) -> str:
     source = f" (from {path})" if path is not None else ""
     auth = "API key required on /v1 and /metrics" if server.cfg.api_key is not None else \
         "no API key: /v1 and /metrics are open"
-    voices = ", ".join(["default", "natural", *server.cfg.voices])
+    voices = ", ".join(name for name, _ in served_voices(server.cfg.voices, tts.voices))
     return (f"serving {server.model}{source} on {url_of(server.cfg.host, port)} ({auth}; "
             f"batch {server.cfg.batch_size}; formats {', '.join(server.formats)}; "
             f"voices {voices})")

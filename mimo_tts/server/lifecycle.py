@@ -98,8 +98,10 @@ def loaded(cfg: ServeConfig, options: OptionValues, config: str | None, reporter
     from mimo_tts.synthesis.preflight import lengths_for
     from mimo_tts.synthesis.profiles import load_profile
     from mimo_tts.synthesis.synthesizer import MiMoTTS
+    from mimo_tts.synthesis.voices import VoiceStore, check_startup_voices
 
     settings = resolve(replace(options, stream=True), load_profile(config), os.environ)
+    check_startup_voices(cfg.voices, VoiceStore())  # no clash with a stored voice
     read_voices(cfg.voices)  # before anything loads
     sock = bind(cfg.host, cfg.port)
     # requests' audio may decode together: a batch of rows; uploads encode voices

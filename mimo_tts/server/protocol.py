@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 from mimo_tts.errors import DeviceError, InputError, MimoTTSError, UsageError, short_repr
 from mimo_tts.synthesis.audio import FORMATS, LOSSY_FORMATS, lossy_formats
-from mimo_tts.synthesis.options import MAX_SEED
+from mimo_tts.synthesis.options import DEFAULT_TASK, MAX_SEED, task_for
 from mimo_tts.synthesis.text import clean_text
-from mimo_tts.synthesis.voices import VoiceStore
+from mimo_tts.synthesis.voices import BUILT_IN, VoiceStore, served_voices
 from mimo_tts.synthesis.worker import STAGE1_BATCH
 
 if TYPE_CHECKING:
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 FIELDS = ("model", "input", "voice", "instructions", "response_format", "stream_format", "seed",
           "speed", "captions")
 MAX_VOICE_BYTES = 16 << 20  # an uploaded voice recording (POST /v1/audio/voices)
-MAX_VOICE_SECONDS = 60.0  # longer voice prompts are encoded in 60 s segments: not a voice
 CAPTIONS_HEADER = "X-MiMo-Captions"  # the cues of a whole-file response, as JSON
 # OpenAI's model, voice and response_format names, accepted so that existing clients work
 # unchanged (aac has no libsndfile encoder, so it is never offered).
@@ -134,7 +133,7 @@ def parse_voices(values: list[str]) -> dict:
         name = name.strip()
         if not sep or not name or not path:
             raise UsageError(f"--voice takes NAME=PATH.wav, got {value!r}")
-        if name in voices or name in ("default", "natural"):
+        if name in voices or name in BUILT_IN:
             raise UsageError(f"--voice {name}: the name is already taken")
         voices[name] = voice_file(name, path)
     return voices
@@ -253,6 +252,7 @@ class RequestParser:
     base: SynthesisOptions
     model: str
     formats: tuple[str, ...]
+    store: VoiceStore = field(default_factory=VoiceStore)  # the registry (`tts.voices`)
 
     @property
     def default_format(self) -> str:
@@ -316,16 +316,17 @@ class RequestParser:
         """A voice -> (task, prompt audio, stored voice): a start-up voice clones its prompt
         audio, a registry voice its stored codes (read when the prompt is built)."""
         if name in self.cfg.voices:
-            return "tts_sft_with_audio", self.cfg.voices[name], None
-        if name == "natural":
-            return "tts_sft_with_natural_instruction", None, None
-        if name == "default" or name in OPENAI_VOICES:
-            return ("tts_sft" if instruct is None else "tts_sft_with_instruct"), None, None
-        if name in VoiceStore().names():
-            return "tts_sft_with_audio", None, name
-        choices = ", ".join(["default", "natural", *self.cfg.voices, *VoiceStore().names()])
-        raise ApiError(400, f"unknown voice {short_repr(name)}; choose one of {choices}",
-                       "voice")
+            return task_for(instruct, self.cfg.voices[name]), self.cfg.voices[name], None
+        if name in OPENAI_VOICES:
+            name = "default"
+        if name in BUILT_IN:
+            task = BUILT_IN[name][0]
+            return (task_for(instruct, None) if task == DEFAULT_TASK else task), None, None
+        served = served_voices(self.cfg.voices, self.store)
+        if (name, "registry") in served:
+            return task_for(instruct, None, name), None, name
+        raise ApiError(400, f"unknown voice {short_repr(name)}; choose one of "
+                       f"{', '.join(n for n, _ in served)}", "voice")
 
 
 async def read_body(request, limit: int = MAX_BODY_BYTES) -> bytes:

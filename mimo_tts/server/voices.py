@@ -1,11 +1,11 @@
 """`/v1/audio/voices`: the voice registry over HTTP (list, upload, delete).
 
 An upload is multipart form data: `name`, `file` (the recording), optionally `transcript` and
-`overwrite`. The body is refused past `MAX_VOICE_BYTES` (413) and the recording past
-`MAX_VOICE_SECONDS` (400) before anything is encoded; it is encoded once, as a `--prompt-audio`
-file would be, and kept in the same store as `mimo-tts voices add`. A request already admitted
-built its prompt from the codes it found, so a voice replaced or deleted meanwhile does not
-change it.
+`overwrite`. The body is refused past `MAX_VOICE_BYTES` (413) and a recording longer than one
+encoder segment (60 s, `CodecConfig.segment_seconds`: 400) before anything is encoded; it is
+encoded once, as a `--prompt-audio` file would be, and kept in the same store as `mimo-tts
+voices add`. A request already admitted built its prompt from the codes it found, so a voice
+replaced or deleted meanwhile does not change it.
 
 No server path reaches a client: a record is shown without the tokenizer's or the recording's
 path (`client_record`), and every message names the store as "the voice store", an upload by
@@ -20,11 +20,9 @@ import tempfile
 from pathlib import Path
 
 from mimo_tts.errors import InputError, MimoTTSError, UsageError
-from mimo_tts.server.protocol import MAX_VOICE_BYTES, MAX_VOICE_SECONDS, ApiError, read_body
+from mimo_tts.server.protocol import MAX_VOICE_BYTES, ApiError, read_body
 from mimo_tts.synthesis.audio import audio_seconds
-from mimo_tts.synthesis.voices import check_name
-
-BUILT_IN = ("default", "natural")
+from mimo_tts.synthesis.voices import BUILT_IN, check_name
 
 
 def list_voices(server) -> dict:
@@ -38,6 +36,8 @@ def list_voices(server) -> dict:
         raise ApiError(500, "the voice store cannot be read: "
                        + client_message(str(exc), server)) from None
     for record in records:
+        if record["name"] in server.cfg.voices:  # a start-up voice of that name wins
+            continue
         entry = {"name": record["name"], "kind": "registry"}
         if "error" in record:
             entry["error"] = client_message(record["error"], server)
@@ -66,6 +66,9 @@ async def add_voice(server, request) -> dict:
     upload, name = form.get("file"), form.get("name")
     if not isinstance(name, str) or not name:
         raise ApiError(400, "the upload needs a name field", "name")
+    if name in server.cfg.voices:
+        raise ApiError(409, f"voice {name!r} is one of this server's start-up voices; pick "
+                       "another name", "name")
     if upload is None or isinstance(upload, str):
         raise ApiError(400, "the upload needs a file field holding the recording", "file")
     transcript = form.get("transcript")
@@ -89,12 +92,13 @@ def _encode(tts, name: str, data: bytes, transcript, overwrite: bool, label: str
         path = Path(folder) / "upload"
         path.write_bytes(data)
         try:
-            seconds = audio_seconds(path, "the uploaded file", label, MAX_VOICE_SECONDS)
+            longest = tts.codec.config.segment_seconds  # one encoder segment: one voice
+            seconds = audio_seconds(path, "the uploaded file", label, longest)
         except InputError as exc:
             raise InputError(str(exc).replace(str(path), label)) from None
-        if seconds > MAX_VOICE_SECONDS:
+        if seconds > longest:
             raise UsageError(f"the recording is {seconds:.1f} s; a voice takes at most "
-                             f"{MAX_VOICE_SECONDS:g} s")
+                             f"{longest:g} s")
         try:
             return tts.add_voice(name, path, transcript if isinstance(transcript, str) else None,
                                  overwrite, label)

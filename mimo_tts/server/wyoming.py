@@ -20,7 +20,7 @@ import signal
 import traceback
 from dataclasses import replace
 
-from mimo_tts import __version__
+from mimo_tts._version import __version__
 from mimo_tts.errors import MimoTTSError, UsageError
 from mimo_tts.server.lifecycle import SHUTDOWN_GRACE_S, STOP_SIGNALS, loaded
 from mimo_tts.server.protocol import (
@@ -34,14 +34,12 @@ from mimo_tts.server.voices import client_message
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, pcm16
 from mimo_tts.synthesis.settings import OptionValues
 from mimo_tts.synthesis.text import clean_text, ended_sentences
-from mimo_tts.synthesis.voices import VoiceStore
+from mimo_tts.synthesis.voices import BUILT_IN, served_voices
 
 EXTRA_HINT = "mimo-tts wyoming needs the wyoming extra: pip install 'mimo-tts[wyoming]'"
 LANGUAGES = ["en", "zh"]  # what MiMo-Audio was trained to speak
 SOURCE = "https://github.com/XiaomiMiMo/MiMo-Audio"
 WIDTH, CHANNELS = 2, 1  # s16le mono
-VOICE_NOTES = {"default": "the model's own voice",
-               "natural": "natural-language instruction: the text says how to speak"}
 
 
 class WyomingSpeech:
@@ -51,13 +49,12 @@ class WyomingSpeech:
     def __init__(self, tts, cfg, base, model: str, log=None):
         self.tts, self.cfg, self.base, self.model = tts, cfg, base, model
         self.log = log or (lambda message: None)
-        self.parser = RequestParser(cfg, base, model, ())
+        self.parser = RequestParser(cfg, base, model, (), tts.voices)
         self.sessions = Sessions(tts, cfg, base, self.log)
 
     def voices(self) -> list[str]:
         """The default, the natural-instruction style, the start-up voices and the registry's."""
-        stored = [n for n in VoiceStore().names() if n not in self.cfg.voices]
-        return ["default", "natural", *self.cfg.voices, *stored]
+        return [name for name, _ in served_voices(self.cfg.voices, self.tts.voices)]
 
     def info(self):
         """The `info` event's body: one TTS program (the model) and its voices."""
@@ -65,7 +62,7 @@ class WyomingSpeech:
 
         by = Attribution(name="Xiaomi MiMo", url=SOURCE)
         voices = [TtsVoice(name=name, attribution=by, installed=True, version=None,
-                           description=VOICE_NOTES.get(name, "voice clone (--voice)"),
+                           description=BUILT_IN[name][1] if name in BUILT_IN else "voice clone",
                            languages=list(LANGUAGES)) for name in self.voices()]
         program = TtsProgram(name="mimo-tts", attribution=by, installed=True,
                              description=f"MiMo-Audio text to speech ({self.model})",

@@ -50,7 +50,8 @@ _KIND_WORDS = {bool: "true or false", int: "an integer", float: "a real number",
                str: "a string"}
 
 
-def _check(ok: bool, message: str) -> None:
+def check(ok: bool, message: str) -> None:
+    """A usage rule: `message` as a UsageError (exit 2) unless `ok`."""
     if not ok:
         raise UsageError(message)
 
@@ -149,37 +150,37 @@ class SynthesisOptions:
         check_types(self)
         if self.voice is not None:
             check_name(self.voice)
-            _check(self.prompt_audio is None,
+            check(self.prompt_audio is None,
                    "--voice and --prompt-audio both give the voice prompt; give one")
-        _check(self.max_chars >= 0, "--max-chars must be >= 0 (0 disables splitting)")
-        _check(0 <= self.seed <= MAX_SEED, "--seed must be in [0, 2**64 - 1]")
-        _check(self.max_new_groups is None or self.max_new_groups >= 1,
+        check(self.max_chars >= 0, "--max-chars must be >= 0 (0 disables splitting)")
+        check(0 <= self.seed <= MAX_SEED, "--seed must be in [0, 2**64 - 1]")
+        check(self.max_new_groups is None or self.max_new_groups >= 1,
                "--max-new-groups must be >= 1")
-        _check(self.stream_chunk_groups >= 1, "stream_chunk_groups must be >= 1")
-        _check(self.stream_max_chunk_groups is None
+        check(self.stream_chunk_groups >= 1, "stream_chunk_groups must be >= 1")
+        check(self.stream_max_chunk_groups is None
                or self.stream_max_chunk_groups >= self.stream_chunk_groups,
                "stream_max_chunk_groups must be >= stream_chunk_groups")
-        _check(self.stream_mode in STREAM_MODES,
+        check(self.stream_mode in STREAM_MODES,
                f"--stream-mode must be one of {', '.join(STREAM_MODES)}")
         for name in ("temperature", "audio_temperature"):
             value = getattr(self, name)
-            _check(value is None or 0 <= value <= MAX_TEMPERATURE,
+            check(value is None or 0 <= value <= MAX_TEMPERATURE,
                    f"{name} must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy)")
         for name in ("top_p", "audio_top_p"):
             value = getattr(self, name)
-            _check(value is None or 0 < value <= 1, f"{name} must be in (0, 1]")
+            check(value is None or 0 < value <= 1, f"{name} must be in (0, 1]")
         for name in ("top_k", "audio_top_k"):
-            _check(getattr(self, name) is None or getattr(self, name) >= 0, f"{name} must be >= 0")
+            check(getattr(self, name) is None or getattr(self, name) >= 0, f"{name} must be >= 0")
         count = min(len(TTS_EN_TEMPLATES), len(TTS_ZH_TEMPLATES))
-        _check(self.template is None or 0 <= self.template < count,
+        check(self.template is None or 0 <= self.template < count,
                f"--template must be in [0, {count - 1}]")
         spec = TASKS.get(self.task)
-        _check(spec is not None, f"unknown --task {self.task!r}; choose one of {', '.join(TASKS)}")
-        _check(not (self.prompt_audio and spec.prompt_audio == "none"),
+        check(spec is not None, f"unknown --task {self.task!r}; choose one of {', '.join(TASKS)}")
+        check(not (self.prompt_audio and spec.prompt_audio == "none"),
                f"--prompt-audio: task {spec.name} takes no voice prompt; use tts_sft_with_audio")
-        _check(not (self.voice and spec.prompt_audio == "none"),
+        check(not (self.voice and spec.prompt_audio == "none"),
                f"--voice: task {spec.name} takes no voice prompt; use tts_sft_with_audio")
-        _check(not (self.instruct and spec.instruct == "none"),
+        check(not (self.instruct and spec.instruct == "none"),
                f"--instruct: task {spec.name} takes no instruction; use tts_sft_with_instruct")
 
     def check_item(self, instruct=None, prompt_audio=None, where: str | None = None) -> None:
@@ -232,10 +233,10 @@ class EngineOptions:
     # up to 8 cores the stages take turns with every thread, on more Stage-1 gets an eighth.
     lm_threads: int | None = None
     tokenizer_threads: int | None = None
-    # Skip the memory preflight (mimo_tts.memory) that refuses, with exit 4, a run whose
+    # Skip the memory preflight (synthesis/preflight.py) that refuses, with exit 4, a run whose
     # estimate exceeds the available memory.
     no_memory_check: bool = False
-    lm_quant: str | None = None  # opt-in int8 weight-only LM on CPU (mimo_tts/lm/quant.py)
+    lm_quant: str | None = None  # opt-in quantized LM on CPU (mimo_tts/lm/int8.py)
     # vLLM settings stay None unless given (None: VLLMOptions' defaults, see lm/vllm/launch.py).
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None
@@ -247,19 +248,19 @@ class EngineOptions:
         check_types(self)
         for name in ("lm_threads", "tokenizer_threads"):
             value = getattr(self, name)
-            _check(value is None or 1 <= value <= MAX_THREADS,
+            check(value is None or 1 <= value <= MAX_THREADS,
                    f"--{name.replace('_', '-')} must be in [1, {MAX_THREADS}]")
-        _check(self.engine in ENGINES, f"--engine must be one of {', '.join(ENGINES)}")
-        _check(self.lm_quant is None or self.lm_quant in LM_QUANTS,
+        check(self.engine in ENGINES, f"--engine must be one of {', '.join(ENGINES)}")
+        check(self.lm_quant is None or self.lm_quant in LM_QUANTS,
                f"--lm-quant must be one of {', '.join(LM_QUANTS)}")
         for spec in ENGINE_SPECS.values():  # options of one engine need that engine
             given = [name for name in spec.options if getattr(self, name) is not None]
-            _check(self.engine == spec.name or not given,
+            check(self.engine == spec.name or not given,
                    f"--{given[0].replace('_', '-') if given else ''} applies to --engine "
                    f"{spec.name} only")
         for name in VLLM_BOUNDS:  # the engine's own bounds, checked before it starts
             problem = setting_problem(name, getattr(self, name))
-            _check(problem is None, f"--{name.replace('_', '-')} {problem}")
+            check(problem is None, f"--{name.replace('_', '-')} {problem}")
 
 
 @dataclass(frozen=True)
@@ -282,29 +283,29 @@ class RunOptions:
         check_types(self)
         if self.caption_formats is not None:
             names = [n.strip().lower() for n in self.caption_formats.split(",")]
-            _check(bool(names) and all(n in CAPTION_FORMATS for n in names)
+            check(bool(names) and all(n in CAPTION_FORMATS for n in names)
                    and len(set(names)) == len(names),
                    f"--captions takes {', '.join(CAPTION_FORMATS)} or both, comma-separated; "
                    f"got {self.caption_formats!r}")
             object.__setattr__(self, "caption_formats", ",".join(names))
-        _check(self.format in FORMATS, f"--format must be one of {', '.join(FORMATS)}")
-        _check(8000 <= self.sample_rate <= MAX_SAMPLE_RATE,
+        check(self.format in FORMATS, f"--format must be one of {', '.join(FORMATS)}")
+        check(8000 <= self.sample_rate <= MAX_SAMPLE_RATE,
                f"--sample-rate must be in [8000, {MAX_SAMPLE_RATE}]")
-        _check(self.batch_size >= 1, "--batch-size must be >= 1")
+        check(self.batch_size >= 1, "--batch-size must be >= 1")
         check_format_rate(self.format, self.sample_rate)
 
     def check_combinations(self) -> RunOptions:
         """Flags that exclude each other (checked by `resolve` once every value is valid)."""
-        _check(not (self.raw and self.output not in (None, "-")),
+        check(not (self.raw and self.output not in (None, "-")),
                "--raw writes PCM to stdout; it cannot be combined with -o FILE")
-        _check(not (self.stream and self.batch_size > 1),
+        check(not (self.stream and self.batch_size > 1),
                "--stream generates one prompt at a time; drop --batch-size")
-        _check(not (self.raw and self.sample_rate != SAMPLE_RATE),
+        check(not (self.raw and self.sample_rate != SAMPLE_RATE),
                "--raw streams 24 kHz PCM; --sample-rate cannot be used with it")
-        _check(not (self.caption_formats and self.to_stdout),
+        check(not (self.caption_formats and self.to_stdout),
                "--captions writes files beside each output; it cannot be used with stdout "
                "(-o - or --raw)")
-        _check(not (self.raw and self.format != "wav"),
+        check(not (self.raw and self.format != "wav"),
                f"--raw streams 16-bit PCM without a header; --format {self.format} cannot be "
                f"used with it (use -o - --format {self.format} for a {self.format} file on "
                "stdout)")

@@ -1,8 +1,9 @@
 """`Piece`: one generated text piece (its prompt, generated ids, codes and audio), as data.
 
-An item's text is split on sentence ends into pieces (`inputs.split_text`); each is generated on
-its own and the pieces' audio is joined with `io.PAUSE_FRAMES` of silence. Shared by the library
-(`synth.py`), the overlapped stages (`overlap.py`) and the batch runner's sidecars.
+An item's text is split on sentence ends into pieces (`text.split_text`); each is generated as
+its own job of the speech worker (`worker.py`) and the pieces' audio is joined with
+`audio.PAUSE_FRAMES` of silence (`Stage1.finish`). Every face reads it; the batch runner records
+it in sidecars (`record`).
 """
 
 from __future__ import annotations

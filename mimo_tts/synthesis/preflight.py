@@ -1,9 +1,10 @@
 """The preflight (`mimo-tts devices`, `synth --dry-run`, and before loading), loading nothing.
 
 Placement with the source of every value, CUDA facts, where each checkpoint would come from,
-the memory each stage needs at the run dtype against what its device has (`mimo_tts.memory`,
-from `config.json` and safetensors headers) and the Stage-0 engine's settings. torch is imported
-only when a GPU may be present (`devices.Probe`).
+the memory each stage needs at the run dtype (from `config.json` and safetensors headers)
+against what its device has (`runtime/machine.py`), the refusal that does not fit (exit 4), and
+the Stage-0 engine's settings. torch is imported only when a GPU may be present
+(`devices.Probe`).
 """
 
 from __future__ import annotations

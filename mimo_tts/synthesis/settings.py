@@ -32,7 +32,7 @@ from mimo_tts.synthesis.options import (
     EngineOptions,
     RunOptions,
     SynthesisOptions,
-    _check,
+    check,
     check_types,
     task_for,
 )
@@ -75,7 +75,7 @@ class _OptionValues:
         if isinstance(values, OptionValues):
             return values
         unknown = sorted(set(values) - OPTION_NAMES)
-        _check(not unknown, f"unknown option(s) {', '.join(map(repr, unknown))}")
+        check(not unknown, f"unknown option(s) {', '.join(map(repr, unknown))}")
         return cls(**values)
 
     def given(self) -> dict[str, object]:
@@ -110,7 +110,7 @@ class Settings:
         for key, value in changes.items():
             group = next((g for g, cls in GROUPS.items()
                           if key in {f.name for f in fields(cls)}), None)
-            _check(group is not None, f"unknown option {key!r}")
+            check(group is not None, f"unknown option {key!r}")
             groups[group] = replace(groups[group], **{key: value})
         groups["run"].check_combinations()
         return replace(self, **groups)

@@ -22,6 +22,7 @@ from mimo_tts.errors import InputError, OptionTypeError
 from mimo_tts.runtime import runner_record
 from mimo_tts.synthesis.audio import (
     PAUSE_FRAMES,
+    SAMPLE_RATE,
     check_format_rate,
     output_format,
     to_numpy,
@@ -131,7 +132,7 @@ class SpeechCalls:
                                                        o.stream_max_chunk_groups))
         pause = PAUSE_FRAMES * self.stage1.samples_per_frame
         for index, chunk in enumerate(_background(stream_audio(worker.run(jobs), pause))):
-            yield AudioChunk(to_numpy(chunk), self.stage1.sample_rate, index)
+            yield AudioChunk(to_numpy(chunk), SAMPLE_RATE, index)
 
     def decode(self, codes, pause_frames: int = PAUSE_FRAMES) -> Audio:
         """Stage-1 alone: codes [8, T] (or one per text piece; torch or numpy integers) ->
@@ -147,7 +148,7 @@ class SpeechCalls:
             raise OptionTypeError(f"codes must be a tensor or a list of tensors, not "
                                   f"{type(codes).__name__}")
         audio = self.stage1.join(pieces, check_pause(pause_frames), "codes")
-        return Audio(to_numpy(audio), self.stage1.sample_rate,
+        return Audio(to_numpy(audio), SAMPLE_RATE,
                      {"runner": runner_record(),
                       "tokenizer": self.tok_ref.describe() if self.tok_ref else None})
 
@@ -179,7 +180,7 @@ class SpeechCalls:
         """The captions of a text synthesised with `captions=True`: one cue per piece."""
         spf = self.stage1.samples_per_frame
         return cues(text_pieces(text, o), [piece_samples(p, spf) for p in pieces],
-                    self.stage1.sample_rate, spf)
+                    SAMPLE_RATE, spf)
 
     def _options(self, call: str, options, **given) -> SynthesisOptions:
         """`options` (default `self.options`) with this call's keywords; a keyword that is no
@@ -208,7 +209,7 @@ class SpeechCalls:
                   "task": o.task, "instruct": o.instruct, "prompt_audio": prompt_audio,
                   "voice": o.voice,
                   "seed": o.seed, "pieces": [p.record() for p in pieces]}
-        return Audio(to_numpy(audio), self.stage1.sample_rate, record)
+        return Audio(to_numpy(audio), SAMPLE_RATE, record)
 
 
 def _text(text, where: str) -> str:

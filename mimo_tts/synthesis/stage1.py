@@ -24,6 +24,7 @@ from mimo_tts.runtime.guards import oom_advice, thread_budget
 from mimo_tts.synthesis.audio import (
     MAX_PAUSE_FRAMES,
     PAUSE_FRAMES,
+    SAMPLE_RATE,
     PromptAudio,
     check_audio,
     join_pieces,
@@ -92,7 +93,10 @@ class Stage1:
     def __init__(self, codec, threads: int | None = None):
         self.codec, self.threads = codec, threads
         self.samples_per_frame = codec.samples_per_frame
-        self.sample_rate = codec.config.sampling_rate  # the checkpoint's (24000 for MiMo-Audio)
+        if codec.config.sampling_rate != SAMPLE_RATE:  # the one rule: every face uses the constant
+            raise CheckpointError(f"the audio tokenizer speaks {codec.config.sampling_rate} Hz; "
+                                  f"mimo-tts runs MiMo-Audio's {SAMPLE_RATE} Hz tokenizer")
+        self.sample_rate = SAMPLE_RATE
         self._prompt_codes: dict[str, torch.Tensor] = {}
         # A prompt in memory: its codes live as long as the PromptAudio (one per options).
         self._memory_codes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

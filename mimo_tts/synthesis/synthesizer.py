@@ -98,7 +98,7 @@ class MiMoTTS(SpeechCalls):
         refs = refs or resolve_checkpoints(settings, env)
         check_fits(settings, refs, lengths, env, log)
         threads, start = thread_budgets(settings), time.perf_counter()
-        tts = cls.load(*refs, settings.placement, settings.engine, log, threads)
+        tts = cls._load_stages(*refs, settings.placement, settings.engine, log, threads)
         tts.threads, tts.timings["load_s"] = threads, time.perf_counter() - start
         tts.log = log
         p = settings.placement
@@ -108,8 +108,8 @@ class MiMoTTS(SpeechCalls):
         return tts
 
     @classmethod
-    def load(cls, lm_ref, tok_ref, placement, engine: EngineOptions | None = None, log=None,
-             threads: dict | None = None) -> MiMoTTS:
+    def _load_stages(cls, lm_ref, tok_ref, placement, engine: EngineOptions | None = None,
+                     log=None, threads: dict | None = None) -> MiMoTTS:
         """Load both stages on `placement`, Stage-0 on the engine `engine.engine` names (no
         preflight: `from_settings` is the loader of every face)."""
         engine, log, threads = engine or EngineOptions(), log or (lambda m: None), threads or {}

@@ -39,7 +39,11 @@ VOICES_DIR_ENV = "MIMO_TTS_VOICES_DIR"
 MAX_NAME = 64
 # A letter or digit first, then letters, digits, "_", "-", ".": no separators, no dot files.
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-RESERVED = frozenset({"default", "natural"})  # the server's built-in voices
+# The built-in voices every face offers: name -> (the task it speaks in, its note).
+BUILT_IN = {"default": ("tts_sft", "the model's own voice"),
+            "natural": ("tts_sft_with_natural_instruction",
+                        "natural-language instruction: the text says how to speak")}
+RESERVED = frozenset(BUILT_IN)  # no stored voice takes these names
 RECORD_FORMAT = 1
 LOCK_NAME = ".voices.lock"
 
@@ -51,6 +55,23 @@ def voices_dir(env: Mapping[str, str] | None = None) -> Path:
         return Path(env[VOICES_DIR_ENV]).expanduser()
     base = env.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "mimo-tts" / "voices"
+
+
+def served_voices(startup: Mapping[str, object], store: VoiceStore) -> list[tuple[str, str]]:
+    """The voices a server offers, in order, each with its kind: the built-in ones, the
+    start-up ones (`--voice NAME=FILE`) and the registry's: the one list of the page, the
+    start-up line, `/v1/audio/voices` and Wyoming's `info`."""
+    return ([(n, "builtin") for n in BUILT_IN] + [(n, "startup") for n in startup]
+            + [(n, "registry") for n in store.names() if n not in startup])
+
+
+def check_startup_voices(startup: Mapping[str, object], store: VoiceStore) -> None:
+    """A start-up voice may not share its name with a stored one: refused (exit 2), as a
+    built-in name is, rather than one silently hiding the other."""
+    taken = sorted(set(startup) & set(store.names()))
+    if taken:
+        raise UsageError(f"--voice {taken[0]}: the voice registry holds a voice of that name; "
+                         f"pick another name, or remove it (mimo-tts voices rm {taken[0]})")
 
 
 def check_name(name) -> str:

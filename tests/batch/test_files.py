@@ -17,7 +17,7 @@ from mimo_tts.batch import items as inputs
 from mimo_tts.batch import sinks as outputs
 from mimo_tts.errors import EXIT_INPUT, InputError, OutputError
 from mimo_tts.runtime.paths import TEMP_MARK, atomic_write, clean_temp_files, write_json
-from mimo_tts.synthesis.audio import FORMATS, pcm16, read_audio, resample
+from mimo_tts.synthesis.audio import FORMATS, pcm16, read_audio, resample, write_audio
 from mimo_tts.synthesis.text import clean_text, split_text
 
 # --- ids ----------------------------------------------------------------------------------------
@@ -197,7 +197,7 @@ def test_pcm16_clips_and_rounds():
                                           ("flac", "PCM_16")])
 def test_write_audio_formats(tmp_path, fmt, subtype):
     audio = 0.3 * torch.sin(torch.arange(4800) / 10.0)
-    path = mio.write_audio(tmp_path / f"a{FORMATS[fmt][2]}", audio, 24000, fmt)
+    path = write_audio(tmp_path / f"a{FORMATS[fmt][2]}", audio, 24000, fmt)
     info = sf.info(str(path))
     assert (info.samplerate, info.channels, info.frames, info.subtype) == (24000, 1, 4800, subtype)
     back, _ = sf.read(str(path), dtype="float32")

@@ -66,7 +66,7 @@ def fixture_runner(tiny_a):
                         "temperature": 0.0, "audio_temperature": 0.0, "max_new_groups": 6},
                        env={})
     runner = BatchRunner(settings, env={})
-    runner.load()
+    runner.ensure_loaded()
     return runner
 
 

@@ -4,15 +4,12 @@ rows are refilled while others decode, cancelled jobs free their row, seeds are 
 from __future__ import annotations
 
 import shutil
-import threading
-import time
 
 import pytest
 import torch
 
-from mimo_tts.errors import UsageError
 from mimo_tts.lm import cpu_kernel
-from mimo_tts.lm.batching import IDLE, ContinuousBatcher, Job, JobDone, JobGroup, JobQueue, Jobs
+from mimo_tts.lm.batching import IDLE, ContinuousBatcher, Job, JobDone, JobGroup, Jobs
 from mimo_tts.lm.config import MAX_GROUPS
 from mimo_tts.lm.generate import GenerationOptions, generate
 from mimo_tts.lm.load import load_lm
@@ -199,35 +196,3 @@ def test_bfloat16_kernel_rows_equal_single_runs(bf16_kernel_lm, special, prompts
         cpu_kernel.set_amx_min_rows(before)
 
 
-def test_a_job_queue_feeds_a_running_batch_from_another_thread(lm, special, prompts):
-    """A server's shape: requests put from another thread, the batch idles between them."""
-    options = GenerationOptions(text_sampler=GREEDY, audio_sampler=GREEDY, max_new_groups=3)
-    queue = JobQueue()
-
-    def requests():
-        for n in range(3):
-            time.sleep(0.05)
-            queue.put(Job(prompts[n], options, key=n))
-        queue.close()
-
-    thread = threading.Thread(target=requests)
-    thread.start()
-    done, idle = {}, 0
-    for event in ContinuousBatcher(lm, special, 2, queue).run():
-        if event is IDLE:
-            idle += 1
-            assert queue.wait(timeout=60)
-        elif isinstance(event, JobDone):
-            done[event.job.key] = event
-    thread.join()
-    assert sorted(done) == [0, 1, 2] and idle >= 1
-    for n, event in done.items():
-        alone = generate(lm, [prompts[n]], options, special)[0]
-        assert torch.equal(event.generation.new_ids, alone.new_ids)
-    with pytest.raises(UsageError, match="closed"):
-        queue.put(Job(prompts[0], options))
-    waiting = JobQueue()
-    for n in range(2):
-        waiting.put(Job(prompts[n], options, key=n))
-    assert waiting.discard(1) and not waiting.discard(1)  # a client gone before its turn
-    assert waiting.pull().key == 0 and waiting.pull() is None and not waiting.exhausted

@@ -19,8 +19,8 @@ from mimo_tts.runtime.devices import (
     cpu_bf16_flags,
     cpu_flags,
     normalize_device,
+    pick_dtype,
     resolve_cuda_graph,
-    resolve_dtype,
     resolve_kernel,
     resolve_lm_device,
     resolve_placement,
@@ -182,10 +182,10 @@ def test_unrecognised_graph_value_is_an_error(bad):
 
 
 def test_dtype_flags_profile_and_aliases():
-    assert resolve_dtype("bf16", "float32", "cpu", "LM", env={}).value == "bfloat16"
-    assert resolve_dtype(None, "fp16", "cpu", "LM", env={}).source == "config"
+    assert pick_dtype("bf16", "float32", "cpu", "LM", env={}).value == "bfloat16"
+    assert pick_dtype(None, "fp16", "cpu", "LM", env={}).source == "config"
     with pytest.raises(UsageError, match="int8"):
-        resolve_dtype("int8", None, "cpu", "LM", env={})
+        pick_dtype("int8", None, "cpu", "LM", env={})
 
 
 BF16_CPU = Probe(cuda_count=0, cuda_current=0, mps=False, cpu_bf16=("avx512_bf16",))
@@ -207,31 +207,31 @@ OLD_GPU = Probe(cuda_count=1, cuda_current=0, mps=False, cuda_bf16=False)
 def test_auto_dtype_follows_checkpoint_and_device(checkpoint, device, probe, value, why):
     """(The LM's choice; a bfloat16 tokenizer on a CPU without bfloat16 runs in float32:
     `test_a_bfloat16_tokenizer_upcasts_on_cpus_without_bfloat16`.)"""
-    choice = resolve_dtype(None, None, device, "LM", checkpoint, env={}, probe=probe)
+    choice = pick_dtype(None, None, device, "LM", checkpoint, env={}, probe=probe)
     assert choice.value == value
     assert why in choice.source
-    assert resolve_dtype("auto", None, device, "LM", checkpoint, env={}, probe=probe).value == value
+    assert pick_dtype("auto", None, device, "LM", checkpoint, env={}, probe=probe).value == value
 
 
 def test_a_bfloat16_tokenizer_upcasts_on_cpus_without_bfloat16():
-    tok = resolve_dtype(None, None, "cpu", "tokenizer", "bfloat16", env={}, probe=NO_GPU)
+    tok = pick_dtype(None, None, "cpu", "tokenizer", "bfloat16", env={}, probe=NO_GPU)
     assert tok.value == "float32" and "no AVX512-BF16/AMX" in tok.source
-    lm = resolve_dtype(None, None, "cpu", "LM", "bfloat16", env={}, probe=NO_GPU)
+    lm = pick_dtype(None, None, "cpu", "LM", "bfloat16", env={}, probe=NO_GPU)
     assert lm.value == "bfloat16"
 
 
 def test_dtype_precedence_flag_env_profile_auto():
     env = {DTYPE_ENV: "float16", TOKENIZER_DTYPE_ENV: "bf16"}
-    lm = resolve_dtype(None, "float32", "cpu", "LM", "bfloat16", env=env, probe=BF16_CPU)
+    lm = pick_dtype(None, "float32", "cpu", "LM", "bfloat16", env=env, probe=BF16_CPU)
     assert (lm.value, lm.source) == ("float16", f"env {DTYPE_ENV}")
-    tok = resolve_dtype(None, None, "cpu", "tokenizer", "float32", env=env, probe=BF16_CPU)
+    tok = pick_dtype(None, None, "cpu", "tokenizer", "float32", env=env, probe=BF16_CPU)
     assert (tok.value, tok.source) == ("bfloat16", f"env {TOKENIZER_DTYPE_ENV}")
-    flag = resolve_dtype("float32", None, "cpu", "LM", "bfloat16", env=env, probe=BF16_CPU)
+    flag = pick_dtype("float32", None, "cpu", "LM", "bfloat16", env=env, probe=BF16_CPU)
     assert (flag.value, flag.source) == ("float32", "flag")  # upcasting stays possible
-    profile = resolve_dtype(None, "auto", "cpu", "LM", "bfloat16", env={}, probe=BF16_CPU)
+    profile = pick_dtype(None, "auto", "cpu", "LM", "bfloat16", env={}, probe=BF16_CPU)
     assert profile.value == "bfloat16" and profile.source.startswith("config auto:")
     with pytest.raises(UsageError, match=f"env {DTYPE_ENV}"):
-        resolve_dtype(None, None, "cpu", "LM", None, env={DTYPE_ENV: "fp8"}, probe=BF16_CPU)
+        pick_dtype(None, None, "cpu", "LM", None, env={DTYPE_ENV: "fp8"}, probe=BF16_CPU)
 
 
 def test_cpu_bf16_flags_read_from_cpuinfo(tmp_path):

@@ -7,9 +7,11 @@ anything.
 from __future__ import annotations
 
 from mimo_tts.errors import UsageError
+from mimo_tts.lm.vllm import VLLM_SETTINGS
 
 CPU_KV_CACHE_MIB = 64  # vLLM on CPU: a small KV cache starts in seconds (default: most of RAM)
-SETTINGS = ("gpu_memory_utilization", "max_num_seqs", "tensor_parallel_size", "max_model_len")
+# VLLMOptions' own settings: every vLLM setting but the profile-only kv_cache_mib (read below)
+SETTINGS = tuple(name for name in VLLM_SETTINGS if name != "kv_cache_mib")
 
 
 def vllm_options(o, placement) -> dict:
