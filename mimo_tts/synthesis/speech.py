@@ -113,9 +113,8 @@ class SpeechCalls:
     def synthesize_batch(self, texts: Sequence[str], *, batch_size: int = 1,
                          **given) -> list[Audio]:
         """Speech for several texts with one seed, each text's audio its `synthesize` call's:
-        on a continuous engine the text pieces are jobs of one continuous batch of
-        `batch_size` rows, each sampling from its own generator (as `--batch-size` on the
-        CLI); a static engine (vLLM) runs them together on one seed stream."""
+        the text pieces are jobs of one batch of `batch_size` rows on the speech worker, each
+        sampling from its own generator (as `--batch-size` on the CLI)."""
         batch_size = RunOptions(batch_size=batch_size).batch_size  # typed, >= 1
         texts = _texts(texts)
         o = self._options("synthesize_batch", given.pop("options", None), **given)
