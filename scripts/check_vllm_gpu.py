@@ -24,6 +24,7 @@ vLLM). Every section runs on its own; a failing one records its error and the re
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import tempfile
@@ -47,6 +48,7 @@ from mimo_tts.presets.write import write_tiny_preset
 
 GREEDY_OPTIONS = GenerationOptions(text_sampler=GREEDY, audio_sampler=GREEDY, max_new_groups=64)
 KV_BYTES = 512 << 20
+NO_VLLM = 3  # exit status when vllm is not importable (scripts/gpu_check.sh says so)
 DEVICE = ["cuda"]  # the native engine's device; --device cpu for a dry run
 
 
@@ -179,6 +181,9 @@ def main() -> None:
     DEVICE[0] = args.device
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("check_vllm_gpu: no CUDA device")
+    if importlib.util.find_spec("vllm") is None:
+        print("check_vllm_gpu: vllm is not installed in this interpreter", file=sys.stderr)
+        sys.exit(NO_VLLM)
     skip = set(filter(None, args.skip.split(",")))
     cuda = args.device == "cuda"
     report = {"gpu": torch.cuda.get_device_name(0) if cuda else None,
@@ -211,6 +216,11 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(text)
     print(text)
+    failed = [name for name, entry in report.items()
+              if isinstance(entry, dict) and "error" in entry]
+    if failed:  # a section that raised is a failed check, never a pass
+        print(f"check_vllm_gpu: failed: {', '.join(failed)}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
