@@ -38,6 +38,8 @@ class FakeTTS:
     def __init__(self, root: Path):
         self.voices = VoiceStore(root)
         self.tok_ref = SimpleNamespace(path=TOKENIZER, name=str(TOKENIZER))
+        # the server reads the longest voice (one encoder segment) from the loaded codec's config
+        self.codec = SimpleNamespace(config=SimpleNamespace(segment_seconds=60.0))
 
     def add_voice(self, name, path, transcript=None, overwrite=False, label=None):
         return add_voice(self.voices, FakeStage1(), self.tok_ref, name, path, transcript,
