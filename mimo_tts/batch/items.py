@@ -125,6 +125,16 @@ def read_items(texts: Iterable[str], inputs: Iterable[str], stdin=None,
     return _dedupe(items, naming)
 
 
+def piped(stdin=None) -> bool:
+    """Whether stdin brings text: open and not a terminal (a pipe, a file, a here-string), as
+    `echo text | mimo-tts synth` gives it."""
+    stream = stdin if stdin is not None else sys.stdin
+    try:
+        return stream is not None and not stream.closed and not stream.isatty()
+    except (OSError, ValueError):  # a closed or unreadable descriptor: nothing is piped
+        return False
+
+
 def _stdin_text(stdin) -> str:
     return _stdin_bytes(stdin, "'-' reads from stdin, but stdin is a terminal; pipe text in"
                         ).decode("utf-8", errors="surrogateescape")  # clean_text refuses those

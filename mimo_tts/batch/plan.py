@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-from mimo_tts.batch.items import Item, Naming, has_surrogates, read_items
+from mimo_tts.batch.items import Item, Naming, has_surrogates, piped, read_items
 from mimo_tts.batch.results import ItemResult
 from mimo_tts.batch.runner import BatchRunner
 from mimo_tts.batch.shards import Shard, resolve_shard
@@ -86,9 +86,12 @@ def plan_synth(request: SynthRequest, stdin=None, log=None, make_items=None) -> 
            "--json prints to stdout, which -o - / --raw already use")
     check_binary_stdout(run.to_stdout, "--raw" if run.raw else "-o -")
     o = settings.synthesis
+    inputs = request.inputs
+    if not request.texts and not inputs and stdin is not None and piped(stdin):
+        inputs = ("-",)  # `echo text | mimo-tts synth`: stdin as --input - reads it
     items = make_items(settings) if make_items is not None else read_items(
-        request.texts, request.inputs, stdin, Naming(o.seed, o.instruct, o.prompt_audio, o.task))
-    check(bool(items), "nothing to say: give --text, --input FILE or --input -")
+        request.texts, inputs, stdin, Naming(o.seed, o.instruct, o.prompt_audio, o.task))
+    check(bool(items), "nothing to say: give --text, --input FILE, or pipe text to stdin")
     check(run.output is None or run.raw or len(items) == 1,
            f"-o/--output takes exactly one item, got {len(items)}; use --output-dir")
     settings = place(settings, request.options, profile, os.environ)

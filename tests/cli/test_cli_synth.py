@@ -253,6 +253,27 @@ def test_stdin_items(mimo, tmp_path, manifest):
     assert manifest(tmp_path / "output_audio" / "tts_sft") == records
 
 
+def test_piped_text_without_flags_is_read_as_input_dash(base_env, entry_point, tmp_path):
+    """`echo text | mimo-tts synth`: a real pipe into the console script, no --text/--input;
+    the same items, ids and bytes as `--input -`; an empty pipe still says what to give."""
+    args = [str(entry_point), "synth", "--model", "tiny", "--max-new-groups", "2", "--json"]
+    runs = {}
+    for name, extra in (("piped", []), ("dash", ["--input", "-"])):
+        with subprocess.Popen(args + ["--output-dir", name] + extra, cwd=tmp_path, env=base_env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) as proc:
+            out, err = proc.communicate(b"Piped in.\nA second line.\n", timeout=300)
+        assert proc.returncode == 0, err.decode()
+        runs[name] = [json.loads(line) for line in out.decode().splitlines()]
+    assert [r["source"] for r in runs["piped"]] == ["stdin:1", "stdin:2"]
+    for piped, dash in zip(runs["piped"], runs["dash"], strict=True):
+        assert piped["id"] == dash["id"]
+        assert (tmp_path / piped["path"]).read_bytes() == (tmp_path / dash["path"]).read_bytes()
+    empty = subprocess.run(args, cwd=tmp_path, env=base_env, input=b"", capture_output=True,
+                           timeout=300)
+    assert empty.returncode == 2 and b"pipe text to stdin" in empty.stderr
+
+
 @pytest.mark.slow
 def test_wav_to_stdout_with_logs_on_stderr(mimo, tmp_path):
     proc = mimo("synth", "--model", "tiny", "--text", "To stdout.", "-o", "-",
