@@ -18,7 +18,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
 from mimo_tts.errors import DeviceError, InputError, MimoTTSError, UsageError, short_repr
-from mimo_tts.synthesis.audio import FORMATS, LOSSY_FORMATS, lossy_formats
+from mimo_tts.synthesis import aac
+from mimo_tts.synthesis.audio import AAC_FORMATS, FORMATS, LOSSY_FORMATS, lossy_formats
 from mimo_tts.synthesis.options import DEFAULT_TASK, MAX_SEED, task_for
 from mimo_tts.synthesis.text import clean_text
 from mimo_tts.synthesis.voices import BUILT_IN, VoiceStore, served_voices
@@ -32,7 +33,7 @@ FIELDS = ("model", "input", "voice", "instructions", "response_format", "stream_
 MAX_VOICE_BYTES = 16 << 20  # an uploaded voice recording (POST /v1/audio/voices)
 CAPTIONS_HEADER = "X-MiMo-Captions"  # the cues of a whole-file response, as JSON
 # OpenAI's model, voice and response_format names, accepted so that existing clients work
-# unchanged (aac has no libsndfile encoder, so it is never offered).
+# unchanged (aac is offered where PyAV is installed).
 OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage",
                  "shimmer", "verse")
@@ -193,10 +194,12 @@ def voice_error(name: str, path: str, exc: MimoTTSError) -> MimoTTSError:
 
 def served_formats() -> list[str]:
     """The response formats this build answers in: pcm, then OpenAI's names among `FORMATS`
-    in their order, the lossy ones only where this libsndfile has the encoder."""
+    in their order, the lossy ones only where this libsndfile has the encoder, aac only with
+    PyAV."""
     lossy = lossy_formats()
     return [PCM, *(name for name in FORMATS if name in OPENAI_FORMATS
-                   and (name not in LOSSY_FORMATS or name in lossy))]
+                   and (name not in LOSSY_FORMATS or name in lossy)
+                   and (name not in AAC_FORMATS or aac.available()))]
 
 
 def media_type(fmt: str) -> str:

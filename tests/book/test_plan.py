@@ -86,7 +86,7 @@ def test_plan_refuses_before_anything_is_written(tmp_path):
     with pytest.raises(UsageError, match="the book has 3 chapters"):
         plan_book(BookRequest(str(book), options, chapters="2-5", m4b=False))
     with pytest.raises(UsageError, match="--format must be one of"):
-        plan_book(BookRequest(str(book), options, format="aac", m4b=False))
+        plan_book(BookRequest(str(book), options, format="aiff", m4b=False))
     with pytest.raises(UsageError, match="--seed must be"):
         plan_book(BookRequest(str(book), OptionValues(seed=-1, output_dir=str(out)), m4b=False))
     plan = plan_book(BookRequest(str(book), options, chapters="2", shard="1/2", m4b=False))

@@ -109,6 +109,18 @@ def test_flac_bytes_equal_the_cli(client, mimo, tmp_path):
     assert response.content == (tmp_path / "cli.flac").read_bytes()
 
 
+def test_aac_is_a_whole_file_equal_to_the_cli(client, mimo, tmp_path):
+    """response_format aac (with PyAV, as CI installs it): ADTS bytes, the CLI's -o x.aac."""
+    pytest.importorskip("av")
+    response = speech(client, response_format="aac", seed=7)
+    assert response.status_code == 200 and response.headers["content-type"] == "audio/aac"
+    result = mimo("synth", "--model", "tiny", "--text", TEXT, "--seed", 7, "-o",
+                  tmp_path / "cli.aac")
+    assert result.returncode == 0, result.stderr
+    assert response.content[:2] == b"\xff\xf1"
+    assert response.content == (tmp_path / "cli.aac").read_bytes()
+
+
 def test_sse_streams_deltas_before_the_end(client):
     start = time.perf_counter()
     events = []
