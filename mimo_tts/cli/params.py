@@ -298,6 +298,9 @@ def add_arguments(parser, command: str) -> None:
 # How a command reports: each command takes these as its own.
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=RUN,
                                      help="Only errors on stderr (data still on stdout).")]
+ServeQuiet = Annotated[bool, typer.Option(
+    "--quiet", "-q", rich_help_panel=RUN, help="Only errors on stderr: no request log (one line "
+    "per request otherwise), no start-up lines.")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", rich_help_panel=RUN,
                                        help="More detail on stderr (loading, placement).")]
 AsJson = Annotated[bool, typer.Option("--json", rich_help_panel=RUN,

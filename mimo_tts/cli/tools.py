@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from mimo_tts.cli.params import Debug, SelftestJson, StatusJson, Verbose, takes
+from mimo_tts.cli.params import Debug, SelftestJson, ServeQuiet, StatusJson, Verbose, takes
 from mimo_tts.cli.report import Reporter, run_command
 from mimo_tts.errors import EXIT_OK, AudioCheckError
 from mimo_tts.presets import TINY
@@ -155,18 +155,22 @@ def _selftest_problems(audio, rate: int, frames: int, per_frame: int) -> list[st
 
 
 @takes("serve")
-def serve(*, serving: dict, options: OptionValues, config: str | None, verbose: Verbose = False,
-          debug: Debug = False) -> None:
-    """Serve an OpenAI-compatible speech API: POST /v1/audio/speech (needs the serve extra)."""
-    run_server("mimo_tts.server.app", serving, os.environ, options, config, verbose, debug)
+def serve(*, serving: dict, options: OptionValues, config: str | None, quiet: ServeQuiet = False,
+          verbose: Verbose = False, debug: Debug = False) -> None:
+    """Serve an OpenAI-compatible speech API: POST /v1/audio/speech (needs the serve extra).
+
+    Each request is one line on stderr when it ends (method, path, status, voice, characters,
+    audio seconds, time to first audio, total; never the text or the key); -q silences it."""
+    run_server("mimo_tts.server.app", serving, os.environ, options, config, verbose, debug,
+               quiet)
 
 
 def run_server(module: str, serving: dict, environ, options: OptionValues, config: str | None,
-               verbose: bool, debug: bool) -> None:
+               verbose: bool, debug: bool, quiet: bool = False) -> None:
     """A server face's body (`serve`, `wyoming`): once its extra is there, its `main` gets the
     server's own options (`ServeConfig`, the key from `environ`) and the model's
     (`OptionValues`); imported only when it runs."""
-    reporter = Reporter(verbose=verbose, debug=debug)
+    reporter = Reporter(quiet=quiet, verbose=verbose, debug=debug)
 
     def body() -> int:
         import importlib

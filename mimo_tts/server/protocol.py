@@ -244,6 +244,7 @@ class SpeechParams:
     fmt: str
     sse: bool
     captions: bool = False  # cues in the X-MiMo-Captions header, or the SSE done event
+    voice: str = "default"  # the voice as the request named it (a served name: the log's)
 
 
 @dataclass(frozen=True)
@@ -298,14 +299,15 @@ class RequestParser:
         text = _cleaned(text, "input")
         if instruct is not None:  # the rules of `input`, as a batch item's instruct follows
             instruct = _cleaned(instruct, "instructions")
-        task, prompt_audio, voice = self.voice(_field(data, "voice", str) or "default", instruct)
+        voice_name = _field(data, "voice", str) or "default"
+        task, prompt_audio, voice = self.voice(voice_name, instruct)
         try:
             options = replace(self.base, task=task, instruct=instruct, prompt_audio=prompt_audio,
                               voice=voice, captions=captions or self.base.captions,
                               seed=self.base.seed if seed is None else seed)
         except MimoTTSError as exc:
             raise ApiError.of(exc) from None
-        return SpeechParams(text, options, fmt, stream_format == "sse", captions)
+        return SpeechParams(text, options, fmt, stream_format == "sse", captions, voice_name)
 
     def bounded(self, text: str, name: str) -> str:
         """`input` or `instructions`, refused past `--max-input-chars`."""

@@ -64,7 +64,8 @@ BEFORE = {
     "selftest": {"Devices": "--lm-device --tokenizer-device", None: "--json",
                  "Run": "--debug"},
     "serve": {"Server": "--host --port --api-key --voice --batch-size --max-concurrent "
-                        "--max-queue --max-input-chars --timeout --stage1-batch", **SERVED},
+                        "--max-queue --max-input-chars --timeout --stage1-batch", **SERVED,
+              "Run": "--config -c --quiet -q --verbose -v --debug"},  # -q: issue 33's log
     "wyoming": {"Server": "--host --port --voice --batch-size --max-concurrent --max-queue "
                           "--max-input-chars --timeout", **SERVED},
     "voices-add": {None: "--transcript --overwrite", "Models": "--model -m --tokenizer",
