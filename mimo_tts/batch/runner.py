@@ -199,10 +199,12 @@ class BatchRunner:
             if r.status != "pending":
                 continue
             pieces[id(r)] = [None] * len(prompts)
-            options = self.options(r.item).generation_options(r.seed)  # its task's
+            item_options = self.options(r.item)
+            options = item_options.generation_options(r.seed)  # its task's
             group: list = []
             group += [SpeechJob(prompt, options, r.seed, decode=decode, group=group,
-                                label=r.item.id, order=(n, i), key=(r, i))
+                                label=r.item.id, order=(n, i), key=(r, i),
+                                speed=item_options.speed)
                       for i, prompt in enumerate(prompts)]
             yield from group
 

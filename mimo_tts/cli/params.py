@@ -176,6 +176,9 @@ CATALOGUE = (
            "prompt encode.", "N", DEV),
     # how to sample
     Option("seed", BATCH, "Sampling seed (default {default}).", "SEED", GEN),
+    Option("speed", "synth book serve wyoming", "Speaking rate, pitch kept: 0.25 to 4 (default "
+           "{default:g}; 1.5 is half again as fast). The audio is stretched after Stage-1, so "
+           "the codes are speed 1's.", "RATE", GEN),
     Option("temperature", "synth book", "Text temperature (0 = greedy; task default "
            "{default:g}).", "T", GEN, default=TEXT.temperature),
     Option("top_k", "synth book", "Text top-k.", "K", GEN),

@@ -21,6 +21,7 @@ from mimo_tts.errors import DeviceError, InputError, MimoTTSError, UsageError, s
 from mimo_tts.synthesis import aac
 from mimo_tts.synthesis.audio import AAC_FORMATS, FORMATS, LOSSY_FORMATS, lossy_formats
 from mimo_tts.synthesis.options import DEFAULT_TASK, MAX_SEED, task_for
+from mimo_tts.synthesis.tempo import SPEEDS
 from mimo_tts.synthesis.text import clean_text
 from mimo_tts.synthesis.voices import BUILT_IN, VoiceStore, served_voices
 from mimo_tts.synthesis.worker import STAGE1_BATCH
@@ -290,7 +291,8 @@ class RequestParser:
                  "response_format")
         _require(stream_format in ("audio", "sse"), "stream_format must be audio or sse",
                  "stream_format")
-        _require(speed is None or speed == 1, "speed is not supported (only 1.0)", "speed")
+        _require(speed is None or SPEEDS[0] <= speed <= SPEEDS[1],
+                 f"speed must be in [{SPEEDS[0]:g}, {SPEEDS[1]:g}]", "speed")
         _require(not captions or stream_format == "sse" or fmt not in STREAMED,
                  f"captions come with a whole file or stream_format sse, not a {fmt} stream",
                  "captions")
@@ -304,7 +306,8 @@ class RequestParser:
         try:
             options = replace(self.base, task=task, instruct=instruct, prompt_audio=prompt_audio,
                               voice=voice, captions=captions or self.base.captions,
-                              seed=self.base.seed if seed is None else seed)
+                              seed=self.base.seed if seed is None else seed,
+                              speed=self.base.speed if speed is None else float(speed))
         except MimoTTSError as exc:
             raise ApiError.of(exc) from None
         return SpeechParams(text, options, fmt, stream_format == "sse", captions, voice_name)

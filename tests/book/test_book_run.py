@@ -165,6 +165,22 @@ def test_one_chapter_alone_is_the_same_audio(whole, invoke, tmp_path):
                                                "chapter 3: 0 of 3 pieces done"]
 
 
+def test_speed_stretches_each_piece_and_the_captions_follow(whole, invoke, tmp_path):
+    """`book --speed 2`: each piece file holds half the samples of speed 1's, the chapter and
+    its cues follow (the pauses between pieces keep their length)."""
+    out, _ = whole
+    fast = tmp_path / "fast"
+    done = invoke("book", out.parent / "small-sea.epub", "--output-dir", fast, "--chapters", "2",
+                  "--speed", "2", *TINY)
+    assert done.exit_code == 0, done.output
+    for stem in IDS[3:6]:
+        frames = sf.info(str(out / "tts_sft" / f"{stem}.wav")).frames
+        assert sf.info(str(fast / "tts_sft" / f"{stem}.wav")).frames == round(frames / 2)
+    (chapter,) = (fast / "chapters").iterdir()
+    pieces = [sf.info(str(fast / "tts_sft" / f"{stem}.wav")).frames for stem in IDS[3:6]]
+    assert sf.info(str(chapter)).frames == sum(pieces) + 2 * PAUSE_FRAMES * SPF
+
+
 def test_two_shards_make_the_same_book(whole, invoke, tmp_path):
     out, _ = whole
     shards = tmp_path / "shards"

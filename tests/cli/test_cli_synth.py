@@ -426,3 +426,27 @@ def test_continuous_batch_writes_each_items_single_run_audio(invoke, tmp_path, s
     assert outputs[3] == outputs[1]
     pieces = [len(p) for _, p in outputs[1].values()]
     assert sum(pieces) > 3 and len(set(pieces)) > 1, pieces  # refills; items of 1-3 pieces
+
+
+def test_speed_stretches_the_audio_and_keeps_the_codes(invoke, tmp_path):
+    """--speed 2: the same codes as speed 1 (stretched after Stage-1), half the samples, its
+    own resume key; --speed 1 is today's run, byte for byte, key included."""
+    args = ["synth", "--model", "tiny", "--text", "Faster now.", "--max-new-groups", "4",
+            "--save-codes", "--json"]
+    runs = {}
+    for name, extra in (("plain", []), ("one", ["--speed", "1"]), ("fast", ["--speed", "2"])):
+        result = invoke(*args, "--output-dir", name, *extra)
+        assert result.exit_code == 0, result.stderr
+        runs[name] = json.loads(result.stdout)
+    plain, one, fast = (runs[n] for n in ("plain", "one", "fast"))
+    assert (tmp_path / plain["path"]).read_bytes() == (tmp_path / one["path"]).read_bytes()
+    assert plain["key"] == one["key"] != fast["key"]
+    codes = [(tmp_path / r["codes_path"]).read_bytes() for r in (plain, fast)]
+    assert codes[0] == codes[1]
+    frames = sf.info(str(tmp_path / plain["path"])).frames
+    assert sf.info(str(tmp_path / fast["path"])).frames == round(frames / 2)
+    sidecar = json.loads((tmp_path / fast["path"]).with_suffix(".json").read_text())
+    assert sidecar["speed"] == 2.0 and "speed" not in json.loads(
+        (tmp_path / plain["path"]).with_suffix(".json").read_text())
+    bad = invoke(*args, "--speed", "5")
+    assert bad.exit_code == 2 and "--speed must be in [0.25, 4]" in bad.stderr
