@@ -22,6 +22,7 @@ import json
 from typing import TYPE_CHECKING
 
 from mimo_tts.errors import MimoTTSError, UsageError
+from mimo_tts.server.guard import Guard
 from mimo_tts.server.lifecycle import SHUTDOWN_GRACE_S, loaded, serve, url_of
 from mimo_tts.server.metrics import ServerMetrics, Tally, outcome_of, tally_of
 from mimo_tts.server.page import page_html
@@ -148,10 +149,14 @@ class SpeechServer:
 
     def app(self):
         """The FastAPI application: `routes.py`'s routes, errors as OpenAI-style JSON, each
-        API request counted by `ServerMetrics.wrap`."""
-        from mimo_tts.server.routes import build_app
+        API request counted by `ServerMetrics.wrap`; without a key, behind `guard.py`'s
+        refusals of what other web pages send."""
+        from mimo_tts.server.routes import BODY_TYPES, build_app
 
-        return _Aborts(self.metrics.wrap(build_app(self)))
+        app = build_app(self)
+        if self.cfg.api_key is None:
+            app = Guard(self.cfg, BODY_TYPES).wrap(app)
+        return _Aborts(self.metrics.wrap(app))
 
 
 class Speech:

@@ -9,8 +9,10 @@ torch and no FastAPI at import.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import re
 import stat
 import sys
 from collections.abc import Mapping
@@ -43,6 +45,7 @@ STREAMED = (PCM, "wav")  # formats whose bytes go out as Stage-1 decodes them
 MAX_BODY_BYTES = 1 << 20
 CLIENT_GONE = 499  # the status nginx logs for a client that closed its request
 API_KEY_ENV = "MIMO_TTS_API_KEY"
+HOST_NAME = re.compile(r"[a-z0-9_-][a-z0-9._-]*")  # what --allowed-host takes
 SHOWN_NAMES = 5  # unknown field names quoted in a refusal
 
 
@@ -53,6 +56,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    allowed_hosts: tuple[str, ...] = ()  # Host names answered beside the bound ones (no key)
     voices: dict = field(default_factory=dict)  # name -> prompt-audio path
     batch_size: int = 8
     max_queue: int = 32
@@ -72,6 +76,8 @@ class ServeConfig:
             raise UsageError("--timeout must be > 0 seconds")
         if self.api_key is not None:
             check_api_key(self.api_key, "--api-key")
+        object.__setattr__(self, "allowed_hosts", tuple(map(check_host_name,
+                                                            self.allowed_hosts)))
 
 
 # A server's options as its command gives them, by name: ServeConfig's fields, with the files
@@ -114,6 +120,23 @@ def check_api_key(key: str, source: str) -> str:
         raise UsageError(f"{source} has {kind} character U+{ord(bad):04X}; an HTTP header "
                          "carries printable ASCII only")
     return key
+
+
+def check_host_name(name: str) -> str:
+    """An `--allowed-host` name as a `Host` header carries it (lower case, an IPv6 address
+    without brackets): a DNS name or an address, no scheme, port or path."""
+    bare = name.strip().lower()
+    if bare.startswith("[") and bare.endswith("]"):
+        bare = bare[1:-1]
+    if ":" in bare:
+        try:
+            return str(ipaddress.IPv6Address(bare))
+        except ValueError:
+            pass
+    elif HOST_NAME.fullmatch(bare):
+        return bare.rstrip(".")
+    raise UsageError(f"--allowed-host takes a host name or address (no scheme, port or path), "
+                     f"got {name!r}")
 
 
 def public_model_name(name: str) -> str:

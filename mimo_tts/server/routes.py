@@ -25,6 +25,8 @@ def authorize(request: Request) -> None:
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
+# The body each POST route takes, refused otherwise on a server without a key (`guard.py`)
+BODY_TYPES = {"/v1/audio/speech": "application/json", "/v1/audio/voices": "multipart/form-data"}
 router = APIRouter()
 keyed = APIRouter(dependencies=[Depends(authorize)])
 

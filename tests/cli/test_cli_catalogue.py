@@ -63,8 +63,9 @@ BEFORE = {
         "Outputs": "--output -o --format --sample-rate --overwrite", "Run": "--quiet -q --debug"},
     "selftest": {"Devices": "--lm-device --tokenizer-device", None: "--json",
                  "Run": "--debug"},
-    "serve": {"Server": "--host --port --api-key --voice --batch-size --max-concurrent "
-                        "--max-queue --max-input-chars --timeout --stage1-batch", **SERVED},
+    "serve": {"Server": "--host --port --api-key --allowed-host --voice --batch-size "
+                        "--max-concurrent --max-queue --max-input-chars --timeout "
+                        "--stage1-batch", **SERVED},
     "wyoming": {"Server": "--host --port --voice --batch-size --max-concurrent --max-queue "
                           "--max-input-chars --timeout", **SERVED},
     "voices-add": {None: "--transcript --overwrite", "Models": "--model -m --tokenizer",

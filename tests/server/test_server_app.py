@@ -246,7 +246,8 @@ def test_malformed_bodies_and_routes(client):
     for body, status, message in ((b"{nope", 400, "not valid JSON"),
                                   (b"[1, 2]", 400, "must be a JSON object"),
                                   (b"x" * (1 << 20 | 1), 413, "request body over")):
-        response = client.post("/v1/audio/speech", content=body)
+        response = client.post("/v1/audio/speech", content=body,
+                               headers={"Content-Type": "application/json"})
         assert response.status_code == status and message in response.json()["error"]["message"]
     assert client.get("/v1/nothing").json()["error"]["message"] == "Not Found"
     assert client.get("/v1/audio/speech").status_code == 405
@@ -264,7 +265,8 @@ def test_bodies_json_refuses_and_odd_field_names_are_400s(client):
                            "unknown field(s): '\\ud800'"),
                           (b'{"model": "tiny", "input": "Hi.", "instructions": "calm\\ud800"}',
                            "instructions: text is not valid Unicode (lone surrogate U+D800")):
-        response = client.post("/v1/audio/speech", content=body)
+        response = client.post("/v1/audio/speech", content=body,
+                               headers={"Content-Type": "application/json"})
         assert response.status_code == 400, response.text
         assert message in response.json()["error"]["message"]
     assert health(client)["status"] == "ok"

@@ -51,6 +51,8 @@ def test_without_the_serve_extra_the_error_names_it(base_env):
     (["--voice", "nobody"], EXIT_USAGE, "--voice takes NAME=PATH.wav, got 'nobody'"),
     (["--voice", "me=/no/such.wav"], EXIT_INPUT, "--voice me: prompt audio not found"),
     (["--voice", "default=x.wav"], EXIT_USAGE, "--voice default: the name is already taken"),
+    (["--allowed-host", "http://tts.lan:8000"], EXIT_USAGE,
+     "--allowed-host takes a host name or address (no scheme, port or path)"),
 ])
 def test_bad_serve_options_exit_before_loading(mimo, args, code, message):
     pytest.importorskip("fastapi")
