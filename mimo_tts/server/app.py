@@ -323,6 +323,7 @@ def require_extra() -> None:
     """The serve extra's packages import, else a UsageError naming the extra."""
     try:
         import fastapi  # noqa: F401
+        import fastapi_offline  # noqa: F401
         import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
+from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException
 
 from mimo_tts.server import voices
@@ -27,6 +28,7 @@ def authorize(request: Request) -> None:
 
 # The body each POST route takes, refused otherwise on a server without a key (`guard.py`)
 BODY_TYPES = {"/v1/audio/speech": "application/json", "/v1/audio/voices": "multipart/form-data"}
+DOCS_ASSETS = "/docs/assets"  # Swagger UI's script and style, served from the package
 router = APIRouter()
 keyed = APIRouter(dependencies=[Depends(authorize)])
 
@@ -72,8 +74,9 @@ def health(request: Request):
 
 
 def build_app(server) -> FastAPI:
-    """The FastAPI app of `server`: its routes, errors as OpenAI-style JSON bodies."""
-    app = FastAPI(title="mimo-tts", redoc_url=None)  # /docs: the interactive API page
+    """The FastAPI app of `server`: its routes, errors as OpenAI-style JSON bodies, and `/docs`
+    (Swagger UI) from the assets fastapi-offline ships, so it works with no network."""
+    app = FastAPIOffline(title="mimo-tts", redoc_url=None, static_url=DOCS_ASSETS)
     app.state.server = server
     app.add_exception_handler(ApiError, lambda request, exc: exc.response())
     app.add_exception_handler(HTTPException, lambda request, exc: ApiError(
