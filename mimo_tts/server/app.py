@@ -5,7 +5,7 @@
 `GET /metrics` (Prometheus, `metrics.py`), `/v1/audio/voices` (`voices.py`): the routes are
 `routes.py`'s, on FastAPI and uvicorn (the optional `serve` extra).
 The status of a request is decided when its first audio bytes are ready, so every failure
-before them is an OpenAI-style JSON error with the CLI's message; `pcm` and `wav` stream as
+before them is an OpenAI-style JSON error in the request's words; `pcm` and `wav` stream as
 Stage-1 decodes them (a WAV header of unknown length), the other formats come whole, decoded
 one-shot as `synth` does. Loopback by default, an optional
 bearer token, bounded input, requests in progress and waiting (503 with Retry-After past both),
@@ -213,7 +213,7 @@ class Speech:
                 return await self.session.next_event(index, POLL_S if request else None)
             except TimeoutError:
                 if self.session.loop.time() >= self.session.deadline:
-                    raise ApiError(504, "the request took longer than --timeout "
+                    raise ApiError(504, "the request took longer than this server's timeout "
                                    f"({self.server.cfg.timeout:g} s)", code="timeout") from None
                 if request is not None and await request.is_disconnected():
                     raise ApiError(CLIENT_GONE, "client closed the request") from None
@@ -232,7 +232,7 @@ class Speech:
                 yield header + pcm16(event[1])
                 header, request = b"", None
             if event[0] == "error":
-                raise ApiError.of(event[1])
+                raise ApiError.of(event[1], client_message(str(event[1]), self.server))
             audios.append(event[1]["audio"])
             self.lengths.append(int(event[1]["audio"].shape[-1]))
             self.usage["output_tokens"] += event[1]["groups"]

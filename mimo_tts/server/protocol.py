@@ -2,9 +2,9 @@
 
 A `POST /v1/audio/speech` body is read up to `MAX_BODY_BYTES`, then `RequestParser.parse` turns
 its fields into `SpeechParams` (what to say, the synthesis options, the format, SSE or not).
-Every bad value is an `ApiError`: a status and the CLI's message, sent as an OpenAI-style JSON
-error. Clients see the model's public name (`public_model_name`), never a checkpoint path. No
-torch and no FastAPI at import.
+Every bad value is an `ApiError`: a status and a message naming the request's fields, sent as
+an OpenAI-style JSON error. Clients see the model's public name (`public_model_name`), never a
+checkpoint path. No torch and no FastAPI at import.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
 from mimo_tts.errors import DeviceError, InputError, MimoTTSError, UsageError, short_repr
+from mimo_tts.lm.tasks import TASKS
 from mimo_tts.synthesis.audio import FORMATS, LOSSY_FORMATS, lossy_formats
 from mimo_tts.synthesis.options import DEFAULT_TASK, MAX_SEED, task_for
 from mimo_tts.synthesis.text import clean_text
@@ -282,7 +283,7 @@ class RequestParser:
         return "mp3" if "mp3" in self.formats else "wav"
 
     def parse(self, body: bytes) -> SpeechParams:
-        """The request body -> what to say and how; bad values are 400s with the CLI's words.
+        """The request body -> what to say and how; bad values are 400s naming their fields.
         Everything is checked here, before the request is admitted or tokenised."""
         data = _json_object(body)
         unknown = sorted(_shown(name) for name in set(data) - set(FIELDS))
@@ -298,8 +299,7 @@ class RequestParser:
         instruct = _field(data, "instructions", str)
         if instruct is not None:
             self.bounded(instruct, "instructions")
-            _require(bool(instruct.strip()), "instruct is empty (instructions holds no text)",
-                     "instructions")
+            _require(bool(instruct.strip()), "instructions is empty", "instructions")
         fmt = _field(data, "response_format", str) or self.default_format
         stream_format = _field(data, "stream_format", str) or "audio"
         seed = _field(data, "seed", int)
@@ -313,25 +313,28 @@ class RequestParser:
         _require(not captions or stream_format == "sse" or fmt not in STREAMED,
                  f"captions come with a whole file or stream_format sse, not a {fmt} stream",
                  "captions")
-        _require(seed is None or 0 <= seed <= MAX_SEED, "--seed must be in [0, 2**64 - 1]",
-                 "seed")
+        _require(seed is None or 0 <= seed <= MAX_SEED, "seed must be in [0, 2**64 - 1]", "seed")
         text = _cleaned(text, "input")
         if instruct is not None:  # the rules of `input`, as a batch item's instruct follows
             instruct = _cleaned(instruct, "instructions")
-        task, prompt_audio, voice = self.voice(_field(data, "voice", str) or "default", instruct)
+        name = _field(data, "voice", str) or "default"
+        task, prompt_audio, voice = self.voice(name, instruct)
+        _require(instruct is None or TASKS[task].instruct != "none",
+                 f"instructions: voice {name} takes no style instruction; use voice default or "
+                 "a cloned voice with instructions", "instructions")
         try:
             options = replace(self.base, task=task, instruct=instruct, prompt_audio=prompt_audio,
                               voice=voice, captions=captions or self.base.captions,
                               seed=self.base.seed if seed is None else seed)
         except MimoTTSError as exc:
-            raise ApiError.of(exc) from None
+            raise ApiError.of(exc, in_fields(str(exc))) from None
         return SpeechParams(text, options, fmt, stream_format == "sse", captions)
 
     def bounded(self, text: str, name: str) -> str:
         """`input` or `instructions`, refused past `--max-input-chars`."""
         if len(text) > self.cfg.max_input_chars:
-            raise ApiError(400, f"{name} is {len(text)} characters; the limit is "
-                           f"{self.cfg.max_input_chars} (--max-input-chars)", name,
+            raise ApiError(400, f"{name} is {len(text)} characters; this server's limit is "
+                           f"{self.cfg.max_input_chars}", name,
                            "string_above_max_length")
         return text
 
@@ -366,6 +369,19 @@ async def read_body(request, limit: int = MAX_BODY_BYTES) -> bytes:
     except ClientDisconnect:
         raise ApiError(CLIENT_GONE, "client closed the request during the upload") from None
     return bytes(body)
+
+
+# The CLI's flags in the options' own messages -> the request fields that set them
+FLAG_FIELDS = {"--instruct": "instructions", "--seed": "seed", "--prompt-audio": "voice",
+               "--voice": "voice"}
+
+
+def in_fields(message: str) -> str:
+    """A message of the synthesis options in a request's words: its fields, not the CLI's
+    flags (`--instruct: task ...` -> `instructions: task ...`)."""
+    for flag, name in FLAG_FIELDS.items():
+        message = message.replace(flag, name)
+    return message
 
 
 def sse(event: dict) -> str:

@@ -82,7 +82,8 @@ def build_app(server) -> FastAPI:
     app.add_exception_handler(HTTPException, lambda request, exc: ApiError(
         exc.status_code, str(exc.detail)).response())
     app.add_exception_handler(Exception, lambda request, exc: ApiError(
-        500, f"unexpected {type(exc).__name__}: {exc}").response())
+        500, f"unexpected {type(exc).__name__}: {voices.client_message(str(exc), server)}")
+        .response())
     app.include_router(keyed)
     app.include_router(router)
     return app

@@ -105,12 +105,12 @@ class WyomingSpeech:
                         await send(AudioChunk(audio=pcm16(event[1]), **fmt).event())
                     if event[0] == "error":
                         outcome = "failed"
-                        raise ApiError.of(event[1])
+                        raise ApiError.of(event[1], client_message(str(event[1]), self))
                 await send(AudioStop().event())
                 outcome = "ok"
         except TimeoutError:
             outcome = "failed"
-            raise ApiError(504, f"the request took longer than --timeout "
+            raise ApiError(504, f"the request took longer than this server's timeout "
                            f"({self.cfg.timeout:g} s)", code="timeout") from None
         except MimoTTSError as exc:  # a voice that cannot be read, say
             outcome = "failed"
@@ -198,7 +198,8 @@ class Connection:
                 raise
             except Exception as exc:  # a bug: this text fails, the connection goes on
                 self.speech.log(traceback.format_exc())
-                await self.send(Error(text=f"unexpected {type(exc).__name__}: {exc}",
+                message = client_message(str(exc), self.speech)
+                await self.send(Error(text=f"unexpected {type(exc).__name__}: {message}",
                                       code="synthesis-failed").event())
 
 

@@ -40,7 +40,7 @@ def test_a_request_past_the_timeout_gets_504_and_frees_its_slot(url):
                                 "response_format": "flac"}, timeout=60)
     assert response.status_code == 504
     assert response.json()["error"]["code"] == "timeout"
-    assert "--timeout (0.05 s)" in response.json()["error"]["message"]
+    assert "this server's timeout (0.05 s)" in response.json()["error"]["message"]
     deadline = time.monotonic() + 20
     while (state := httpx.get(url + "/health").json())["active"] and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -158,18 +158,38 @@ def test_a_response_body_encodes_whatever_a_message_quotes():
     assert json.loads(response.body)["error"]["message"] == "bad \ud800 name"
 
 
+def test_refusals_name_the_requests_fields_never_the_clis_flags(tmp_path):
+    """Issue 32 item 9: before, a request read `--seed must be ...`, `--instruct: task
+    tts_sft_with_natural_instruction takes no instruction`, `instruct is empty` and
+    `(--max-input-chars)`."""
+    p = parser(voices={"clone": str(tmp_path / "clone.wav")}, max_input_chars=20)
+    cases = {(("seed", -1),): ("seed", "seed must be in [0, 2**64 - 1]"),
+             (("seed", 2**64),): ("seed", "seed must be in [0, 2**64 - 1]"),
+             (("voice", "natural"), ("instructions", "calm")):
+                 ("instructions", "instructions: voice natural takes no style instruction"),
+             (("instructions", " "),): ("instructions", "instructions is empty"),
+             (("input", "x" * 21),): ("input", "input is 21 characters; this server's limit"),
+             (("captions", True), ("response_format", "wav")): ("captions", "captions come")}
+    for fields, (param, words) in cases.items():
+        error = refused(p, **dict(fields))
+        assert error.param == param and error.message.startswith(words), error.message
+        assert "--" not in error.message
+    assert protocol.in_fields("--instruct: task x takes no instruction") == \
+        "instructions: task x takes no instruction"
+
+
 def test_instructions_are_checked_like_input_before_tokenising():
     """Before: no bound, no clean_text (a lone surrogate was a 500 in the tokenizer)."""
     p = parser(max_input_chars=20)
     error = refused(p, instructions="x" * 21)
     assert (error.status, error.param, error.code) == \
         (400, "instructions", "string_above_max_length")
-    assert error.message == "instructions is 21 characters; the limit is 20 (--max-input-chars)"
+    assert error.message == "instructions is 21 characters; this server's limit is 20"
     error = refused(p, instructions="calm\ud800")
     assert error.param == "instructions" and "lone surrogate U+D800 at 4" in error.message
     error = refused(p, instructions="a\x01b")
     assert error.message == "instructions: text has control character U+0001 at 1"
-    assert "instruct is empty" in refused(p, instructions=" \n ").message
+    assert refused(p, instructions=" \n ").message == "instructions is empty"
     assert parse(p, instructions="calm,   low").options.instruct == "calm, low"
 
 
