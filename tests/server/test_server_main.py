@@ -119,3 +119,20 @@ def test_voice_files_are_checked_before_serving(mimo, tmp_path):
         assert result.returncode == EXIT_INPUT, result.stderr
         line = one_error_line(result)
         assert words in line and voice.split("=")[1] in line
+
+
+@pytest.mark.parametrize("face", ["serve", "wyoming"])
+def test_a_startup_voice_named_like_a_stored_one_is_refused(mimo, tmp_path, face):
+    """Issue 32 item 8: before, `--voice me=x.wav` beside a stored `me` was listed twice and
+    won silently; now it is refused as `--voice default=...` is, before anything loads."""
+    pytest.importorskip("fastapi" if face == "serve" else "wyoming")
+    sf = pytest.importorskip("soundfile")
+    sf.write(str(tmp_path / "me.wav"), np.full(16000, 0.1, dtype="float32"), 16000)
+    env = {"MIMO_TTS_VOICES_DIR": str(tmp_path / "store")}
+    added = mimo("voices", "add", "me", "me.wav", "--model", "tiny", env=env)
+    assert added.returncode == 0, added.stderr
+    result = mimo(face, "--model", NO_MODEL, "--voice", "me=me.wav", "--port", free_port(),
+                  env=env, timeout=60)
+    assert result.returncode == EXIT_USAGE, result.stderr
+    assert one_error_line(result) == "Error: --voice me: the voice registry holds a voice of " \
+        "that name; pick another name, or remove it (mimo-tts voices rm me)"

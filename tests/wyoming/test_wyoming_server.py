@@ -121,3 +121,21 @@ def test_a_client_that_disconnects_frees_its_place(server):
     # --max-concurrent 1: the next client gets the one place
     events = exchange(server, [Synthesize(text="My turn.")], ("audio-stop", "error"))
     assert events[-1].type == "audio-stop", events[-1].data
+
+
+def test_info_lists_the_voices_of_the_serving_line_registry_included(start_wyoming, mimo,
+                                                                     tmp_path):
+    """Issue 32 item 8: one list of served voices (`served_voices`) on every face."""
+    import numpy as np
+    import soundfile as sf
+
+    sf.write(str(tmp_path / "me.wav"), np.full(16000, 0.1, dtype="float32"), 16000)
+    env = {"MIMO_TTS_VOICES_DIR": str(tmp_path / "store")}
+    assert mimo("voices", "add", "stored", "me.wav", "--model", "tiny", env=env).returncode == 0
+    served = start_wyoming("--voice", f"startup={tmp_path / 'me.wav'}", env=env)
+    (event,) = exchange(served, [Describe()], ("info",))
+    (program,) = Info.from_event(event).tts
+    names = [v.name for v in program.voices]
+    assert names == ["default", "natural", "startup", "stored"]
+    line = next(x for x in served.stderr().splitlines() if x.startswith("serving "))
+    assert f"voices {', '.join(names)};" in line
