@@ -113,6 +113,8 @@ CATALOGUE = (
     Option("host", "serve wyoming", "Address to bind (default {default}: this machine only).",
            "HOST", SERVE, home=SERVER),
     Option("port", "serve wyoming", "{Port} (default {port}).", "PORT", SERVE, home=SERVER),
+    Option("uri", "wyoming", "Where to listen as wyoming-piper writes it, tcp://HOST:PORT (in "
+           "place of --host and --port).", "URI", SERVE, home=None, kind=str),
     Option("api_key", "serve", "Require 'Authorization: Bearer KEY' on /v1 and /metrics (env "
            "{env}).", "KEY", SERVE, home=SERVER, env=API_KEY_ENV),
     Option("allowed_hosts", "serve", "Without an API key, answer this Host name too (besides "

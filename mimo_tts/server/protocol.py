@@ -18,6 +18,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from mimo_tts.errors import DeviceError, InputError, MimoTTSError, UsageError, short_repr
 from mimo_tts.lm.tasks import TASKS
@@ -87,13 +88,34 @@ SERVE_KEYS = (*(f.name for f in fields(ServeConfig) if f.name != "voices"), "voi
 WYOMING_PORT = 10200  # the port Home Assistant's Wyoming integration suggests for TTS
 
 
-def serve_config(given: Mapping[str, object], environ) -> ServeConfig:
-    """The server's options from a command's (`SERVE_KEYS`; None: not given); the key may come
-    from the environment."""
+def serve_config(given: Mapping[str, object], environ, port: int | None = None) -> ServeConfig:
+    """The server's options from a command's (`SERVE_KEYS`, and Wyoming's `uri`; None: not
+    given); the key may come from the environment, `port` is the face's default port."""
     values = {k: v for k, v in given.items()
-              if v is not None and k not in ("api_key", "voice_files")}
+              if v is not None and k not in ("api_key", "voice_files", "uri")}
+    if given.get("uri") is not None:
+        if "host" in values or "port" in values:
+            raise UsageError("--uri and --host/--port both say where to listen; give one")
+        values["host"], values["port"] = tcp_address(str(given["uri"]), port)
+    elif port is not None:
+        values.setdefault("port", port)
     return ServeConfig(**values, api_key=api_key_from(given.get("api_key"), environ),
                        voices=parse_voices(given.get("voice_files") or []))
+
+
+def tcp_address(uri: str, port: int | None = None) -> tuple[str, int]:
+    """`tcp://HOST:PORT` (as wyoming-piper's `--uri` takes it; `[::]` for IPv6) -> (host,
+    port); without a port, `port`."""
+    parts = urlsplit(uri)
+    try:
+        given = parts.port
+    except ValueError:  # not a number, or past 65535
+        given = -1
+    if (parts.scheme != "tcp" or not parts.hostname or given == -1 or parts.path not in ("", "/")
+            or parts.query or parts.fragment or parts.username is not None
+            or given is None and port is None):
+        raise UsageError(f"--uri takes tcp://HOST:PORT, got {uri!r}")
+    return parts.hostname, port if given is None else given
 
 
 def api_key_from(flag: str | None, environ) -> str | None:

@@ -67,7 +67,7 @@ BEFORE = {
                         "--max-concurrent --max-queue --max-input-chars --timeout "
                         "--stage1-batch", **SERVED},
     "wyoming": {"Server": "--host --port --voice --batch-size --max-concurrent --max-queue "
-                          "--max-input-chars --timeout", **SERVED},
+                          "--max-input-chars --timeout --uri", **SERVED},
     "voices-add": {None: "--transcript --overwrite", "Models": "--model -m --tokenizer",
                    "Devices": "--tokenizer-device --tokenizer-dtype",
                    "Run": "--json --verbose -v --debug"},

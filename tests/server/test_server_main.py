@@ -136,3 +136,31 @@ def test_a_startup_voice_named_like_a_stored_one_is_refused(mimo, tmp_path, face
     assert result.returncode == EXIT_USAGE, result.stderr
     assert one_error_line(result) == "Error: --voice me: the voice registry holds a voice of " \
         "that name; pick another name, or remove it (mimo-tts voices rm me)"
+
+
+def test_wyoming_port_errors_name_a_tcp_address(mimo):
+    """Issue 32 item 11: Wyoming's taken port said `cannot serve on http://...`."""
+    pytest.importorskip("wyoming")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for where in (["--port", port], ["--uri", f"tcp://127.0.0.1:{port}"]):
+            result = mimo("wyoming", "--model", NO_MODEL, *where, timeout=60)
+            assert result.returncode == EXIT_IO, result.stderr
+            assert one_error_line(result) == \
+                f"Error: cannot serve on tcp://127.0.0.1:{port}: Address already in use"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--uri", "unix:///run/tts.sock"], "--uri takes tcp://HOST:PORT, got 'unix:///run/tts.sock'"),
+    (["--uri", "tcp://127.0.0.1:70000"], "--uri takes tcp://HOST:PORT"),
+    (["--uri", "127.0.0.1:10200"], "--uri takes tcp://HOST:PORT"),
+    (["--uri", "tcp://127.0.0.1:10200", "--port", "10300"],
+     "--uri and --host/--port both say where to listen; give one"),
+])
+def test_bad_wyoming_uris_exit_2_before_loading(mimo, args, message):
+    pytest.importorskip("wyoming")
+    result = mimo("wyoming", "--model", NO_MODEL, *args, timeout=60)
+    assert result.returncode == EXIT_USAGE, result.stderr
+    assert message in one_error_line(result)

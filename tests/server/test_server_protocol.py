@@ -254,3 +254,19 @@ def test_a_client_gone_during_the_upload_is_no_error():
     with pytest.raises(ApiError) as info:
         asyncio.run(read_body(GoneBody()))
     assert info.value.status == protocol.CLIENT_GONE
+
+
+def test_a_wyoming_uri_gives_the_host_and_port():
+    """Issue 32 item 14: `--uri tcp://HOST:PORT`, as wyoming-piper takes it."""
+    assert protocol.tcp_address("tcp://0.0.0.0:10200") == ("0.0.0.0", 10200)
+    assert protocol.tcp_address("tcp://[::]:10300") == ("::", 10300)
+    assert protocol.tcp_address("tcp://localhost", 10200) == ("localhost", 10200)
+    for bad in ("tcp://localhost", "unix:///run/x.sock", "stdio://", "tcp://:10200",
+                "tcp://h:99999", "tcp://h:port", "tcp://h:1/path", "0.0.0.0:10200"):
+        with pytest.raises(UsageError, match="--uri takes tcp://HOST:PORT"):
+            protocol.tcp_address(bad)
+    cfg = protocol.serve_config({"uri": "tcp://0.0.0.0:10201"}, {}, port=10200)
+    assert (cfg.host, cfg.port) == ("0.0.0.0", 10201)
+    assert protocol.serve_config({}, {}, port=10200).port == 10200
+    with pytest.raises(UsageError, match="give one"):
+        protocol.serve_config({"uri": "tcp://h:1", "host": "h"}, {}, port=10200)

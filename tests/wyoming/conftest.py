@@ -27,8 +27,9 @@ def start_wyoming(base_env, entry_point, tmp_path_factory):
     def start(*args, env: dict | None = None) -> Served:
         log = tmp_path_factory.mktemp("wyoming") / "stderr.log"
         with open(log, "wb") as handle:
-            proc = subprocess.Popen([str(entry_point), "wyoming", "--model", "tiny", "--port",
-                                     "0", *map(str, args)], env={**base_env, **(env or {})},
+            where = [] if "--uri" in args else ["--port", "0"]
+            proc = subprocess.Popen([str(entry_point), "wyoming", "--model", "tiny", *where,
+                                     *map(str, args)], env={**base_env, **(env or {})},
                                     stdout=subprocess.DEVNULL, stderr=handle)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:

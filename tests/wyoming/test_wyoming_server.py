@@ -139,3 +139,10 @@ def test_info_lists_the_voices_of_the_serving_line_registry_included(start_wyomi
     assert names == ["default", "natural", "startup", "stored"]
     line = next(x for x in served.stderr().splitlines() if x.startswith("serving "))
     assert f"voices {', '.join(names)};" in line
+
+
+def test_uri_as_wyoming_piper_takes_it(start_wyoming):
+    """Issue 32 item 14: `--uri tcp://HOST:PORT`, copied from wyoming-piper, is accepted."""
+    served = start_wyoming("--uri", "tcp://127.0.0.1:0")
+    (event,) = exchange(served, [Describe()], ("info",))
+    assert Info.from_event(event).tts[0].name == "mimo-tts"
