@@ -113,8 +113,13 @@ CATALOGUE = (
     Option("host", "serve wyoming", "Address to bind (default {default}: this machine only).",
            "HOST", SERVE, home=SERVER),
     Option("port", "serve wyoming", "{Port} (default {port}).", "PORT", SERVE, home=SERVER),
+    Option("uri", "wyoming", "Where to listen as wyoming-piper writes it, tcp://HOST:PORT (in "
+           "place of --host and --port).", "URI", SERVE, home=None, kind=str),
     Option("api_key", "serve", "Require 'Authorization: Bearer KEY' on /v1 and /metrics (env "
            "{env}).", "KEY", SERVE, home=SERVER, env=API_KEY_ENV),
+    Option("allowed_hosts", "serve", "Without an API key, answer this Host name too (besides "
+           "localhost, 127.0.0.1, [::1] and --host; repeatable): what clients type to reach "
+           "the server.", "NAME", SERVE, ("--allowed-host",), SERVER, kind=list[str]),
     Option("voice_files", "serve wyoming", "Register a voice-clone voice: NAME=PROMPT.wav "
            "(repeatable).", "VOICE", SERVE, ("--voice",), SERVER, kind=list[str]),
     Option("batch_size", "serve wyoming", "{Items} generated together in one Stage-0 batch "

@@ -166,7 +166,8 @@ def serve(*, serving: dict, options: OptionValues, config: str | None, quiet: Se
 
 
 def run_server(module: str, serving: dict, environ, options: OptionValues, config: str | None,
-               verbose: bool, debug: bool, quiet: bool = False) -> None:
+               verbose: bool, debug: bool, quiet: bool = False,
+               port: int | None = None) -> None:
     """A server face's body (`serve`, `wyoming`): once its extra is there, its `main` gets the
     server's own options (`ServeConfig`, the key from `environ`) and the model's
     (`OptionValues`); imported only when it runs."""
@@ -179,6 +180,6 @@ def run_server(module: str, serving: dict, environ, options: OptionValues, confi
 
         face = importlib.import_module(module)
         face.require_extra()
-        return face.main(serve_config(serving, environ), options, config, reporter)
+        return face.main(serve_config(serving, environ, port), options, config, reporter)
 
     run_command(reporter, body)

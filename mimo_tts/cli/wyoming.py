@@ -9,8 +9,8 @@ from mimo_tts.synthesis.settings import OptionValues
 
 
 @takes("wyoming")
-def wyoming(*, serving: dict, options: OptionValues, config: str | None,
+def wyoming(*, serving: dict, options: OptionValues, config: str | None, uri: str | None,
             verbose: Verbose = False, debug: Debug = False) -> None:
     """Serve Wyoming TTS for Home Assistant on TCP (needs the wyoming extra)."""
-    run_server("mimo_tts.server.wyoming", {"port": WYOMING_PORT, **serving}, {},  # no key
-               options, config, verbose, debug)
+    run_server("mimo_tts.server.wyoming", {**serving, "uri": uri}, {},  # no key
+               options, config, verbose, debug, port=WYOMING_PORT)

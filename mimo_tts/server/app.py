@@ -5,7 +5,7 @@
 `GET /metrics` (Prometheus, `metrics.py`), `/v1/audio/voices` (`voices.py`): the routes are
 `routes.py`'s, on FastAPI and uvicorn (the optional `serve` extra).
 The status of a request is decided when its first audio bytes are ready, so every failure
-before them is an OpenAI-style JSON error with the CLI's message; `pcm` and `wav` stream as
+before them is an OpenAI-style JSON error in the request's words; `pcm` and `wav` stream as
 Stage-1 decodes them (a WAV header of unknown length), the other formats come whole, decoded
 one-shot as `synth` does. Loopback by default, an optional
 bearer token, bounded input, requests in progress and waiting (503 with Retry-After past both),
@@ -22,6 +22,7 @@ import json
 from typing import TYPE_CHECKING
 
 from mimo_tts.errors import MimoTTSError, UsageError
+from mimo_tts.server.guard import Guard
 from mimo_tts.server.lifecycle import SHUTDOWN_GRACE_S, loaded, serve, url_of
 from mimo_tts.server.metrics import ServerMetrics, Tally, outcome_of, tally_of
 from mimo_tts.server.page import page_html
@@ -153,10 +154,14 @@ class SpeechServer:
 
     def app(self):
         """The FastAPI application: `routes.py`'s routes, errors as OpenAI-style JSON, each
-        API request counted by `ServerMetrics.wrap`, each request's line in the request log."""
-        from mimo_tts.server.routes import build_app
+        API request counted by `ServerMetrics.wrap`, each request's line in the request log;
+        without a key, behind `guard.py`'s refusals of what other web pages send."""
+        from mimo_tts.server.routes import BODY_TYPES, build_app
 
-        app = self.metrics.wrap(build_app(self))
+        app = build_app(self)
+        if self.cfg.api_key is None:
+            app = Guard(self.cfg, BODY_TYPES).wrap(app)
+        app = self.metrics.wrap(app)
         return _Aborts(app if self.requests is None else RequestLog(app, self.requests))
 
 
@@ -214,7 +219,7 @@ class Speech:
                 return await self.session.next_event(index, POLL_S if request else None)
             except TimeoutError:
                 if self.session.loop.time() >= self.session.deadline:
-                    raise ApiError(504, "the request took longer than --timeout "
+                    raise ApiError(504, "the request took longer than this server's timeout "
                                    f"({self.server.cfg.timeout:g} s)", code="timeout") from None
                 if request is not None and await request.is_disconnected():
                     raise ApiError(CLIENT_GONE, "client closed the request") from None
@@ -233,7 +238,7 @@ class Speech:
                 yield header + pcm16(event[1])
                 header, request = b"", None
             if event[0] == "error":
-                raise ApiError.of(event[1])
+                raise ApiError.of(event[1], client_message(str(event[1]), self.server))
             audios.append(event[1]["audio"])
             self.lengths.append(int(event[1]["audio"].shape[-1]))
             self.usage["output_tokens"] += event[1]["groups"]
@@ -324,6 +329,7 @@ def require_extra() -> None:
     """The serve extra's packages import, else a UsageError naming the extra."""
     try:
         import fastapi  # noqa: F401
+        import fastapi_offline  # noqa: F401
         import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:

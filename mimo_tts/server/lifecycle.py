@@ -29,7 +29,7 @@ REPLACED_MESSAGES = ("ASGI callable returned without completing response",
                      "Cancel %s running task(s), timeout graceful shutdown exceeded")
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int, scheme: str = "http") -> socket.socket:
     """A socket bound to (host, port), not yet listening (connections are refused until the
     server is up); a taken port or an unknown host is an OutputError (exit 5)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn binds it
@@ -39,13 +39,14 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise OutputError(f"cannot serve on {url_of(host, port)}: "
+        raise OutputError(f"cannot serve on {url_of(host, port, scheme)}: "
                           f"{exc.strerror or exc}") from None
     return sock
 
 
-def url_of(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def url_of(host: str, port: int, scheme: str = "http") -> str:
+    """The address as its face's clients write it: `http://` for serve, `tcp://` for Wyoming."""
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def serve(app, sock: socket.socket, verbose: bool) -> str:
@@ -90,7 +91,8 @@ def _replaced(record: logging.LogRecord) -> bool:
 
 
 @contextlib.contextmanager
-def loaded(cfg: ServeConfig, options: OptionValues, config: str | None, reporter):
+def loaded(cfg: ServeConfig, options: OptionValues, config: str | None, reporter,
+           scheme: str = "http"):
     """What both servers do before they answer: resolve the model's options (Stage-0 and
     Stage-1 side by side, as with --stream, so the thread budgets split the CPU), check the
     start-up voices, bind (a taken port fails before anything loads), load once through the one
@@ -103,7 +105,7 @@ def loaded(cfg: ServeConfig, options: OptionValues, config: str | None, reporter
     settings = resolve(replace(options, stream=True), load_profile(config), os.environ)
     check_startup_voices(cfg.voices, VoiceStore())  # no clash with a stored voice
     read_voices(cfg.voices)  # before anything loads
-    sock = bind(cfg.host, cfg.port)
+    sock = bind(cfg.host, cfg.port, scheme)
     # requests' audio may decode together: a batch of rows; uploads encode voices
     lengths = lengths_for(settings, [], cfg.batch_size, decode_rows=cfg.batch_size)
     with sock, MiMoTTS.from_settings(settings, lengths, reporter.log) as tts:

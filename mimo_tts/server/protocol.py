@@ -2,22 +2,26 @@
 
 A `POST /v1/audio/speech` body is read up to `MAX_BODY_BYTES`, then `RequestParser.parse` turns
 its fields into `SpeechParams` (what to say, the synthesis options, the format, SSE or not).
-Every bad value is an `ApiError`: a status and the CLI's message, sent as an OpenAI-style JSON
-error. Clients see the model's public name (`public_model_name`), never a checkpoint path. No
-torch and no FastAPI at import.
+Every bad value is an `ApiError`: a status and a message naming the request's fields, sent as
+an OpenAI-style JSON error. Clients see the model's public name (`public_model_name`), never a
+checkpoint path. No torch and no FastAPI at import.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import re
 import stat
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from mimo_tts.errors import DeviceError, InputError, MimoTTSError, UsageError, short_repr
+from mimo_tts.lm.tasks import TASKS
 from mimo_tts.synthesis import aac
 from mimo_tts.synthesis.audio import AAC_FORMATS, FORMATS, LOSSY_FORMATS, lossy_formats
 from mimo_tts.synthesis.options import DEFAULT_TASK, MAX_SEED, task_for
@@ -45,6 +49,7 @@ STREAMED = (PCM, "wav")  # formats whose bytes go out as Stage-1 decodes them
 MAX_BODY_BYTES = 1 << 20
 CLIENT_GONE = 499  # the status nginx logs for a client that closed its request
 API_KEY_ENV = "MIMO_TTS_API_KEY"
+HOST_NAME = re.compile(r"[a-z0-9_-][a-z0-9._-]*")  # what --allowed-host takes
 SHOWN_NAMES = 5  # unknown field names quoted in a refusal
 
 
@@ -55,6 +60,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    allowed_hosts: tuple[str, ...] = ()  # Host names answered beside the bound ones (no key)
     voices: dict = field(default_factory=dict)  # name -> prompt-audio path
     batch_size: int = 8
     max_queue: int = 32
@@ -74,6 +80,8 @@ class ServeConfig:
             raise UsageError("--timeout must be > 0 seconds")
         if self.api_key is not None:
             check_api_key(self.api_key, "--api-key")
+        object.__setattr__(self, "allowed_hosts", tuple(map(check_host_name,
+                                                            self.allowed_hosts)))
 
 
 # A server's options as its command gives them, by name: ServeConfig's fields, with the files
@@ -82,13 +90,34 @@ SERVE_KEYS = (*(f.name for f in fields(ServeConfig) if f.name != "voices"), "voi
 WYOMING_PORT = 10200  # the port Home Assistant's Wyoming integration suggests for TTS
 
 
-def serve_config(given: Mapping[str, object], environ) -> ServeConfig:
-    """The server's options from a command's (`SERVE_KEYS`; None: not given); the key may come
-    from the environment."""
+def serve_config(given: Mapping[str, object], environ, port: int | None = None) -> ServeConfig:
+    """The server's options from a command's (`SERVE_KEYS`, and Wyoming's `uri`; None: not
+    given); the key may come from the environment, `port` is the face's default port."""
     values = {k: v for k, v in given.items()
-              if v is not None and k not in ("api_key", "voice_files")}
+              if v is not None and k not in ("api_key", "voice_files", "uri")}
+    if given.get("uri") is not None:
+        if "host" in values or "port" in values:
+            raise UsageError("--uri and --host/--port both say where to listen; give one")
+        values["host"], values["port"] = tcp_address(str(given["uri"]), port)
+    elif port is not None:
+        values.setdefault("port", port)
     return ServeConfig(**values, api_key=api_key_from(given.get("api_key"), environ),
                        voices=parse_voices(given.get("voice_files") or []))
+
+
+def tcp_address(uri: str, port: int | None = None) -> tuple[str, int]:
+    """`tcp://HOST:PORT` (as wyoming-piper's `--uri` takes it; `[::]` for IPv6) -> (host,
+    port); without a port, `port`."""
+    parts = urlsplit(uri)
+    try:
+        given = parts.port
+    except ValueError:  # not a number, or past 65535
+        given = -1
+    if (parts.scheme != "tcp" or not parts.hostname or given == -1 or parts.path not in ("", "/")
+            or parts.query or parts.fragment or parts.username is not None
+            or given is None and port is None):
+        raise UsageError(f"--uri takes tcp://HOST:PORT, got {uri!r}")
+    return parts.hostname, port if given is None else given
 
 
 def api_key_from(flag: str | None, environ) -> str | None:
@@ -116,6 +145,23 @@ def check_api_key(key: str, source: str) -> str:
         raise UsageError(f"{source} has {kind} character U+{ord(bad):04X}; an HTTP header "
                          "carries printable ASCII only")
     return key
+
+
+def check_host_name(name: str) -> str:
+    """An `--allowed-host` name as a `Host` header carries it (lower case, an IPv6 address
+    without brackets): a DNS name or an address, no scheme, port or path."""
+    bare = name.strip().lower()
+    if bare.startswith("[") and bare.endswith("]"):
+        bare = bare[1:-1]
+    if ":" in bare:
+        try:
+            return str(ipaddress.IPv6Address(bare))
+        except ValueError:
+            pass
+    elif HOST_NAME.fullmatch(bare):
+        return bare.rstrip(".")
+    raise UsageError(f"--allowed-host takes a host name or address (no scheme, port or path), "
+                     f"got {name!r}")
 
 
 def public_model_name(name: str) -> str:
@@ -264,7 +310,7 @@ class RequestParser:
         return "mp3" if "mp3" in self.formats else "wav"
 
     def parse(self, body: bytes) -> SpeechParams:
-        """The request body -> what to say and how; bad values are 400s with the CLI's words.
+        """The request body -> what to say and how; bad values are 400s naming their fields.
         Everything is checked here, before the request is admitted or tokenised."""
         data = _json_object(body)
         unknown = sorted(_shown(name) for name in set(data) - set(FIELDS))
@@ -280,8 +326,7 @@ class RequestParser:
         instruct = _field(data, "instructions", str)
         if instruct is not None:
             self.bounded(instruct, "instructions")
-            _require(bool(instruct.strip()), "instruct is empty (instructions holds no text)",
-                     "instructions")
+            _require(bool(instruct.strip()), "instructions is empty", "instructions")
         fmt = _field(data, "response_format", str) or self.default_format
         stream_format = _field(data, "stream_format", str) or "audio"
         seed = _field(data, "seed", int)
@@ -296,27 +341,29 @@ class RequestParser:
         _require(not captions or stream_format == "sse" or fmt not in STREAMED,
                  f"captions come with a whole file or stream_format sse, not a {fmt} stream",
                  "captions")
-        _require(seed is None or 0 <= seed <= MAX_SEED, "--seed must be in [0, 2**64 - 1]",
-                 "seed")
+        _require(seed is None or 0 <= seed <= MAX_SEED, "seed must be in [0, 2**64 - 1]", "seed")
         text = _cleaned(text, "input")
         if instruct is not None:  # the rules of `input`, as a batch item's instruct follows
             instruct = _cleaned(instruct, "instructions")
-        voice_name = _field(data, "voice", str) or "default"
-        task, prompt_audio, voice = self.voice(voice_name, instruct)
+        name = _field(data, "voice", str) or "default"
+        task, prompt_audio, voice = self.voice(name, instruct)
+        _require(instruct is None or TASKS[task].instruct != "none",
+                 f"instructions: voice {name} takes no style instruction; use voice default or "
+                 "a cloned voice with instructions", "instructions")
         try:
             options = replace(self.base, task=task, instruct=instruct, prompt_audio=prompt_audio,
                               voice=voice, captions=captions or self.base.captions,
                               seed=self.base.seed if seed is None else seed,
                               speed=self.base.speed if speed is None else float(speed))
         except MimoTTSError as exc:
-            raise ApiError.of(exc) from None
-        return SpeechParams(text, options, fmt, stream_format == "sse", captions, voice_name)
+            raise ApiError.of(exc, in_fields(str(exc))) from None
+        return SpeechParams(text, options, fmt, stream_format == "sse", captions, name)
 
     def bounded(self, text: str, name: str) -> str:
         """`input` or `instructions`, refused past `--max-input-chars`."""
         if len(text) > self.cfg.max_input_chars:
-            raise ApiError(400, f"{name} is {len(text)} characters; the limit is "
-                           f"{self.cfg.max_input_chars} (--max-input-chars)", name,
+            raise ApiError(400, f"{name} is {len(text)} characters; this server's limit is "
+                           f"{self.cfg.max_input_chars}", name,
                            "string_above_max_length")
         return text
 
@@ -351,6 +398,19 @@ async def read_body(request, limit: int = MAX_BODY_BYTES) -> bytes:
     except ClientDisconnect:
         raise ApiError(CLIENT_GONE, "client closed the request during the upload") from None
     return bytes(body)
+
+
+# The CLI's flags in the options' own messages -> the request fields that set them
+FLAG_FIELDS = {"--instruct": "instructions", "--seed": "seed", "--prompt-audio": "voice",
+               "--voice": "voice"}
+
+
+def in_fields(message: str) -> str:
+    """A message of the synthesis options in a request's words: its fields, not the CLI's
+    flags (`--instruct: task ...` -> `instructions: task ...`)."""
+    for flag, name in FLAG_FIELDS.items():
+        message = message.replace(flag, name)
+    return message
 
 
 def sse(event: dict) -> str:

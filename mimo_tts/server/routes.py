@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
+from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException
 
 from mimo_tts.server import voices
@@ -25,6 +26,9 @@ def authorize(request: Request) -> None:
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
+# The body each POST route takes, refused otherwise on a server without a key (`guard.py`)
+BODY_TYPES = {"/v1/audio/speech": "application/json", "/v1/audio/voices": "multipart/form-data"}
+DOCS_ASSETS = "/docs/assets"  # Swagger UI's script and style, served from the package
 router = APIRouter()
 keyed = APIRouter(dependencies=[Depends(authorize)])
 
@@ -70,14 +74,16 @@ def health(request: Request):
 
 
 def build_app(server) -> FastAPI:
-    """The FastAPI app of `server`: its routes, errors as OpenAI-style JSON bodies."""
-    app = FastAPI(title="mimo-tts", redoc_url=None)  # /docs: the interactive API page
+    """The FastAPI app of `server`: its routes, errors as OpenAI-style JSON bodies, and `/docs`
+    (Swagger UI) from the assets fastapi-offline ships, so it works with no network."""
+    app = FastAPIOffline(title="mimo-tts", redoc_url=None, static_url=DOCS_ASSETS)
     app.state.server = server
     app.add_exception_handler(ApiError, lambda request, exc: exc.response())
     app.add_exception_handler(HTTPException, lambda request, exc: ApiError(
         exc.status_code, str(exc.detail)).response())
     app.add_exception_handler(Exception, lambda request, exc: ApiError(
-        500, f"unexpected {type(exc).__name__}: {exc}").response())
+        500, f"unexpected {type(exc).__name__}: {voices.client_message(str(exc), server)}")
+        .response())
     app.include_router(keyed)
     app.include_router(router)
     return app

@@ -22,30 +22,30 @@ from pathlib import Path
 from mimo_tts.errors import InputError, MimoTTSError, UsageError
 from mimo_tts.server.protocol import MAX_VOICE_BYTES, ApiError, read_body
 from mimo_tts.synthesis.audio import audio_seconds
-from mimo_tts.synthesis.voices import BUILT_IN, check_name
+from mimo_tts.synthesis.voices import check_name, served_voices
 
 
 def list_voices(server) -> dict:
-    """Every voice a request may name: built-in, start-up (`--voice`) and registry voices; a
-    registry voice that cannot be used is listed with its `error`."""
-    data = [{"name": n, "kind": "builtin"} for n in BUILT_IN]
-    data += [{"name": n, "kind": "startup"} for n in server.cfg.voices]
+    """Every voice a request may name, as `served_voices` lists them for every face (built-in,
+    start-up, registry); a registry voice comes with its details, or its `error` when it
+    cannot be used."""
     try:
-        records = server.tts.voices.list()
+        records = {r["name"]: r for r in server.tts.voices.list()}
+        served = served_voices(server.cfg.voices, server.tts.voices)
     except MimoTTSError as exc:
         raise ApiError(500, "the voice store cannot be read: "
                        + client_message(str(exc), server)) from None
-    for record in records:
-        if record["name"] in server.cfg.voices:  # a start-up voice of that name wins
-            continue
-        entry = {"name": record["name"], "kind": "registry"}
-        if "error" in record:
+    data = []
+    for name, kind in served:
+        entry = {"name": name, "kind": kind}
+        record = records.get(name) if kind == "registry" else None  # None: added just now
+        if record is not None and "error" in record:
             entry["error"] = client_message(record["error"], server)
-        else:
+        elif record is not None:
             entry.update(seconds=record["source"]["seconds"], created_at=record["created_at"],
                          transcript=record.get("transcript"))
         data.append(entry)
-    return {"object": "list", "voices": [d["name"] for d in data], "data": data}
+    return {"object": "list", "voices": [name for name, _ in served], "data": data}
 
 
 async def add_voice(server, request) -> dict:

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from mimo_tts._version import __version__
 from mimo_tts.errors import MimoTTSError, UsageError
-from mimo_tts.server.lifecycle import SHUTDOWN_GRACE_S, STOP_SIGNALS, loaded
+from mimo_tts.server.lifecycle import SHUTDOWN_GRACE_S, STOP_SIGNALS, loaded, url_of
 from mimo_tts.server.protocol import (
     ApiError,
     RequestParser,
@@ -105,12 +105,12 @@ class WyomingSpeech:
                         await send(AudioChunk(audio=pcm16(event[1]), **fmt).event())
                     if event[0] == "error":
                         outcome = "failed"
-                        raise ApiError.of(event[1])
+                        raise ApiError.of(event[1], client_message(str(event[1]), self))
                 await send(AudioStop().event())
                 outcome = "ok"
         except TimeoutError:
             outcome = "failed"
-            raise ApiError(504, f"the request took longer than --timeout "
+            raise ApiError(504, f"the request took longer than this server's timeout "
                            f"({self.cfg.timeout:g} s)", code="timeout") from None
         except MimoTTSError as exc:  # a voice that cannot be read, say
             outcome = "failed"
@@ -198,7 +198,8 @@ class Connection:
                 raise
             except Exception as exc:  # a bug: this text fails, the connection goes on
                 self.speech.log(traceback.format_exc())
-                await self.send(Error(text=f"unexpected {type(exc).__name__}: {exc}",
+                message = client_message(str(exc), self.speech)
+                await self.send(Error(text=f"unexpected {type(exc).__name__}: {message}",
                                       code="synthesis-failed").event())
 
 
@@ -249,11 +250,11 @@ def require_extra() -> None:
 def main(cfg: ServeConfig, options: OptionValues, config: str | None, reporter) -> int:
     """`mimo-tts wyoming` (after `require_extra`): check the voices, bind, load once, serve
     until a signal."""
-    with loaded(cfg, options, config, reporter) as (settings, sock, tts):
+    with loaded(cfg, options, config, reporter, "tcp") as (settings, sock, tts):
         speech = WyomingSpeech(tts, cfg, settings.synthesis,
                                public_model_name(settings.checkpoints.lm[0]), reporter.info)
         host, port = sock.getsockname()[:2]
-        reporter.info(f"serving {speech.model} over Wyoming on tcp://{host}:{port} (batch "
+        reporter.info(f"serving {speech.model} over Wyoming on {url_of(host, port, 'tcp')} (batch "
                       f"{cfg.batch_size}; voices {', '.join(speech.voices())}; no API key)")
         try:
             stopped_by = asyncio.run(serve_wyoming(speech, sock))

@@ -63,11 +63,12 @@ BEFORE = {
         "Outputs": "--output -o --format --sample-rate --overwrite", "Run": "--quiet -q --debug"},
     "selftest": {"Devices": "--lm-device --tokenizer-device", None: "--json",
                  "Run": "--debug"},
-    "serve": {"Server": "--host --port --api-key --voice --batch-size --max-concurrent "
-                        "--max-queue --max-input-chars --timeout --stage1-batch", **SERVED,
+    "serve": {"Server": "--host --port --api-key --allowed-host --voice --batch-size "
+                        "--max-concurrent --max-queue --max-input-chars --timeout "
+                        "--stage1-batch", **SERVED,
               "Run": "--config -c --quiet -q --verbose -v --debug"},  # -q: issue 33's log
     "wyoming": {"Server": "--host --port --voice --batch-size --max-concurrent --max-queue "
-                          "--max-input-chars --timeout", **SERVED},
+                          "--max-input-chars --timeout --uri", **SERVED},
     "voices-add": {None: "--transcript --overwrite", "Models": "--model -m --tokenizer",
                    "Devices": "--tokenizer-device --tokenizer-dtype",
                    "Run": "--json --verbose -v --debug"},

@@ -4,21 +4,17 @@ file; a whole format (flac) plays through the audio element; a wrong key shows t
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
+
+from tests.clients.browser import CHROMEDRIVER, CHROMIUM, MISSING, chromium, speak
 
 pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
-webdriver = pytest.importorskip("selenium.webdriver")
+pytest.importorskip("selenium.webdriver")
 
-CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
-                                reason="needs chromium and chromedriver (apt-get install "
-                                       "chromium chromium-driver)")
+pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason=MISSING)
 KEY = "browser-key"
-WAIT_S = 120  # a synthesis on the tiny preset, on a busy 2-core machine
 
 
 @pytest.fixture(scope="module")
@@ -28,42 +24,9 @@ def url(start_server):
 
 @pytest.fixture(scope="module")
 def browser():
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--autoplay-policy=no-user-gesture-required", "--mute-audio"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver = chromium()
     yield driver
     driver.quit()
-
-
-def speak(browser, text: str, fmt: str, key: str | None = None) -> dict:
-    """Fill the form, submit, wait for the status to settle: its state and data."""
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.select import Select
-    from selenium.webdriver.support.wait import WebDriverWait
-
-    if key is not None:
-        field = browser.find_element(By.ID, "key")
-        field.clear()
-        field.send_keys(key)
-    text_box = browser.find_element(By.ID, "text")
-    text_box.clear()
-    text_box.send_keys(text)
-    Select(browser.find_element(By.ID, "format")).select_by_value(fmt)
-    browser.find_element(By.ID, "speak").click()
-    status = browser.find_element(By.ID, "status")
-    WebDriverWait(browser, WAIT_S).until(
-        lambda _: status.get_attribute("data-state") in ("done", "error"))
-    link = browser.find_element(By.ID, "download")
-    return {"state": status.get_attribute("data-state"), "text": status.text,
-            "bytes": int(status.get_attribute("data-bytes") or 0),
-            "played": int(status.get_attribute("data-played") or 0),
-            "href": link.get_attribute("href") or "", "file": link.get_attribute("download"),
-            "player": browser.find_element(By.ID, "player").get_attribute("src") or ""}
 
 
 def test_the_page_streams_wav_keeps_the_key_and_offers_the_file(url, browser):

@@ -242,20 +242,21 @@ def test_voices_and_instructions(client):
 @pytest.mark.parametrize(("fields", "status", "message"), [
     ({"input": ""}, 400, "input: empty text"),
     ({"input": "a\x01b"}, 400, "input: text has control character U+0001 at 1"),
-    ({"input": "x" * 4097}, 400, "input is 4097 characters; the limit is 4096"),
+    ({"input": "x" * 4097}, 400, "input is 4097 characters; this server's limit is 4096"),
     ({"voice": "nobody"}, 400, "unknown voice 'nobody'; choose one of default, natural, clone"),
     ({"response_format": "ogg"}, 400, "response_format must be one of pcm, wav, flac"),
     ({"stream_format": "chunks"}, 400, "stream_format must be audio or sse"),
-    ({"seed": -1}, 400, "--seed must be in [0, 2**64 - 1]"),
+    ({"seed": -1}, 400, "seed must be in [0, 2**64 - 1]"),
     ({"seed": "3"}, 400, "seed must be an integer"),
     ({"speed": 4.5}, 400, "speed must be in [0.25, 4]"),
     ({"speed": 0.2}, 400, "speed must be in [0.25, 4]"),
-    ({"instructions": " "}, 400, "instruct is empty"),
-    ({"instructions": "x" * 4097}, 400, "instructions is 4097 characters; the limit is 4096"),
+    ({"instructions": " "}, 400, "instructions is empty"),
+    ({"instructions": "x" * 4097}, 400,
+     "instructions is 4097 characters; this server's limit is 4096"),
     ({"instructions": "x" * 900_000}, 400, "instructions is 900000 characters"),
     ({"instructions": "a\x01b"}, 400, "instructions: text has control character U+0001"),
     ({"voice": "natural", "instructions": "calm"}, 400,
-     "task tts_sft_with_natural_instruction takes no instruction"),
+     "instructions: voice natural takes no style instruction"),
     ({"temperature": 0.5}, 400, "unknown field(s): temperature"),
     ({"model": "other"}, 404, "model 'other' is not served"),
     ({"model": None}, 400, "model is required"),
@@ -266,13 +267,15 @@ def test_bad_requests_get_json_errors(client, fields, status, message):
     error = response.json()["error"]
     assert message in error["message"] and "Traceback" not in response.text
     assert error["type"] == "invalid_request_error"
+    assert "--" not in error["message"]  # the request's fields, never the CLI's flags
 
 
 def test_malformed_bodies_and_routes(client):
     for body, status, message in ((b"{nope", 400, "not valid JSON"),
                                   (b"[1, 2]", 400, "must be a JSON object"),
                                   (b"x" * (1 << 20 | 1), 413, "request body over")):
-        response = client.post("/v1/audio/speech", content=body)
+        response = client.post("/v1/audio/speech", content=body,
+                               headers={"Content-Type": "application/json"})
         assert response.status_code == status and message in response.json()["error"]["message"]
     assert client.get("/v1/nothing").json()["error"]["message"] == "Not Found"
     assert client.get("/v1/audio/speech").status_code == 405
@@ -290,7 +293,8 @@ def test_bodies_json_refuses_and_odd_field_names_are_400s(client):
                            "unknown field(s): '\\ud800'"),
                           (b'{"model": "tiny", "input": "Hi.", "instructions": "calm\\ud800"}',
                            "instructions: text is not valid Unicode (lone surrogate U+D800")):
-        response = client.post("/v1/audio/speech", content=body)
+        response = client.post("/v1/audio/speech", content=body,
+                               headers={"Content-Type": "application/json"})
         assert response.status_code == 400, response.text
         assert message in response.json()["error"]["message"]
     assert health(client)["status"] == "ok"

@@ -40,8 +40,16 @@ def test_a_request_past_the_timeout_gets_504_and_frees_its_slot(url):
                                 "response_format": "flac"}, timeout=60)
     assert response.status_code == 504
     assert response.json()["error"]["code"] == "timeout"
-    assert "--timeout (0.05 s)" in response.json()["error"]["message"]
+    assert "this server's timeout (0.05 s)" in response.json()["error"]["message"]
     deadline = time.monotonic() + 20
     while (state := httpx.get(url + "/health").json())["active"] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert state["active"] == state["queued"] == 0 and state["requests"]["failed"] == 1
+
+
+def test_with_a_key_the_key_decides_not_the_host_or_origin(url):
+    """The guard of a server without a key (`server/guard.py`) is off: no page can send the
+    key, and a proxy's or a LAN name's Host is answered."""
+    auth = {"Authorization": f"Bearer {KEY}", "Host": "tts.lan", "Origin": "http://other.lan"}
+    assert httpx.get(url + "/v1/models", headers=auth).status_code == 200
+    assert httpx.get(url + "/health", headers={"Host": "tts.lan"}).status_code == 200

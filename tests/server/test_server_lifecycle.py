@@ -76,7 +76,7 @@ def stalled_request(url):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.settimeout(30)
         sock.connect((host, int(port)))
-        sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: test\r\nContent-Type: "
+        sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
                      b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
         assert wait_for(lambda: health(url)["active"] == 1)
         yield sock
@@ -113,7 +113,7 @@ def test_a_client_gone_during_the_upload_leaves_no_traceback(by_path):
     host, port = by_path.removeprefix("http://").split(":")
     for _ in range(3):
         with socket.create_connection((host, int(port)), timeout=30) as sock:
-            sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: test\r\nAuthorization: "
+            sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: localhost\r\nAuthorization: "
                          b"Bearer " + KEY.encode() + b"\r\nContent-Type: application/json\r\n"
                          b"Content-Length: 100000\r\n\r\n{\"model\": \"lm\", \"in")
             time.sleep(0.3)

@@ -51,6 +51,8 @@ def test_without_the_serve_extra_the_error_names_it(base_env):
     (["--voice", "nobody"], EXIT_USAGE, "--voice takes NAME=PATH.wav, got 'nobody'"),
     (["--voice", "me=/no/such.wav"], EXIT_INPUT, "--voice me: prompt audio not found"),
     (["--voice", "default=x.wav"], EXIT_USAGE, "--voice default: the name is already taken"),
+    (["--allowed-host", "http://tts.lan:8000"], EXIT_USAGE,
+     "--allowed-host takes a host name or address (no scheme, port or path)"),
 ])
 def test_bad_serve_options_exit_before_loading(mimo, args, code, message):
     pytest.importorskip("fastapi")
@@ -117,3 +119,48 @@ def test_voice_files_are_checked_before_serving(mimo, tmp_path):
         assert result.returncode == EXIT_INPUT, result.stderr
         line = one_error_line(result)
         assert words in line and voice.split("=")[1] in line
+
+
+@pytest.mark.parametrize("face", ["serve", "wyoming"])
+def test_a_startup_voice_named_like_a_stored_one_is_refused(mimo, tmp_path, face):
+    """Issue 32 item 8: before, `--voice me=x.wav` beside a stored `me` was listed twice and
+    won silently; now it is refused as `--voice default=...` is, before anything loads."""
+    pytest.importorskip("fastapi" if face == "serve" else "wyoming")
+    sf = pytest.importorskip("soundfile")
+    sf.write(str(tmp_path / "me.wav"), np.full(16000, 0.1, dtype="float32"), 16000)
+    env = {"MIMO_TTS_VOICES_DIR": str(tmp_path / "store")}
+    added = mimo("voices", "add", "me", "me.wav", "--model", "tiny", env=env)
+    assert added.returncode == 0, added.stderr
+    result = mimo(face, "--model", NO_MODEL, "--voice", "me=me.wav", "--port", free_port(),
+                  env=env, timeout=60)
+    assert result.returncode == EXIT_USAGE, result.stderr
+    assert one_error_line(result) == "Error: --voice me: the voice registry holds a voice of " \
+        "that name; pick another name, or remove it (mimo-tts voices rm me)"
+
+
+def test_wyoming_port_errors_name_a_tcp_address(mimo):
+    """Issue 32 item 11: Wyoming's taken port said `cannot serve on http://...`."""
+    pytest.importorskip("wyoming")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for where in (["--port", port], ["--uri", f"tcp://127.0.0.1:{port}"]):
+            result = mimo("wyoming", "--model", NO_MODEL, *where, timeout=60)
+            assert result.returncode == EXIT_IO, result.stderr
+            assert one_error_line(result) == \
+                f"Error: cannot serve on tcp://127.0.0.1:{port}: Address already in use"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--uri", "unix:///run/tts.sock"], "--uri takes tcp://HOST:PORT, got 'unix:///run/tts.sock'"),
+    (["--uri", "tcp://127.0.0.1:70000"], "--uri takes tcp://HOST:PORT"),
+    (["--uri", "127.0.0.1:10200"], "--uri takes tcp://HOST:PORT"),
+    (["--uri", "tcp://127.0.0.1:10200", "--port", "10300"],
+     "--uri and --host/--port both say where to listen; give one"),
+])
+def test_bad_wyoming_uris_exit_2_before_loading(mimo, args, message):
+    pytest.importorskip("wyoming")
+    result = mimo("wyoming", "--model", NO_MODEL, *args, timeout=60)
+    assert result.returncode == EXIT_USAGE, result.stderr
+    assert message in one_error_line(result)

@@ -75,7 +75,7 @@ class InProcess:
         self.server = SpeechServer(tts, ServeConfig(**cfg), base, "tiny")
         self.app = self.server.app()
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app),
-                                        base_url="http://test", timeout=120)
+                                        base_url="http://localhost", timeout=120)
 
     async def speech(self, **fields) -> httpx.Response:
         return await self.client.post("/v1/audio/speech",

@@ -44,7 +44,15 @@ def test_the_page_is_open_and_lists_this_servers_voices_and_formats(url):
 
 
 def test_docs_and_the_openapi_schema_describe_the_speech_body(url):
-    assert httpx.get(url + "/docs").status_code == 200
+    docs = httpx.get(url + "/docs")
+    assert docs.status_code == 200
+    # Swagger UI from this server, not a CDN (issue 32 item 12; a browser without network in
+    # tests/clients/test_docs_offline_browser.py)
+    assets = re.findall(r"""(?:src|href)=["']([^"']+)["']""", docs.text)
+    assert assets and all(a.startswith("/docs/assets/") for a in assets), assets
+    for asset in assets:
+        answer = httpx.get(url + asset)
+        assert answer.status_code == 200 and len(answer.content) > 1000, asset
     schema = httpx.get(url + "/openapi.json").json()
     body = schema["paths"]["/v1/audio/speech"]["post"]["requestBody"]
     fields = body["content"]["application/json"]["schema"]["properties"]

@@ -161,18 +161,38 @@ def test_a_response_body_encodes_whatever_a_message_quotes():
     assert json.loads(response.body)["error"]["message"] == "bad \ud800 name"
 
 
+def test_refusals_name_the_requests_fields_never_the_clis_flags(tmp_path):
+    """Issue 32 item 9: before, a request read `--seed must be ...`, `--instruct: task
+    tts_sft_with_natural_instruction takes no instruction`, `instruct is empty` and
+    `(--max-input-chars)`."""
+    p = parser(voices={"clone": str(tmp_path / "clone.wav")}, max_input_chars=20)
+    cases = {(("seed", -1),): ("seed", "seed must be in [0, 2**64 - 1]"),
+             (("seed", 2**64),): ("seed", "seed must be in [0, 2**64 - 1]"),
+             (("voice", "natural"), ("instructions", "calm")):
+                 ("instructions", "instructions: voice natural takes no style instruction"),
+             (("instructions", " "),): ("instructions", "instructions is empty"),
+             (("input", "x" * 21),): ("input", "input is 21 characters; this server's limit"),
+             (("captions", True), ("response_format", "wav")): ("captions", "captions come")}
+    for fields, (param, words) in cases.items():
+        error = refused(p, **dict(fields))
+        assert error.param == param and error.message.startswith(words), error.message
+        assert "--" not in error.message
+    assert protocol.in_fields("--instruct: task x takes no instruction") == \
+        "instructions: task x takes no instruction"
+
+
 def test_instructions_are_checked_like_input_before_tokenising():
     """Before: no bound, no clean_text (a lone surrogate was a 500 in the tokenizer)."""
     p = parser(max_input_chars=20)
     error = refused(p, instructions="x" * 21)
     assert (error.status, error.param, error.code) == \
         (400, "instructions", "string_above_max_length")
-    assert error.message == "instructions is 21 characters; the limit is 20 (--max-input-chars)"
+    assert error.message == "instructions is 21 characters; this server's limit is 20"
     error = refused(p, instructions="calm\ud800")
     assert error.param == "instructions" and "lone surrogate U+D800 at 4" in error.message
     error = refused(p, instructions="a\x01b")
     assert error.message == "instructions: text has control character U+0001 at 1"
-    assert "instruct is empty" in refused(p, instructions=" \n ").message
+    assert refused(p, instructions=" \n ").message == "instructions is empty"
     assert parse(p, instructions="calm,   low").options.instruct == "calm, low"
 
 
@@ -237,3 +257,19 @@ def test_a_client_gone_during_the_upload_is_no_error():
     with pytest.raises(ApiError) as info:
         asyncio.run(read_body(GoneBody()))
     assert info.value.status == protocol.CLIENT_GONE
+
+
+def test_a_wyoming_uri_gives_the_host_and_port():
+    """Issue 32 item 14: `--uri tcp://HOST:PORT`, as wyoming-piper takes it."""
+    assert protocol.tcp_address("tcp://0.0.0.0:10200") == ("0.0.0.0", 10200)
+    assert protocol.tcp_address("tcp://[::]:10300") == ("::", 10300)
+    assert protocol.tcp_address("tcp://localhost", 10200) == ("localhost", 10200)
+    for bad in ("tcp://localhost", "unix:///run/x.sock", "stdio://", "tcp://:10200",
+                "tcp://h:99999", "tcp://h:port", "tcp://h:1/path", "0.0.0.0:10200"):
+        with pytest.raises(UsageError, match="--uri takes tcp://HOST:PORT"):
+            protocol.tcp_address(bad)
+    cfg = protocol.serve_config({"uri": "tcp://0.0.0.0:10201"}, {}, port=10200)
+    assert (cfg.host, cfg.port) == ("0.0.0.0", 10201)
+    assert protocol.serve_config({}, {}, port=10200).port == 10200
+    with pytest.raises(UsageError, match="give one"):
+        protocol.serve_config({"uri": "tcp://h:1", "host": "h"}, {}, port=10200)

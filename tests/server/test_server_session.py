@@ -101,7 +101,7 @@ def test_a_burst_at_capacity_is_answered_whole(tiny):
         server = SpeechServer(tts, _cfg(max_concurrent=2, max_queue=4, batch_size=2), base,
                               "tiny")
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app()),
-                                   base_url="http://test", timeout=300)
+                                   base_url="http://localhost", timeout=300)
         try:
             body = {"model": "tiny", "input": "A burst.", "response_format": "wav"}
             answers = await asyncio.gather(*[client.post("/v1/audio/speech", json=body)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import re
+import subprocess
 
 import httpx
 import numpy as np
@@ -25,12 +27,38 @@ def _wav(seconds: float, seed: int = 0) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def served(start_server, tmp_path_factory):
+def served(start_server, tmp_path_factory, entry_point, base_env):
     root = tmp_path_factory.mktemp("voices-serve")
     (root / "me.wav").write_bytes(_wav(1.0))
-    server = start_server("--api-key", KEY, "--voice", f"startup={root / 'me.wav'}",
-                          env={"MIMO_TTS_VOICES_DIR": str(root / "store")})
+    env = {"MIMO_TTS_VOICES_DIR": str(root / "store")}
+    added = subprocess.run([str(entry_point), "voices", "add", "stored", str(root / "me.wav"),
+                            "--model", "tiny"], env={**base_env, **env}, capture_output=True,
+                           timeout=300)  # a registry voice before the server starts
+    assert added.returncode == 0, added.stderr
+    server = start_server("--api-key", KEY, "--voice", f"startup={root / 'me.wav'}", env=env)
     return server, root
+
+
+def test_every_face_lists_the_same_voices(served):
+    """Issue 32 item 8: the start-up line and the page left the registry's voices out, which
+    /v1/audio/voices listed; now all three show `served_voices`, and an upload shows up on
+    the page and the API alike."""
+    server, root = served
+    url = str(server)
+    line = next(x for x in server.stderr().splitlines() if x.startswith("serving "))
+    assert line.endswith("; voices default, natural, startup, stored)"), line
+    files = {"file": ("x.wav", _wav(1.0, seed=3), "audio/wav")}
+    added = httpx.post(url + "/v1/audio/voices", data={"name": "later"}, files=files,
+                       headers=AUTH, timeout=60)
+    assert added.status_code == 201, added.text
+    listed = httpx.get(url + "/v1/audio/voices", headers=AUTH, timeout=10).json()
+    page = re.search(r'<script id="config" type="application/json">(.*?)</script>',
+                     httpx.get(url + "/", timeout=10).text, re.S)
+    assert listed["voices"] == json.loads(page.group(1))["voices"] == \
+        ["default", "natural", "startup", "later", "stored"]
+    assert [d["kind"] for d in listed["data"]] == \
+        ["builtin", "builtin", "startup", "registry", "registry"]
+    assert httpx.delete(url + "/v1/audio/voices/later", headers=AUTH).status_code == 200
 
 
 def _speech(url: str, voice: str, **extra) -> httpx.Response:
@@ -56,7 +84,7 @@ def test_upload_list_use_delete(served):
                        headers=AUTH, timeout=60)
     assert clash.status_code == 400 and "already exists" in clash.json()["error"]["message"]
     listed = httpx.get(url + "/v1/audio/voices", headers=AUTH, timeout=10).json()
-    assert listed["voices"] == ["default", "natural", "startup", "me"]
+    assert listed["voices"] == ["default", "natural", "startup", "me", "stored"]
     by_registry, by_file = _speech(url, "me"), _speech(url, "startup")
     assert by_registry.status_code == 200 and by_file.status_code == 200
     assert by_registry.content == by_file.content  # the stored codes are the file's
@@ -80,7 +108,7 @@ def test_bad_uploads_are_refused_and_nothing_is_kept(served):
         assert answer.status_code == status, (data, answer.text)
         assert "error" in answer.json()
         assert "/tmp" not in answer.text and "mimo-voice-" not in answer.text  # no temp path
-    assert not list((root / "store").glob("*.json")) if (root / "store").exists() else True
+    assert [p.stem for p in (root / "store").glob("*.json")] == ["stored"]
 
 
 def test_captions_on_request(served):

@@ -161,3 +161,33 @@ def test_client_message_removes_every_absolute_path(server, tmp_path):
                                  server)
     assert said == ("the voice store: at x.json, tokenizer and a server path or 'a server "
                     "path y'; a/b and upload:me.wav stay")
+
+
+def test_an_unexpected_error_names_no_server_path(server):
+    """A bug's 500 quotes its exception (before: with whatever path it held, e.g. a
+    PermissionError's file); the message goes through `client_message`."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    import asyncio
+
+    from mimo_tts.server.routes import build_app
+
+    secret = TOKENIZER / "config.json"
+
+    def models():
+        raise PermissionError(f"[Errno 13] Permission denied: '{secret}'")
+
+    server.models = models
+    server.cfg.api_key = None
+    server.authorized = lambda request: True
+
+    async def run():
+        transport = httpx.ASGITransport(app=build_app(server), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+            return await client.get("/v1/models")
+
+    response = asyncio.run(run())
+    assert response.status_code == 500
+    message = response.json()["error"]["message"]
+    assert message.startswith("unexpected PermissionError: [Errno 13] Permission denied")
+    _no_path(message, secret)

@@ -1,9 +1,10 @@
 """Wyoming test fixtures: a real `mimo-tts wyoming` process on 127.0.0.1 (tiny preset).
 
-`start_wyoming(*args)` runs the installed entry point on a port the kernel picks (`--port 0`,
-read back from the serving line) and returns a `Served` whose str is "127.0.0.1:PORT"; at the
-module's end each one still running is stopped with SIGTERM and must exit 0. The modules skip
-without the `wyoming` package (CI: MIMO_TTS_REQUIRE_EXTRAS=wyoming makes that a failure)."""
+`start_wyoming(*args, env=...)` runs the installed entry point on a port the kernel picks
+(`--port 0`, read back from the serving line) and returns a `Served` whose str is
+"127.0.0.1:PORT"; at the module's end each one still running is stopped with SIGTERM and must
+exit 0. The modules skip without the `wyoming` package (CI: MIMO_TTS_REQUIRE_EXTRAS=wyoming
+makes that a failure)."""
 
 from __future__ import annotations
 
@@ -23,11 +24,12 @@ SERVING = re.compile(r"^serving \S+ over Wyoming on tcp://(127\.0\.0\.1:\d+) ", 
 def start_wyoming(base_env, entry_point, tmp_path_factory):
     served: list[Served] = []
 
-    def start(*args) -> Served:
+    def start(*args, env: dict | None = None) -> Served:
         log = tmp_path_factory.mktemp("wyoming") / "stderr.log"
         with open(log, "wb") as handle:
-            proc = subprocess.Popen([str(entry_point), "wyoming", "--model", "tiny", "--port",
-                                     "0", *map(str, args)], env=base_env,
+            where = [] if "--uri" in args else ["--port", "0"]
+            proc = subprocess.Popen([str(entry_point), "wyoming", "--model", "tiny", *where,
+                                     *map(str, args)], env={**base_env, **(env or {})},
                                     stdout=subprocess.DEVNULL, stderr=handle)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:

@@ -132,3 +132,28 @@ def test_a_client_that_disconnects_frees_its_place(server):
     # --max-concurrent 1: the next client gets the one place
     events = exchange(server, [Synthesize(text="My turn.")], ("audio-stop", "error"))
     assert events[-1].type == "audio-stop", events[-1].data
+
+
+def test_info_lists_the_voices_of_the_serving_line_registry_included(start_wyoming, mimo,
+                                                                     tmp_path):
+    """Issue 32 item 8: one list of served voices (`served_voices`) on every face."""
+    import numpy as np
+    import soundfile as sf
+
+    sf.write(str(tmp_path / "me.wav"), np.full(16000, 0.1, dtype="float32"), 16000)
+    env = {"MIMO_TTS_VOICES_DIR": str(tmp_path / "store")}
+    assert mimo("voices", "add", "stored", "me.wav", "--model", "tiny", env=env).returncode == 0
+    served = start_wyoming("--voice", f"startup={tmp_path / 'me.wav'}", env=env)
+    (event,) = exchange(served, [Describe()], ("info",))
+    (program,) = Info.from_event(event).tts
+    names = [v.name for v in program.voices]
+    assert names == ["default", "natural", "startup", "stored"]
+    line = next(x for x in served.stderr().splitlines() if x.startswith("serving "))
+    assert f"voices {', '.join(names)};" in line
+
+
+def test_uri_as_wyoming_piper_takes_it(start_wyoming):
+    """Issue 32 item 14: `--uri tcp://HOST:PORT`, copied from wyoming-piper, is accepted."""
+    served = start_wyoming("--uri", "tcp://127.0.0.1:0")
+    (event,) = exchange(served, [Describe()], ("info",))
+    assert Info.from_event(event).tts[0].name == "mimo-tts"
