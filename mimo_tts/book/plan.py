@@ -190,7 +190,16 @@ def plan_book(request: BookRequest, log=None, outputs: bool = True) -> BookPlan:
 
 def chapter_name(chapter: Chapter, fmt: str) -> str:
     """A chapter file's name: `003-The_Return.wav`."""
-    return f"{chapter.number:03d}-{sanitize_id(chapter.title)[:48]}{FORMATS[fmt][2]}"
+    return f"{_chapter_stem(chapter)}{FORMATS[fmt][2]}"
+
+
+def chapter_captions(chapter: Chapter, caption_format: str) -> str:
+    """A chapter's caption file's name: `003-The_Return.srt`."""
+    return f"{_chapter_stem(chapter)}.{caption_format}"
+
+
+def _chapter_stem(chapter: Chapter) -> str:
+    return f"{chapter.number:03d}-{sanitize_id(chapter.title)[:48]}"
 
 
 def minutes(text: str) -> float:

@@ -123,16 +123,20 @@ def _check_voice(reporter: Reporter, o) -> None:
 
 
 def _synthesize(reporter: Reporter, bplan, runner) -> list:
-    """Each piece through the batch runner, in book order; the bar says the chapter."""
+    """Each piece through the batch runner, in book order, each chapter written as soon as its
+    pieces are done; the bar says the chapter."""
     from mimo_tts.batch.plan import run_synth
+    from mimo_tts.book.assemble import ChapterWriter
 
     items, count, task = bplan.plan.items, len(bplan.book.chapters), bplan.settings.synthesis.task
+    writer = ChapterWriter(bplan, runner.resolve(), reporter.log)
     results = []
     with reporter.bar(len(items), "reading", eta=True) as advance:
         for result in run_synth(runner, items, bplan.plan.sink()):
             results.append(result)
             if reporter.as_json or result.status == "error":
                 reporter.item(result, task)
+            writer.settled(result.item)
             chapter = bplan.chapter_of(result.item)
             advance(f"chapter {chapter.number}/{count} {chapter.title[:24]}")
     return results

@@ -151,8 +151,10 @@ def test_one_chapter_alone_is_the_same_audio(whole, invoke, tmp_path):
                   *TINY)
     assert done.exit_code == 0, done.output
     assert sorted(p.stem for p in (one / "tts_sft").glob("*.wav")) == IDS[3:6]
-    (chapter,) = (one / "chapters").iterdir()
-    assert chapter.read_bytes() == (out / "chapters" / chapter.name).read_bytes()
+    files = sorted((one / "chapters").iterdir())
+    assert [p.name for p in files] == [f"002-The_Lighthouse.{x}" for x in ("srt", "vtt", "wav")]
+    for chapter in files:  # the audio and its captions, as in the whole book
+        assert chapter.read_bytes() == (out / "chapters" / chapter.name).read_bytes()
     assert not (one / "book.m4b").exists() and not (one / "book.srt").exists()
     record = json.loads((one / "book.json").read_text())
     assert not record["complete"] and [c["done"] for c in record["chapters"]] == [0, 3, 0]
@@ -215,6 +217,45 @@ def test_kill_9_then_the_same_command_writes_each_piece_once(whole, base_env, tm
     assert Counter(r["id"] for r in read_lines(pieces / "results.jsonl")) == Counter(IDS)
     for name in ["book.srt", *(["book.m4b"] if HAS_AV else [])]:  # the book it would have been
         assert (tmp_path / "book" / name).read_bytes() == (out / name).read_bytes()
+
+
+@pytest.mark.slow
+def test_a_stop_after_chapter_1_leaves_chapter_1(whole, base_env, tmp_path):
+    """Each chapter (and its captions) is written as soon as its pieces are done: a run
+    killed after chapter 1 leaves chapter 1's file, the same bytes as the whole run's, and the
+    same command again keeps it (before: nothing under chapters/ until the run's end)."""
+    out, _ = whole
+    folder = tmp_path / "book"
+    args = [out.parent / "small-sea.epub", "--output-dir", folder, *TINY,
+            *([] if HAS_AV else ["--no-m4b"])]
+    first = folder / "chapters" / "001-The_Harbour.wav"
+    proc = subprocess.Popen([str(ENTRY_POINT), "book", *map(str, args)], cwd=tmp_path,
+                            env=base_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None and not (
+            folder / "book.json").exists():  # written last, after the chapter's files
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the run must be stopped mid-book"
+    done = sorted(p.stem for p in (folder / "tts_sft").glob("*.wav"))
+    assert done[:3] == IDS[:3] and len(done) < len(IDS), "the run must be stopped mid-book"
+    assert first.read_bytes() == (out / "chapters" / first.name).read_bytes()
+    for caption in ("srt", "vtt"):
+        path = first.with_suffix(f".{caption}")
+        assert path.read_bytes() == (out / "chapters" / path.name).read_bytes()
+    srt = first.with_suffix(".srt").read_text()
+    assert srt.startswith("1\n00:00:00,000 --> ") and srt.count(" --> ") == 3
+    assert not (folder / "book.srt").exists()
+    record = json.loads((folder / "book.json").read_text())
+    assert record["chapters"][0]["file"] == f"chapters/{first.name}" and not record["complete"]
+    kept = first.stat().st_mtime_ns
+    again = _run(args, base_env, tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert first.stat().st_mtime_ns == kept  # not written again
+    assert sorted(p.name for p in (folder / "chapters").iterdir()) == sorted(
+        p.name for p in (out / "chapters").iterdir())
 
 
 @pytest.mark.parametrize("make, args, code, words", [
