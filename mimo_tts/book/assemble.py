@@ -220,7 +220,7 @@ def assemble(bplan: BookPlan, refs, log=None) -> Assembly:
     folder = bplan.folder
     chapters = find_pieces(bplan, refs)
     (folder / CHAPTERS_DIR).mkdir(parents=True, exist_ok=True)
-    with _locked(folder):
+    with BookLock(folder):
         clean_temp_files(folder / CHAPTERS_DIR)  # a killed assembly's temp files
         clean_temp_files(folder, OWN_FILES)  # (there, only those of dead pids)
         assembly = Assembly(folder, {})
@@ -280,7 +280,7 @@ class ChapterWriter:
             return []
         folder = self.bplan.folder
         (folder / CHAPTERS_DIR).mkdir(parents=True, exist_ok=True)
-        with _locked(folder):
+        with BookLock(folder):
             previous = _recorded_files(folder)
             assembly = Assembly(folder, {})
             outputs = _Outputs(folder, previous, assembly)
@@ -398,6 +398,7 @@ def book_record(bplan: BookPlan, chapters: dict[int, ChapterAudio],
     return {
         "title": book.title, "author": book.author, "source": str(book.source),
         "complete": starts is not None, "task": o.task, "seed": o.seed, "voice": o.voice,
+        "book_voice": bplan.voice.path.name if bplan.voice else None,
         "prompt_audio": os.path.abspath(o.prompt_audio) if isinstance(o.prompt_audio, str)
         else None, "items": ITEMS_NAME, "format": fmt, "sample_rate": SAMPLE_RATE,
         "pause_frames": PAUSE_FRAMES, "chapter_pause_frames": CHAPTER_PAUSE_FRAMES,
@@ -416,8 +417,8 @@ def _read_json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-class _locked:
-    """The book folder's assembly lock (exclusive `flock`, waited for)."""
+class BookLock:
+    """The book folder's lock (exclusive `flock`, waited for): assembling, reading the voice."""
 
     def __init__(self, folder: Path):
         self.folder = folder

@@ -46,6 +46,7 @@ def book(
         rich_help_panel=BOOK, metavar="FILE", help="Write the pieces as JSON lines (id, text, "
         "seed, task) for synth --input or scripts/ray_synth.py, and exit.")] = None,
     *, options: OptionValues, config: str | None, shard: str | None,
+    voice_per_piece: bool | None,
     as_json: Annotated[bool, typer.Option("--json", rich_help_panel=RUN,
         help="JSON on stdout: the chapter table (--list), or one object per piece and one "
              "for the book.")] = False,
@@ -57,7 +58,7 @@ def book(
     from mimo_tts.book.plan import BookRequest
 
     request = BookRequest(input, options, chapters, title, author, format, not no_m4b, shard,
-                          config, as_json)
+                          config, as_json, bool(voice_per_piece))
     reporter = Reporter(quiet, verbose, as_json, debug)
     run_command(reporter, lambda: (listing(reporter, request) if list_chapters
                                    else read_aloud(reporter, request, items_out)))
@@ -95,10 +96,10 @@ def read_aloud(reporter: Reporter, request, items_out: str | None) -> int:
     for note in bplan.book.notes:
         reporter.info(f"note: {note}")
     task = bplan.settings.synthesis.task
+    _check_voice(reporter, bplan)
     if items_out is not None:
         reporter.data(str(write_items(Path(items_out), bplan.plan.items, task)))
         return EXIT_OK
-    _check_voice(reporter, bplan.settings.synthesis)
     bplan.folder.mkdir(parents=True, exist_ok=True)
     write_items(bplan.folder / ITEMS_NAME, [i for v in bplan.chapters.values() for i in v], task)
     runner = BatchRunner(bplan.settings, log=reporter.log)
@@ -111,15 +112,19 @@ def read_aloud(reporter: Reporter, request, items_out: str | None) -> int:
     return exit_code_for(results)
 
 
-def _check_voice(reporter: Reporter, o) -> None:
-    """A stored voice is loaded before anything runs (an unknown one: exit 2 or 9)."""
-    if o.voice:
+def _check_voice(reporter: Reporter, bplan) -> None:
+    """A stored voice is loaded before anything runs (an unknown one: exit 2 or 9); the book's
+    voice is read when it is not there yet (`book.voice`)."""
+    if bplan.settings.synthesis.voice:
         from mimo_tts.synthesis.voices import VoiceStore
 
-        VoiceStore().load(o.voice)
-    elif o.prompt_audio is None:
-        reporter.info("note: no --voice or --prompt-audio: each piece is read in the model's "
-                      "own voice, which may change from piece to piece")
+        VoiceStore().load(bplan.settings.synthesis.voice)
+    if bplan.voice is not None:
+        from mimo_tts.book.voice import read_voice
+
+        if read_voice(bplan.voice, reporter.log):
+            reporter.info(f"book voice: {bplan.voice.path} (the first piece in the model's own "
+                          "voice; every piece is read with it)")
 
 
 def _synthesize(reporter: Reporter, bplan, runner) -> list:

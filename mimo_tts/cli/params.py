@@ -138,6 +138,10 @@ CATALOGUE = (
     Option("prompt_audio", BATCH, "Voice prompt audio file.", "FILE", IN),
     Option("voice", BATCH, "A stored voice (mimo-tts voices add): clones it as --prompt-audio "
            "its file would.", "NAME", IN),
+    Option("voice_per_piece", "book", "Read each piece in the model's own voice, which may "
+           "change from piece to piece (default without --voice or --prompt-audio: the book's "
+           "first piece, read once, is the voice of every piece: book-voice.wav).", panel=IN,
+           home=None, kind=bool),
     Option("caption_formats", "synth", "Write captions beside each output: srt, vtt or srt,vtt. "
            "Each sentence is then synthesised as its own piece, so the audio differs from a run "
            "without.", "FORMATS", OUT, ("--captions",)),
