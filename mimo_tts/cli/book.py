@@ -82,7 +82,9 @@ def listing(reporter: Reporter, request) -> int:
 
 
 def read_aloud(reporter: Reporter, request, items_out: str | None) -> int:
-    """Plan, synthesise the pieces (progress on stderr), assemble, report."""
+    """Plan, synthesise the pieces (progress on stderr), assemble, report. Nothing is written
+    into the book's folder before its pieces' folder lock is held (the sink's): a run refused
+    by it leaves the folder as it was."""
     from mimo_tts.batch.files import stdout_stream
     from mimo_tts.batch.results import exit_code_for
     from mimo_tts.batch.runner import BatchRunner
@@ -96,29 +98,35 @@ def read_aloud(reporter: Reporter, request, items_out: str | None) -> int:
     for note in bplan.book.notes:
         reporter.info(f"note: {note}")
     task = bplan.settings.synthesis.task
-    _check_voice(reporter, bplan)
+    _check_voice(bplan)
     if items_out is not None:
+        _read_voice(reporter, bplan)
         reporter.data(str(write_items(Path(items_out), bplan.plan.items, task)))
         return EXIT_OK
-    bplan.folder.mkdir(parents=True, exist_ok=True)
-    write_items(bplan.folder / ITEMS_NAME, [i for v in bplan.chapters.values() for i in v], task)
     runner = BatchRunner(bplan.settings, log=reporter.log)
+    runner.resolve()  # a missing checkpoint ends the run here, before anything is written
     start = time.perf_counter()
-    with runner:  # closes the engine (vLLM)
-        results = _synthesize(reporter, bplan, runner)
+    with runner, bplan.plan.sink() as sink:  # the pieces' lock held; the engine closed after
+        _read_voice(reporter, bplan)
+        write_items(bplan.folder / ITEMS_NAME, [i for v in bplan.chapters.values() for i in v],
+                    task)
+        results = _synthesize(reporter, bplan, runner, sink)
     elapsed = time.perf_counter() - start
     done = assemble(bplan, runner.resolve(), reporter.log)
     _report(reporter, bplan, done, results, runner, elapsed)
     return exit_code_for(results)
 
 
-def _check_voice(reporter: Reporter, bplan) -> None:
-    """A stored voice is loaded before anything runs (an unknown one: exit 2 or 9); the book's
-    voice is read when it is not there yet (`book.voice`)."""
+def _check_voice(bplan) -> None:
+    """A stored voice is loaded before anything runs (an unknown one: exit 2 or 9)."""
     if bplan.settings.synthesis.voice:
         from mimo_tts.synthesis.voices import VoiceStore
 
         VoiceStore().load(bplan.settings.synthesis.voice)
+
+
+def _read_voice(reporter: Reporter, bplan) -> None:
+    """The book's voice, read when it is not there yet (`book.voice`)."""
     if bplan.voice is not None:
         from mimo_tts.book.voice import read_voice
 
@@ -127,17 +135,16 @@ def _check_voice(reporter: Reporter, bplan) -> None:
                           "voice; every piece is read with it)")
 
 
-def _synthesize(reporter: Reporter, bplan, runner) -> list:
+def _synthesize(reporter: Reporter, bplan, runner, sink) -> list:
     """Each piece through the batch runner, in book order, each chapter written as soon as its
     pieces are done; the bar says the chapter."""
-    from mimo_tts.batch.plan import run_synth
     from mimo_tts.book.assemble import ChapterWriter
 
     items, count, task = bplan.plan.items, len(bplan.book.chapters), bplan.settings.synthesis.task
     writer = ChapterWriter(bplan, runner.resolve(), reporter.log)
     results = []
     with reporter.bar(len(items), "reading", eta=True) as advance:
-        for result in run_synth(runner, items, bplan.plan.sink()):
+        for result in runner.run(items, sink):
             results.append(result)
             if reporter.as_json or result.status == "error":
                 reporter.item(result, task)

@@ -21,7 +21,7 @@ import soundfile as sf
 
 from mimo_tts.batch.shards import shard_of
 from mimo_tts.book.assemble import CHAPTER_PAUSE_FRAMES
-from mimo_tts.errors import EXIT_INCOMPLETE, EXIT_INPUT, EXIT_USAGE
+from mimo_tts.errors import EXIT_INCOMPLETE, EXIT_INPUT, EXIT_IO, EXIT_USAGE
 from mimo_tts.synthesis.audio import PAUSE_FRAMES
 from tests.book.books import (
     AUTHOR,
@@ -289,6 +289,28 @@ def test_a_stop_after_chapter_1_leaves_chapter_1(whole, base_env, tmp_path):
     assert first.stat().st_mtime_ns == kept  # not written again
     assert sorted(p.name for p in (folder / "chapters").iterdir()) == sorted(
         p.name for p in (out / "chapters").iterdir())
+
+
+def test_a_run_refused_by_the_folder_lock_writes_nothing(invoke, tmp_path):
+    """Nothing is written before the folder lock is held: a book run refused by it (another
+    run reads into the folder) leaves book-items.jsonl as it was and reads no voice (before:
+    the items file was rewritten first, so `status` then judged the folder by other items)."""
+    import fcntl
+
+    folder = tmp_path / "book"
+    (folder / PIECES).mkdir(parents=True)
+    items = folder / "book-items.jsonl"
+    items.write_bytes(b'{"id": "c001-p0001", "text": "Other.", "seed": 1, "task": "tts_sft"}\n')
+    before = _files(folder)
+    with open(folder / PIECES / ".mimo-tts.lock", "a+b") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another run holds the folder
+        held.write(b"4242")
+        held.flush()
+        done = invoke("book", _book(tmp_path), "--output-dir", folder, *TINY, "--no-m4b")
+    assert done.exit_code == EXIT_IO, done.output
+    assert "another mimo-tts run (pid 4242) is writing to" in error_line(done.stderr)
+    assert _files(folder) == before and items.read_bytes().startswith(b'{"id": "c001-p0001", '
+                                                                      b'"text": "Other."')
 
 
 @pytest.mark.parametrize("make, args, code, words", [
