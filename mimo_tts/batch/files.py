@@ -18,8 +18,15 @@ from pathlib import Path
 from mimo_tts.errors import InputError, OutputError
 from mimo_tts.lm.config import AUDIO_CHANNELS
 from mimo_tts.runtime.paths import atomic_write
-from mimo_tts.synthesis.audio import encode_audio, pcm16
+from mimo_tts.synthesis.audio import FORMATS, encode_audio, pcm16
 from mimo_tts.synthesis.captions import caption_text
+
+
+def audio_suffix(fmt: str | None) -> str:
+    """An output's file ending in a folder: its format's extension, and `.f32.wav` for
+    `wav-float`, so a float and a PCM16 WAV of one item keep their own files (and sidecars,
+    `x.f32.json`). Lines from before formats were recorded are wav."""
+    return ".f32.wav" if fmt == "wav-float" else FORMATS.get(fmt or "wav", FORMATS["wav"])[2]
 
 
 def companion_paths(audio: Path) -> tuple[Path, Path]:

@@ -88,7 +88,7 @@ def plan_synth(request: SynthRequest, stdin=None, log=None, make_items=None) -> 
     o = settings.synthesis
     items = make_items(settings) if make_items is not None else read_items(
         request.texts, request.inputs, stdin,
-        Naming(o.seed, o.instruct, o.prompt_audio, o.task, o.voice))
+        Naming(o.seed, o.instruct, o.prompt_audio, o.task, o.voice, o.captions))
     check(bool(items), "nothing to say: give --text, --input FILE or --input -")
     check(run.output is None or run.raw or len(items) == 1,
            f"-o/--output takes exactly one item, got {len(items)}; use --output-dir")

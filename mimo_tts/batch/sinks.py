@@ -26,6 +26,7 @@ import os
 from pathlib import Path
 
 from mimo_tts.batch.files import (
+    audio_suffix,
     caption_path,
     companion_paths,
     save_codes,
@@ -54,7 +55,7 @@ from mimo_tts.runtime.paths import (
     remove_quietly,
     write_json,
 )
-from mimo_tts.synthesis.audio import FORMATS, SAMPLE_RATE, encode_audio, write_audio
+from mimo_tts.synthesis.audio import SAMPLE_RATE, encode_audio, write_audio
 
 
 def _skip(result, path: Path, done: dict) -> None:
@@ -221,7 +222,7 @@ class DirectorySink(FileSink):
                  overwrite: bool = False, shard=None):
         super().__init__(Path(root) / task, fmt, sample_rate, save_codes, overwrite)
         self.dir = self.path
-        self.suffix = FORMATS[fmt][2]
+        self.suffix = audio_suffix(fmt)
         self.shard = shard  # shards.Shard or None
         self._locks: list = []
         self.manifest: Manifest | None = None

@@ -91,6 +91,33 @@ def test_two_stored_voices_reading_one_sentence_are_two_files(invoke, tmp_path, 
     assert status.exit_code == 0, status.stdout
 
 
+def test_other_output_settings_of_one_sentence_are_their_own_files_or_a_skip(invoke, tmp_path):
+    """One sentence with and then without --captions, or as wav-float then wav, into one
+    folder: each keeps its own files (captions cut the text another way: another derived id;
+    a float WAV is `<id>.f32.wav`), and each command again is a skip (before: the second of
+    each pair was exit 5, 'exists from other inputs')."""
+    runs = [("--captions", "srt"), (), ("--format", "wav-float"), ("--format", "wav")]
+    paths = []
+    for extra in runs:
+        run = invoke(*TINY, *extra)
+        assert run.exit_code == 0, run.stderr
+        paths.append(run.stdout.strip())
+    plain = "output_audio/tts_sft/Hello_there-95e3ac56"
+    captioned = "output_audio/tts_sft/" + text_id("Hello there.", captions=True)
+    assert paths == [captioned + ".wav", plain + ".wav", plain + ".f32.wav", plain + ".wav"]
+    assert sorted(p.name for p in (tmp_path / "output_audio" / "tts_sft").iterdir()
+                  if not p.name.startswith(".")) == sorted([
+        f"{captioned.rsplit('/', 1)[1]}.{x}" for x in ("wav", "json", "srt")] + [
+        f"Hello_there-95e3ac56.{x}" for x in ("wav", "json", "f32.wav", "f32.json")] + [
+        "results.jsonl"])
+    assert sf.info(str(tmp_path / (plain + ".f32.wav"))).subtype == "FLOAT"
+    for extra in runs:
+        again = invoke(*TINY, *extra)
+        assert again.exit_code == 0 and "0 written, 1 skipped" in again.stderr, again.stderr
+    status = invoke("status", "output_audio", "--captions", "--input", _line(tmp_path))
+    assert status.exit_code == 0, status.stdout
+
+
 def _line(tmp_path):
     path = tmp_path / "line.txt"
     path.write_text("Hello there.\n")
