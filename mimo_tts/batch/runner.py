@@ -29,7 +29,7 @@ from mimo_tts.errors import InputError, MimoTTSError
 from mimo_tts.lm.engine import engine_spec
 from mimo_tts.lm.tasks import TASKS, validate_inputs
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, check_prompt_file, resample
-from mimo_tts.synthesis.captions import cues, piece_samples, text_pieces
+from mimo_tts.synthesis.captions import at_rate, cues, piece_samples, text_pieces
 from mimo_tts.synthesis.loader import resolve_checkpoints
 from mimo_tts.synthesis.options import SynthesisOptions
 from mimo_tts.synthesis.pieces import Piece
@@ -310,10 +310,11 @@ def finish_item(stage1, settings: Settings, context: dict, result: ItemResult,
              "metadata": {"pause_frames": PAUSE_FRAMES, "id": result.item.id,
                           "tokenizer": context["tokenizer"]}}
     record = sidecar_record(settings, context, result, pieces)
-    if settings.synthesis.captions:  # cues from the pieces' samples, at 24 kHz
+    if settings.synthesis.captions:  # cues from the pieces' samples, in the output's rate
         spf = stage1.samples_per_frame
-        found = cues(text_pieces(result.item.text, settings.synthesis),
-                     [piece_samples(p, spf) for p in pieces], SAMPLE_RATE, spf)
+        found = at_rate(cues(text_pieces(result.item.text, settings.synthesis),
+                             [piece_samples(p, spf) for p in pieces], SAMPLE_RATE, spf),
+                        run.sample_rate)
         formats = (run.caption_formats or "").split(",") if run.caption_formats else []
         record["captions"] = {"formats": formats, "cues": [c.record() for c in found]}
     return samples, codes, record
