@@ -219,9 +219,10 @@ class DirectorySink(FileSink):
 
     def __init__(self, root: str | Path, task: str, fmt: str = "wav",
                  sample_rate: int = SAMPLE_RATE, save_codes: bool = False,
-                 overwrite: bool = False, shard=None):
+                 overwrite: bool = False, shard=None, who: str | None = None):
         super().__init__(Path(root) / task, fmt, sample_rate, save_codes, overwrite)
         self.dir = self.path
+        self.who = who  # what opens the folder when it is not a run (`status --merge`)
         self.suffix = audio_suffix(fmt)
         self.shard = shard  # shards.Shard or None
         self._locks: list = []
@@ -244,9 +245,9 @@ class DirectorySink(FileSink):
                 clean_temp_files(self.dir)
             if self.shard is None:
                 if not alone and (writing := self._shards_writing()):
-                    raise OutputError(f"shard(s) {writing} are writing to {self.dir}; an "
-                                      "unsharded run waits for them (or use another "
-                                      "--output-dir)")
+                    waits = (f"{self.who} waits until they are done" if self.who else
+                             "an unsharded run waits for them (or use another --output-dir)")
+                    raise OutputError(f"shard(s) {writing} are writing to {self.dir}; {waits}")
                 self._hold(folder, alone, f"is writing to {self.dir}", record=True)
             else:  # shared folder lock (waiting out a clean-up), then this shard's own lock
                 self._hold(folder, flock(folder, exclusive=False, wait=SHARED_LOCK_WAIT_S),
@@ -280,8 +281,9 @@ class DirectorySink(FileSink):
         if not held:
             lock.seek(0)
             holder = lock.read().decode("utf-8", "replace").strip() or "?"
-            raise OutputError(f"another mimo-tts run (pid {holder}) {doing}; "
-                              "wait for it or use another --output-dir")
+            advice = (f"{self.who} waits until it is done" if self.who else
+                      "wait for it or use another --output-dir")
+            raise OutputError(f"another mimo-tts run (pid {holder}) {doing}; {advice}")
         if record:
             with contextlib.suppress(OSError):  # e.g. a full disk: the lock is held all the same
                 lock.seek(0)

@@ -316,5 +316,10 @@ StatusJson = Annotated[bool, typer.Option(
 SelftestJson = Annotated[bool, typer.Option(
     "--json", help="The result as one JSON object on stdout: seconds, frames, peak, RTF "
     "(default: one line on stderr).")]
+VoiceAddJson = Annotated[bool, typer.Option(
+    "--json", rich_help_panel=RUN, help="The stored voice's record as one JSON object on stdout "
+    "(default: the record's path).")]
+VoicesListJson = Annotated[bool, typer.Option(
+    "--json", help="One JSON object per stored voice on stdout (default: a line each).")]
 Debug = Annotated[bool, typer.Option("--debug", rich_help_panel=RUN,
                                      help="Show tracebacks for errors.")]
