@@ -29,11 +29,16 @@ def audio_suffix(fmt: str | None) -> str:
     return ".f32.wav" if fmt == "wav-float" else FORMATS.get(fmt or "wav", FORMATS["wav"])[2]
 
 
-def companion_paths(audio: Path) -> tuple[Path, Path]:
+def companion_paths(audio: Path, named: bool = False) -> tuple[Path, Path]:
     """The sidecar and codes files of an audio file: `x.json` beside `x.wav`, `x.flac.json`
-    beside `x.flac` (each format has its own, so formats in one folder never share one)."""
-    base = audio.stem if audio.suffix.lower() in ("", ".wav") else audio.name
-    return audio.with_name(base + ".json"), audio.with_name(base + ".codes.safetensors")
+    beside `x.flac` (each format has its own, so formats in one folder never share one). A file
+    the user `named` (`-o x.flac`) has `x.json` whatever its format, as `-o x.wav` has."""
+    return (audio.with_name(_base(audio, named) + ".json"),
+            audio.with_name(_base(audio, named) + ".codes.safetensors"))
+
+
+def _base(audio: Path, named: bool) -> str:
+    return audio.stem if named or audio.suffix.lower() in ("", ".wav") else audio.name
 
 
 # --- codes files --------------------------------------------------------------------------------
@@ -184,16 +189,17 @@ def jsonl_records(handle) -> Iterator[dict]:
 # --- captions -----------------------------------------------------------------------------------
 
 
-def caption_path(audio: Path, fmt: str) -> Path:
+def caption_path(audio: Path, fmt: str, named: bool = False) -> Path:
     """`x.srt` beside `x.wav`, `x.flac.vtt` beside `x.flac` (as `companion_paths`)."""
-    base = audio.stem if audio.suffix.lower() in ("", ".wav") else audio.name
-    return audio.with_name(f"{base}.{fmt}")
+    return audio.with_name(f"{_base(audio, named)}.{fmt}")
 
 
-def write_captions(audio: Path, cues: list[dict], formats: list[str]) -> list[Path]:
+def write_captions(audio: Path, cues: list[dict], formats: list[str],
+                   named: bool = False) -> list[Path]:
     """Each caption file beside `audio`, written atomically."""
     paths = []
     for fmt in formats:
         payload = caption_text(cues, fmt).encode("utf-8")
-        paths.append(atomic_write(caption_path(audio, fmt), lambda f, p=payload: f.write(p)))
+        paths.append(atomic_write(caption_path(audio, fmt, named),
+                                  lambda f, p=payload: f.write(p)))
     return paths

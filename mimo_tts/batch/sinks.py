@@ -130,7 +130,10 @@ class FileSink(Sink):
     existing file among the item's (audio, sidecar, codes) is kept unless `overwrite`. Missing
     folders are created. Temp files a killed run left beside the target are removed (those of
     dead pids). A target that is not a regular file (`/dev/null`, a FIFO) gets the audio only.
+    The user named the file, so its sidecar is `x.json` whatever its format (`named`).
     """
+
+    named = True  # companions by the file's stem (a folder's outputs: by its name, per format)
 
     def __init__(self, path: str | Path, fmt: str = "wav", sample_rate: int = SAMPLE_RATE,
                  save_codes: bool = False, overwrite: bool = False, audio_only: bool = False):
@@ -145,11 +148,11 @@ class FileSink(Sink):
         return self
 
     def _own_files(self, path: Path) -> tuple[Path, ...]:
-        sidecar, codes = companion_paths(path)
+        sidecar, codes = companion_paths(path, self.named)
         return (path,) if self.audio_only else (path, sidecar, codes)
 
     def targets(self, result) -> tuple[Path, Path, Path]:
-        return (self.path, *companion_paths(self.path))
+        return (self.path, *companion_paths(self.path, self.named))
 
     def check(self, result) -> None:
         """Skip an item done with the same inputs; refuse to replace anything else."""
@@ -188,12 +191,14 @@ class FileSink(Sink):
             data = encode_audio(samples, self.sample_rate, self.fmt)
             result.path, result.sidecar = path, sidecar
             captions = record.get("captions") or {}
-            caption_files = [caption_path(path, f) for f in captions.get("formats", ())]
+            caption_files = [caption_path(path, f, self.named) for f in captions.get("formats",
+                                                                                  ())]
             result.captions = [str(p) for p in caption_files] or None
             audio = {**record.get("audio", {}), "bytes": len(data)}  # done: this size on disk
             write_json(sidecar, {**record, "audio": audio,
                                  "result": result.record(record["task"])})
-            write_captions(path, captions.get("cues", []), captions.get("formats", []))
+            write_captions(path, captions.get("cues", []), captions.get("formats", []),
+                           self.named)
             atomic_write(path, lambda f: f.write(data))
         except BaseException:
             remove_quietly(sidecar, result.codes_path,
@@ -216,6 +221,8 @@ class DirectorySink(FileSink):
     and manifest line. A failed or refused item never replaces the `ok` line of an output that
     is still there. The lock file is opened without following links.
     """
+
+    named = False
 
     def __init__(self, root: str | Path, task: str, fmt: str = "wav",
                  sample_rate: int = SAMPLE_RATE, save_codes: bool = False,
