@@ -5,6 +5,7 @@ book.json (`mimo_tts/book/`). `--list` shows the chapters without loading anythi
 from __future__ import annotations
 
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Annotated
 
@@ -142,7 +143,9 @@ def _synthesize(reporter: Reporter, bplan, runner, sink) -> list:
 
     items, count, task = bplan.plan.items, len(bplan.book.chapters), bplan.settings.synthesis.task
     writer = ChapterWriter(bplan, runner.resolve(), reporter.log)
-    results = []
+    left = Counter(bplan.chapter_of(item).number for item in items)
+    lines = not reporter.err.is_terminal  # off a terminal (a log): a line per chapter
+    results, start = [], time.perf_counter()
     with reporter.bar(len(items), "reading", eta=True) as advance:
         for result in runner.run(items, sink):
             results.append(result)
@@ -151,6 +154,11 @@ def _synthesize(reporter: Reporter, bplan, runner, sink) -> list:
             writer.settled(result.item)
             chapter = bplan.chapter_of(result.item)
             advance(f"chapter {chapter.number}/{count} {chapter.title[:24]}")
+            left[chapter.number] -= 1
+            if lines and not left[chapter.number]:
+                reporter.info(f"chapter {chapter.number}/{count} read: {chapter.title} "
+                              f"({len(results)} of {len(items)} pieces, "
+                              f"{time.perf_counter() - start:.0f} s)")
     return results
 
 

@@ -110,6 +110,11 @@ def test_whole_book(whole, invoke):
     assert re.search(r"9 written, 0 skipped, 0 failed \| load [\d.]+ s \| synthesis [\d.]+ s "
                      r"for [\d.]+ s of audio \(RTF [\d.]+\)", done.stderr)
     assert "book: 3 chapters, 0:00:" in done.stderr
+    # off a terminal (a log) a line per chapter as it is read (before: nothing until the end)
+    assert re.findall(r"^chapter (\d)/3 read: (.*) \((\d) of 9 pieces, \d+ s\)$",
+                      done.stderr, re.M) == [("1", "The Harbour", "3"),
+                                             ("2", "The Lighthouse", "6"),
+                                             ("3", "The Return", "9")]
     status = invoke("status", out, "--json")
     report = json.loads(status.stdout)
     assert status.exit_code == 0 and report["done"] == 9 and report["items"] == 9

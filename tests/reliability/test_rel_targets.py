@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -78,6 +79,8 @@ def test_2_paths_go_to_stdout_while_the_bar_is_on_a_terminal(base_env, entry_poi
     paths = (tmp_path / "paths.txt").read_text().splitlines()
     assert len(paths) == 3 and all((tmp_path / p).is_file() for p in paths)
     assert b"output_audio/" not in screen and b"3 written" in screen
+    # the bar: items done, the time elapsed and the time left (before: no time left)
+    assert re.search(rb"[0-3]/3 \S* ?\d:\d\d:\d\d (\d:\d\d:\d\d|-:--:--)", screen), screen
 
 
 # --- 4: the format follows the -o extension -------------------------------------------------------
