@@ -143,6 +143,10 @@ CATALOGUE = (
     Option("prompt_audio", BATCH, "Voice prompt audio file.", "FILE", IN),
     Option("voice", BATCH, "A stored voice (mimo-tts voices add): clones it as --prompt-audio "
            "its file would.", "NAME", IN),
+    Option("voice_per_piece", "book", "Read each piece in the model's own voice, which may "
+           "change from piece to piece (default without --voice or --prompt-audio: the book's "
+           "first piece, read once, is the voice of every piece: book-voice.wav).", panel=IN,
+           home=None, kind=bool),
     Option("caption_formats", "synth", "Write captions beside each output: srt, vtt or srt,vtt. "
            "Each sentence is then synthesised as its own piece, so the audio differs from a run "
            "without.", "FORMATS", OUT, ("--captions",)),
@@ -323,5 +327,10 @@ StatusJson = Annotated[bool, typer.Option(
 SelftestJson = Annotated[bool, typer.Option(
     "--json", help="The result as one JSON object on stdout: seconds, frames, peak, RTF "
     "(default: one line on stderr).")]
+VoiceAddJson = Annotated[bool, typer.Option(
+    "--json", rich_help_panel=RUN, help="The stored voice's record as one JSON object on stdout "
+    "(default: the record's path).")]
+VoicesListJson = Annotated[bool, typer.Option(
+    "--json", help="One JSON object per stored voice on stdout (default: a line each).")]
 Debug = Annotated[bool, typer.Option("--debug", rich_help_panel=RUN,
                                      help="Show tracebacks for errors.")]

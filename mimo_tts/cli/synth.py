@@ -65,7 +65,7 @@ def synth(
             VoiceStore().load(plan.settings.synthesis.voice)
         runner = BatchRunner(plan.settings, log=reporter.log)
         start = time.perf_counter()
-        with runner, reporter.bar(len(plan.items)) as advance:  # closes the engine (vLLM)
+        with runner, reporter.bar(len(plan.items), eta=True) as advance:  # closes the engine
             results = []
             for result in run_synth(runner, plan.items, plan.sink()):
                 results.append(result)

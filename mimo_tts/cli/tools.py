@@ -37,15 +37,20 @@ def status(
         metavar="TEXT", help="synth's --instruct, likewise.")] = None,
     prompt_audio: Annotated[str | None, typer.Option(
         metavar="FILE", help="synth's --prompt-audio, likewise.")] = None,
+    voice: Annotated[str | None, typer.Option(
+        metavar="NAME", help="synth's --voice, likewise.")] = None,
+    captions: Annotated[bool, typer.Option(
+        "--captions", help="The run had synth's --captions (any formats), likewise.")] = False,
     merge: Annotated[bool, typer.Option(
         "--merge", help="Write every shard's lines into one results.jsonl.")] = False,
     as_json: StatusJson = False, debug: Debug = False,
 ) -> None:
     """Done / failed / missing items across all shards' manifests of an output folder.
 
-    Give it synth's --input and the --seed, --instruct and --prompt-audio the run had: they
-    name the items. A book's folder (mimo-tts book) names its own pieces, with a line per
-    chapter. Exits 0 when every item is done, 10 when some are failed or missing.
+    Give it synth's --input and the --seed, --instruct, --prompt-audio, --voice and
+    --captions the run had: they name the items. A book's folder (mimo-tts book) names its
+    own pieces, with a line per chapter. Exits 0 when every item is done, 10 when some are
+    failed or missing.
     """
     reporter = Reporter(as_json=as_json, debug=debug)
 
@@ -58,7 +63,8 @@ def status(
             report, lines = book_status.report(output_dir, merge), book_status.lines
         else:
             report = folder_status.report(output_dir, task, input or [], merge,
-                                          Naming(seed, instruct, prompt_audio, task))
+                                          Naming(seed, instruct, prompt_audio, task,
+                                                 voice, captions))
             lines = folder_status.lines
         if as_json:
             reporter.data(report)

@@ -4,6 +4,7 @@ prompt audio."""
 
 from __future__ import annotations
 
+import functools
 import io as _io
 import numbers
 import os
@@ -256,6 +257,23 @@ def check_prompt_file(path: str | Path, where: str = "prompt audio",
                 else "a device")
         raise InputError(f"{where} {shown} is {kind}, not a regular file")
     return path
+
+
+def check_prompt_audio(path: str | Path, where: str = "prompt audio",
+                       shown: str | None = None) -> Path:
+    """A prompt file checked as a run checks it before its models load: a regular file
+    (`check_prompt_file`) whose header decodes and whose length is within the limits
+    (`audio_seconds`), so a corrupt file fails its item in seconds. Each file (by path, size
+    and mtime) is probed once per process."""
+    path = check_prompt_file(path, where, shown)
+    info = path.stat()
+    _probe(str(path), info.st_size, info.st_mtime_ns, where, shown or str(path))
+    return path
+
+
+@functools.lru_cache(maxsize=256)
+def _probe(path: str, size: int, mtime_ns: int, where: str, shown: str) -> None:
+    audio_seconds(path, where, shown)  # an InputError is raised again on every call
 
 
 def read_audio(path: str | Path, where: str = "prompt audio", shown: str | None = None):

@@ -49,7 +49,7 @@ BEFORE = {
     "book": {
         "Outputs": "--output-dir --format --no-m4b --overwrite",
         "Book": "--list --chapters --title --author --items-out",
-        "Inputs": "--voice --prompt-audio --instruct",
+        "Inputs": "--voice --prompt-audio --instruct --voice-per-piece",  # (the last: since)
         **MODEL, "Run": "--config -c --shard --json --quiet -q --verbose -v --debug"},
     "devices": {
         "Models": "--model -m --tokenizer",
@@ -147,7 +147,7 @@ def test_each_option_has_one_home_of_its_type():
         elif option.home == SERVER:
             assert option.name in SERVE_KEYS
         else:  # the command's own: each command that takes it names it
-            assert option.kind is str
+            assert option.kind in (str, bool)
     # every server option a server takes, and nothing else there
     assert {o.name for o in options_of("serve") if o.home == SERVER} == set(SERVE_KEYS)
 
