@@ -22,10 +22,14 @@ SPEECH = re.compile(r"^POST /v1/audio/speech 200 voice=(\S+) chars=(\d+) audio=(
 
 def request_lines(served, before: int, count: int, timeout: float = 30) -> list[str]:
     """The server's log lines after its first `before`, once there are `count` of them (a
-    request's line is written when its response has ended, just after the client has it)."""
+    request's line is written when its response has ended, just after the client has it).
+    A start-up /health poll's line may come after `before` was read: those lead and are
+    dropped (the test's own requests begin with a POST)."""
     deadline = time.monotonic() + timeout
     while True:
         lines = served.stderr().splitlines()[before:]
+        while lines and lines[0].startswith("GET /health "):
+            lines.pop(0)
         if len(lines) >= count or time.monotonic() > deadline:
             return lines
 
