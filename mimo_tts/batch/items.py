@@ -55,6 +55,9 @@ class Naming:
     instruct: str | None = None
     prompt_audio: str | None = None
     task: str = DEFAULT_TASK  # not in the id: each task has its own folder
+    # Output settings that change the audio but not the codes (`--speed`, `--sentence-silence`)
+    # as "name=value", only those not at their default: another file, not a collision.
+    variant: tuple[str, ...] = ()
 
 
 # --- ids and text -------------------------------------------------------------------------------
@@ -86,14 +89,16 @@ def printable(text: str) -> str:
 
 
 def text_id(text: str, seed: int = 0, instruct: str | None = None,
-            prompt_audio: str | None = None) -> str:
+            prompt_audio: str | None = None, variant: tuple[str, ...] = ()) -> str:
     """A stable id for an item without one: a slug of the text plus a short hash of the text
     and of what else changes its audio (a seed other than 0, an instruction, a voice prompt's
-    path as written), so another seed, style or voice of one sentence is another file. With
-    none of those the hash covers the text alone, as it always did."""
+    path as written, the `variant` of `Naming`), so another seed, style, voice, speed or pause
+    of one sentence is another file. With none of those the hash covers the text alone, as
+    it always did."""
     parts = [text, *([f"seed={seed}"] if seed else []),
              *([f"instruct={instruct}"] if instruct else []),
-             *([f"prompt_audio={os.path.normpath(prompt_audio)}"] if prompt_audio else [])]
+             *([f"prompt_audio={os.path.normpath(prompt_audio)}"] if prompt_audio else []),
+             *variant]
     blob = "\0".join(parts)  # clean text holds no NUL: the parts cannot run together
     digest = hashlib.sha1(blob.encode("utf-8", errors="surrogatepass")).hexdigest()[:8]
     slug = sanitize_id(" ".join(text.split()[:6]))[:32].rstrip("._-")
@@ -120,7 +125,7 @@ def read_items(texts: Iterable[str], inputs: Iterable[str], stdin=None,
             item.legacy_id = item.id
             item.id = text_id(item.text, item.seed if item.seed is not None else naming.seed,
                               item.instruct or naming.instruct,
-                              item.prompt_audio or naming.prompt_audio)
+                              item.prompt_audio or naming.prompt_audio, naming.variant)
             item.legacy_id = None if item.legacy_id == item.id else item.legacy_id
     return _dedupe(items, naming)
 

@@ -24,6 +24,12 @@ from mimo_tts.batch.sinks import (
     TaskDirectories,
 )
 from mimo_tts.errors import UsageError
+from mimo_tts.synthesis.markup import (
+    DEFAULT_SENTENCE_SILENCE,
+    MarkupError,
+    has_markup,
+    script,
+)
 from mimo_tts.synthesis.options import check
 from mimo_tts.synthesis.profiles import load_profile
 from mimo_tts.synthesis.settings import OptionValues, Settings, place, resolve_options
@@ -34,6 +40,25 @@ def check_binary_stdout(to_stdout: bool, flag: str) -> None:
     check(not (to_stdout and os.isatty(1)),
            f"{flag} writes audio bytes to stdout, which is a terminal; pipe it (| aplay) or "
            "redirect it (> file)")
+
+
+def variant_of(o) -> tuple[str, ...]:
+    """What a derived id adds for output settings off their default (`Naming.variant`): a
+    `--speed 1.5` run of a text spoken at speed 1 before writes its own file."""
+    return ((f"speed={o.speed:g}",) if o.speed != 1 else ()) + (
+        (f"sentence_silence={o.sentence_silence:g}",)
+        if o.sentence_silence != DEFAULT_SENTENCE_SILENCE else ())
+
+
+def check_markup(items: list[Item], o) -> None:
+    """Every item's pause and voice tags read before anything loads: a bad one is a one-line
+    UsageError naming the item and the tag (exit 2)."""
+    for item in items:
+        if item.error is None and has_markup(item.text):
+            try:
+                script(item.text, o)
+            except MarkupError as exc:
+                raise MarkupError(f"{item.source}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -90,7 +115,9 @@ def plan_synth(request: SynthRequest, stdin=None, log=None, make_items=None) -> 
     if not request.texts and not inputs and stdin is not None and piped(stdin):
         inputs = ("-",)  # `echo text | mimo-tts synth`: stdin as --input - reads it
     items = make_items(settings) if make_items is not None else read_items(
-        request.texts, inputs, stdin, Naming(o.seed, o.instruct, o.prompt_audio, o.task))
+        request.texts, inputs, stdin,
+        Naming(o.seed, o.instruct, o.prompt_audio, o.task, variant_of(o)))
+    check_markup(items, o)
     check(bool(items), "nothing to say: give --text, --input FILE, or pipe text to stdin")
     check(run.output is None or run.raw or len(items) == 1,
            f"-o/--output takes exactly one item, got {len(items)}; use --output-dir")

@@ -20,6 +20,7 @@ from mimo_tts.errors import InputError, MimoTTSError, UsageError
 from mimo_tts.lm.engine import DEFAULT_ENGINE
 from mimo_tts.runtime import runner_record
 from mimo_tts.synthesis.audio import PAUSE_FRAMES
+from mimo_tts.synthesis.markup import DEFAULT_SENTENCE_SILENCE
 from mimo_tts.synthesis.options import SynthesisOptions
 from mimo_tts.synthesis.pieces import Piece
 from mimo_tts.synthesis.preflight import engine_record
@@ -48,6 +49,8 @@ def sidecar_record(settings: Settings, context: dict, result: ItemResult,
         "seed": result.seed, "max_new_groups": o.max_new_groups,
         "batch_size": s.run.batch_size, "stream": s.run.stream, "stream_mode": o.stream_mode,
         "max_chars": o.max_chars, **({"speed": o.speed} if o.speed != 1 else {}),
+        **({"sentence_silence": o.sentence_silence}
+           if o.sentence_silence != DEFAULT_SENTENCE_SILENCE else {}),
         "audio": {"format": s.run.format, "sample_rate": s.run.sample_rate,
                   "seconds": round(result.seconds, 4), "pause_frames": PAUSE_FRAMES},
         "pieces": [p.record() for p in pieces],
@@ -112,6 +115,8 @@ def run_inputs(settings: Settings, refs) -> dict:
         inputs["captions"] = True
     if o.speed != 1:  # the same codes, stretched: speed 1 keeps its keys
         inputs["speed"] = o.speed
+    if o.sentence_silence != DEFAULT_SENTENCE_SILENCE:  # other pauses: the default keeps its keys
+        inputs["sentence_silence"] = o.sentence_silence
     return inputs
 
 

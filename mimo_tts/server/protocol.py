@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from mimo_tts.errors import DeviceError, InputError, MimoTTSError, UsageError, short_repr
 from mimo_tts.synthesis import aac
 from mimo_tts.synthesis.audio import AAC_FORMATS, FORMATS, LOSSY_FORMATS, lossy_formats
+from mimo_tts.synthesis.markup import MarkupError, script
 from mimo_tts.synthesis.options import DEFAULT_TASK, MAX_SEED, task_for
 from mimo_tts.synthesis.tempo import SPEEDS
 from mimo_tts.synthesis.text import clean_text
@@ -310,6 +311,10 @@ class RequestParser:
                               speed=self.base.speed if speed is None else float(speed))
         except MimoTTSError as exc:
             raise ApiError.of(exc) from None
+        try:
+            script(text, options)  # its pause and voice tags, read before it is queued
+        except MarkupError as exc:
+            raise ApiError(400, str(exc), "input") from None
         return SpeechParams(text, options, fmt, stream_format == "sse", captions, voice_name)
 
     def bounded(self, text: str, name: str) -> str:

@@ -27,13 +27,13 @@ from mimo_tts.lm.tasks import TASKS
 from mimo_tts.lm.text import TextTokenizer
 from mimo_tts.runtime.checkpoints import DEFAULT_MODEL
 from mimo_tts.runtime.guards import oom_advice
-from mimo_tts.synthesis.captions import text_pieces
 from mimo_tts.synthesis.loader import (
     check_fits,
     resolve_checkpoints,
     stage1_mode,
     thread_budgets,
 )
+from mimo_tts.synthesis.markup import script
 from mimo_tts.synthesis.options import (
     EngineOptions,
     SynthesisOptions,
@@ -166,7 +166,7 @@ class MiMoTTS(SpeechCalls):
         return [build_prompt(o.task, piece, self.text, self.empty_ids, instruct=instruct,
                              prompt_codes=codes, template=o.template, seed=seed,
                              group_size=self.group_size)
-                for piece in text_pieces(text, o)]
+                for piece in script(text, o).texts]
 
     def voice_codes(self, name: str) -> torch.Tensor:
         """A stored voice's prompt codes [K, T]. Codes another audio tokenizer encoded are
@@ -219,9 +219,9 @@ class MiMoTTS(SpeechCalls):
                             stage1_batch=stage1_batch or STAGE1_BATCH, meter=meter,
                             log=log or self.log)
 
-    def finish(self, pieces: list[Piece], label: str) -> torch.Tensor:
-        """The pieces' audio joined and checked [S] (24 kHz): `Stage1.finish`."""
-        return self.stage1.finish(pieces, label)
+    def finish(self, pieces: list[Piece], label: str, pauses=None) -> torch.Tensor:
+        """The pieces' audio joined by `pauses` and checked [S] (24 kHz): `Stage1.finish`."""
+        return self.stage1.finish(pieces, label, pauses)
 
     def describe(self, o: SynthesisOptions) -> dict:
         """Checkpoints, placement, engine and effective samplers (provenance of every output)."""
