@@ -307,8 +307,8 @@ def book_cues(bplan: BookPlan, chapters: dict[int, ChapterAudio],
     """One cue per piece, numbered through the book, at its samples in the joined book."""
     out: list[Cue] = []
     for number, chapter in chapters.items():
-        for cue in cues([f.item.text for f in chapter.files], [f.samples for f in chapter.files],
-                        SAMPLE_RATE, chapter.pauses,
+        words = [f.item.extra.get("words", f.item.text) for f in chapter.files]
+        for cue in cues(words, [f.samples for f in chapter.files], SAMPLE_RATE, chapter.pauses,
                         [f.item.extra.get("voice") for f in chapter.files]):
             out.append(Cue(len(out) + 1, cue.text, starts[number] + cue.start_sample,
                            starts[number] + cue.end_sample, SAMPLE_RATE, cue.voice))

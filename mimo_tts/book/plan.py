@@ -184,8 +184,9 @@ def book_items(book: Book, settings: Settings) -> dict[int, list[Item]]:
                 chapter_script(c, o.max_chars, silence), 1):
             extra = {"pause": before} if before != (PAUSE if k > 1 else 0) else {}
             extra.update({"after": after[0]} if after else {})
-            extra.update({"voice": voice} if voice else {})
-            items.append(Item(id=piece_id(c.number, k), text=text,
+            extra.update({"voice": voice, "words": text} if voice else {})
+            spoken = f"[voice:{voice}] {text}" if voice else text  # read again by synth
+            items.append(Item(id=piece_id(c.number, k), text=spoken,
                               source_id=piece_id(c.number, k),
                               seed=piece_seed(o.seed, c.number, k), prompt_audio=prompt,
                               source=f"{book.source.name} chapter {c.number}", extra=extra))

@@ -311,8 +311,11 @@ class RequestParser:
                               speed=self.base.speed if speed is None else float(speed))
         except MimoTTSError as exc:
             raise ApiError.of(exc) from None
-        try:
-            script(text, options)  # its pause and voice tags, read before it is queued
+        try:  # its pause and voice tags, read before it is queued
+            for name in script(text, options).named_voices:
+                if name not in BUILT_IN and name not in self.store.names():
+                    raise MarkupError(f"[voice:{name}]: unknown voice {name!r}; a tag names "
+                                      "a built-in or stored voice (GET /v1/audio/voices)")
         except MarkupError as exc:
             raise ApiError(400, str(exc), "input") from None
         return SpeechParams(text, options, fmt, stream_format == "sse", captions, voice_name)
