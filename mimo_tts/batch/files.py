@@ -18,8 +18,9 @@ from pathlib import Path
 from mimo_tts.errors import InputError, OutputError
 from mimo_tts.lm.config import AUDIO_CHANNELS
 from mimo_tts.runtime.paths import atomic_write
-from mimo_tts.synthesis.audio import FORMATS, encode_audio, pcm16
+from mimo_tts.synthesis.audio import FORMATS, SAMPLE_RATE, encode_audio, pcm16
 from mimo_tts.synthesis.captions import caption_text
+from mimo_tts.synthesis.markup import MAX_PAUSE
 
 
 def audio_suffix(fmt: str | None) -> str:
@@ -58,14 +59,17 @@ def save_codes(path: str | Path, pieces: list, metadata: dict) -> Path:
 
 CODE_CHANNELS = AUDIO_CHANNELS  # codebooks the LM emits and `decode` takes
 MAX_PAUSE_FRAMES = 250  # 10 s of silence between pieces
+MAX_PAUSE_SAMPLES = round(MAX_PAUSE * SAMPLE_RATE)  # one [pause:] or <break>: 60 s
 
 
 def load_codes(path: str | Path) -> tuple[list, dict]:
     """Read codes saved by `save_codes` (or a bare `codes` tensor in any safetensors file).
 
-    Every piece must be an integer [8, T] tensor (T >= 1) and `pause_frames` in the metadata an
-    integer in [0, 250]; anything else is an InputError naming the file, so the other files of a
-    `decode` run still go on.
+    Every piece must be an integer [8, T] tensor (T >= 1), `pause_frames` in the metadata an
+    integer in [0, 250] and `pause_samples` (written when the text asked its own pauses, or
+    --sentence-silence was not the default: silence before each piece and after the last, in
+    samples) one integer per piece and one more; anything else is an InputError naming the
+    file, so the other files of a `decode` run still go on.
     """
     from safetensors import SafetensorError, safe_open
 
@@ -95,6 +99,14 @@ def load_codes(path: str | Path) -> tuple[list, dict]:
             not 0 <= pause <= MAX_PAUSE_FRAMES:
         raise InputError(f"{path}: metadata pause_frames must be an integer in "
                          f"[0, {MAX_PAUSE_FRAMES}], got {str(pause)[:20]!r}")
+    samples = metadata.get("pause_samples")
+    if samples is not None and not (
+            isinstance(samples, list) and len(samples) == len(pieces) + 1
+            and all(isinstance(n, int) and not isinstance(n, bool)
+                    and 0 <= n <= MAX_PAUSE_SAMPLES for n in samples)):
+        raise InputError(f"{path}: metadata pause_samples must be {len(pieces) + 1} integers "
+                         f"in [0, {MAX_PAUSE_SAMPLES}] (silence before each piece and after "
+                         f"the last), got {str(samples)[:40]!r}")
     return [p.long() for p in pieces], metadata
 
 

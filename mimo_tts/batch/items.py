@@ -57,6 +57,9 @@ class Naming:
     task: str = DEFAULT_TASK  # not in the id: each task has its own folder
     voice: str | None = None  # a stored voice, by name (an item's own prompt_audio wins)
     captions: bool = False  # a piece per sentence: other audio
+    # Output settings that change the audio but not the codes (`--speed`, `--sentence-silence`)
+    # as "name=value", only those not at their default: another file, not a collision.
+    variant: tuple[str, ...] = ()
 
 
 # --- ids and text -------------------------------------------------------------------------------
@@ -89,17 +92,17 @@ def printable(text: str) -> str:
 
 def text_id(text: str, seed: int = 0, instruct: str | None = None,
             prompt_audio: str | None = None, voice: str | None = None,
-            captions: bool = False) -> str:
+            captions: bool = False, variant: tuple[str, ...] = ()) -> str:
     """A stable id for an item without one: a slug of the text plus a short hash of the text
     and of what else changes its audio (a seed other than 0, an instruction, a voice prompt's
-    path as written, a stored voice's name, captions' piece per sentence), so another seed,
-    style, voice or cut of one sentence is another file. With none of those the hash covers
-    the text alone, as it always did."""
+    path as written, a stored voice's name, captions' piece per sentence, the `variant` of
+    `Naming`), so another seed, style, voice, cut, speed or pause of one sentence is another
+    file. With none of those the hash covers the text alone, as it always did."""
     parts = [text, *([f"seed={seed}"] if seed else []),
              *([f"instruct={instruct}"] if instruct else []),
              *([f"prompt_audio={os.path.normpath(prompt_audio)}"] if prompt_audio else []),
              *([f"voice={voice}"] if voice and not prompt_audio else []),
-             *(["captions"] if captions else [])]
+             *(["captions"] if captions else []), *variant]
     blob = "\0".join(parts)  # clean text holds no NUL: the parts cannot run together
     digest = hashlib.sha1(blob.encode("utf-8", errors="surrogatepass")).hexdigest()[:8]
     slug = sanitize_id(" ".join(text.split()[:6]))[:32].rstrip("._-")
@@ -127,7 +130,7 @@ def read_items(texts: Iterable[str], inputs: Iterable[str], stdin=None,
             item.id = text_id(item.text, item.seed if item.seed is not None else naming.seed,
                               item.instruct or naming.instruct,
                               item.prompt_audio or naming.prompt_audio, naming.voice,
-                              naming.captions)
+                              naming.captions, naming.variant)
             item.legacy_id = None if item.legacy_id == item.id else item.legacy_id
     return _dedupe(items, naming)
 

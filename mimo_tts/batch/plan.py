@@ -25,9 +25,16 @@ from mimo_tts.batch.sinks import (
 )
 from mimo_tts.errors import UsageError
 from mimo_tts.lm.tasks import TASKS
+from mimo_tts.synthesis.markup import (
+    DEFAULT_SENTENCE_SILENCE,
+    MarkupError,
+    has_markup,
+    script,
+)
 from mimo_tts.synthesis.options import check
 from mimo_tts.synthesis.profiles import load_profile
 from mimo_tts.synthesis.settings import OptionValues, Settings, place, resolve_options
+from mimo_tts.synthesis.voices import BUILT_IN, VoiceStore
 
 
 def check_binary_stdout(to_stdout: bool, flag: str) -> None:
@@ -35,6 +42,41 @@ def check_binary_stdout(to_stdout: bool, flag: str) -> None:
     check(not (to_stdout and os.isatty(1)),
            f"{flag} writes audio bytes to stdout, which is a terminal; pipe it (| aplay) or "
            "redirect it (> file)")
+
+
+def variant_of(o) -> tuple[str, ...]:
+    """What a derived id adds for output settings off their default (`Naming.variant`): a
+    `--speed 1.5` run of a text spoken at speed 1 before writes its own file."""
+    return ((f"speed={o.speed:g}",) if o.speed != 1 else ()) + (
+        (f"sentence_silence={o.sentence_silence:g}",)
+        if o.sentence_silence != DEFAULT_SENTENCE_SILENCE else ())
+
+
+def check_markup(items: list[Item], o) -> None:
+    """Every item's pause and voice tags read before anything loads: a bad one is a one-line
+    UsageError naming the item and the tag (exit 2)."""
+    known = None
+    for item in items:
+        if item.error is None and has_markup(item.text):
+            try:
+                named = script(item.text, o).named_voices
+                known = check_tagged_voices(named, known)
+            except MarkupError as exc:
+                raise MarkupError(f"{item.source}: {exc}") from None
+
+
+def check_tagged_voices(named, known=None) -> list[str] | None:
+    """The voices `[voice:]` tags name: built-in or in the registry, else a one-line
+    MarkupError (exit 2) before the model loads. Returns the registry's names (read once)."""
+    for name in named:
+        if name in BUILT_IN:
+            continue
+        known = VoiceStore().names() if known is None else known
+        if name not in known:
+            choices = ", ".join([*BUILT_IN, *known])
+            raise MarkupError(f"[voice:{name}]: unknown voice {name!r}; choose one of "
+                              f"{choices} (mimo-tts voices add {name} FILE stores one)")
+    return known
 
 
 @dataclass(frozen=True)
@@ -92,7 +134,8 @@ def plan_synth(request: SynthRequest, stdin=None, log=None, make_items=None) -> 
         inputs = ("-",)  # `echo text | mimo-tts synth`: stdin as --input - reads it
     items = make_items(settings) if make_items is not None else read_items(
         request.texts, inputs, stdin,
-        Naming(o.seed, o.instruct, o.prompt_audio, o.task, o.voice, o.captions))
+        Naming(o.seed, o.instruct, o.prompt_audio, o.task, o.voice, o.captions, variant_of(o)))
+    check_markup(items, o)
     check(bool(items), "nothing to say: give --text, --input FILE, or pipe text to stdin")
     check_task_inputs(o, items)
     check(run.output is None or run.raw or len(items) == 1,

@@ -20,12 +20,13 @@ from mimo_tts.errors import InputError, MimoTTSError, UsageError
 from mimo_tts.lm.engine import DEFAULT_ENGINE
 from mimo_tts.runtime import runner_record
 from mimo_tts.synthesis.audio import PAUSE_FRAMES
+from mimo_tts.synthesis.markup import DEFAULT_SENTENCE_SILENCE, has_markup, script
 from mimo_tts.synthesis.options import SynthesisOptions
 from mimo_tts.synthesis.pieces import Piece
 from mimo_tts.synthesis.preflight import engine_record
 from mimo_tts.synthesis.settings import Settings
 from mimo_tts.synthesis.streaming import chunk_cap
-from mimo_tts.synthesis.voices import VoiceStore
+from mimo_tts.synthesis.voices import BUILT_IN, VoiceStore
 
 
 def sidecar_record(settings: Settings, context: dict, result: ItemResult,
@@ -48,6 +49,8 @@ def sidecar_record(settings: Settings, context: dict, result: ItemResult,
         "seed": result.seed, "max_new_groups": o.max_new_groups,
         "batch_size": s.run.batch_size, "stream": s.run.stream, "stream_mode": o.stream_mode,
         "max_chars": o.max_chars, **({"speed": o.speed} if o.speed != 1 else {}),
+        **({"sentence_silence": o.sentence_silence}
+           if o.sentence_silence != DEFAULT_SENTENCE_SILENCE else {}),
         "audio": {"format": s.run.format, "sample_rate": s.run.sample_rate,
                   "seconds": round(result.seconds, 4), "pause_frames": PAUSE_FRAMES},
         "pieces": [p.record() for p in pieces],
@@ -81,9 +84,14 @@ def item_options(o: SynthesisOptions, item: Item) -> SynthesisOptions:
 def item_key(settings: Settings, refs, item: Item, seed: int) -> str:
     """The resume key: a hash of every input that determines an item's output bytes."""
     o = item_options(settings.synthesis, item)
-    return resume_key({**run_inputs(settings, refs),
-                       **item_inputs(item.text, item.instruct or o.instruct, seed,
-                                     item.prompt_audio or o.prompt_audio, o.task)})
+    inputs = {**run_inputs(settings, refs),
+              **item_inputs(item.text, item.instruct or o.instruct, seed,
+                            item.prompt_audio or o.prompt_audio, o.task)}
+    if has_markup(item.text):  # the voices its tags name, by their codes' hash
+        named = [v for v in script(item.text, o).named_voices if v not in BUILT_IN]
+        if named:
+            inputs["tagged_voices"] = {name: _voice_stamp(name) for name in named}
+    return resume_key(inputs)
 
 
 def run_inputs(settings: Settings, refs) -> dict:
@@ -112,6 +120,8 @@ def run_inputs(settings: Settings, refs) -> dict:
         inputs["captions"] = True
     if o.speed != 1:  # the same codes, stretched: speed 1 keeps its keys
         inputs["speed"] = o.speed
+    if o.sentence_silence != DEFAULT_SENTENCE_SILENCE:  # other pauses: the default keeps its keys
+        inputs["sentence_silence"] = o.sentence_silence
     return inputs
 
 

@@ -28,9 +28,15 @@ from mimo_tts.batch.resume import item_key, item_options, run_inputs, sidecar_re
 from mimo_tts.errors import InputError, MimoTTSError
 from mimo_tts.lm.engine import engine_spec
 from mimo_tts.lm.tasks import TASKS, validate_inputs
-from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, check_prompt_audio, resample
-from mimo_tts.synthesis.captions import at_rate, cues, piece_samples, text_pieces
+from mimo_tts.synthesis.audio import (
+    PAUSE_FRAMES,
+    SAMPLE_RATE,
+    check_prompt_audio,
+    resample,
+)
+from mimo_tts.synthesis.captions import at_rate, cues, piece_samples
 from mimo_tts.synthesis.loader import resolve_checkpoints
+from mimo_tts.synthesis.markup import script
 from mimo_tts.synthesis.options import SynthesisOptions
 from mimo_tts.synthesis.pieces import Piece
 from mimo_tts.synthesis.preflight import lengths_for
@@ -163,12 +169,11 @@ class BatchRunner:
         self.ensure_loaded()
         stream = self.settings.run.stream
         decode = decode or ("stream" if stream else "whole")
-        count = sum(len(text_pieces(r.item.text, self.options(r.item))) for r in pending)
+        count = sum(len(script(r.item.text, self.options(r.item)).texts) for r in pending)
         o = self.settings.synthesis
         worker = self.tts.worker(min(self.rows(), max(count, 1)), stream=stream,
                                  schedule=(o.stream_mode, o.stream_chunk_groups,
                                            o.stream_max_chunk_groups))
-        pause = PAUSE_FRAMES * self.tts.stage1.samples_per_frame
         begun: set = set()
         for event in worker.run(self._jobs(pending, pieces, decode)):
             r, index = event.job.key
@@ -180,12 +185,15 @@ class BatchRunner:
                 pass
             elif isinstance(event, Chunk):
                 if on_chunk is not None:
-                    if index and event.job not in begun:  # the pause between pieces
-                        on_chunk(torch.zeros(pause))
+                    if event.job not in begun and self.pauses(r)[index]:  # the pause before it
+                        on_chunk(torch.zeros(self.pauses(r)[index]))
                     on_chunk(event.samples)
                 begun.add(event.job)
             elif isinstance(event, Done):
                 pieces[id(r)][index] = event.piece
+                last = self.pauses(r)[-1]
+                if on_chunk is not None and last and index == len(pieces[id(r)]) - 1:
+                    on_chunk(torch.zeros(last))  # the text's pause after its last words
                 if None not in pieces[id(r)]:
                     _item_timings(r, [job for job in event.job.group], stream)
             yield
@@ -223,6 +231,10 @@ class BatchRunner:
                 sink.finished(r, self.task(r.item))
             out.append(r)
         return done + len(out), out
+
+    def pauses(self, result: ItemResult) -> tuple[int, ...]:
+        """The item's pauses in samples (`markup.Script.pauses`)."""
+        return script(result.item.text, self.options(result.item)).pauses
 
     def prompts(self, result: ItemResult) -> list:
         item, start = result.item, time.perf_counter()
@@ -299,7 +311,9 @@ def finish_item(stage1, settings: Settings, context: dict, result: ItemResult,
     result.text_out = [p.text for p in pieces]
     start = time.perf_counter()
     decoding = all(p.codes is not None for p in pieces) and any(p.audio is None for p in pieces)
-    audio = stage1.finish(pieces, result.item.id)
+    o = settings.synthesis
+    found = script(result.item.text, o)
+    audio = stage1.finish(pieces, result.item.id, found.pauses)
     if decoding:
         result.timings["decode_s"] = time.perf_counter() - start
     samples = resample(audio, SAMPLE_RATE, run.sample_rate)
@@ -308,15 +322,18 @@ def finish_item(stage1, settings: Settings, context: dict, result: ItemResult,
     result.timings["total_s"] = busy
     result.rtf = busy / max(result.seconds, 1e-9)
     result.status = "ok"
+    plain = found.plain(PAUSE_FRAMES * stage1.samples_per_frame)
     codes = {"pieces": [p.codes for p in pieces],
              "metadata": {"pause_frames": PAUSE_FRAMES, "id": result.item.id,
-                          "tokenizer": context["tokenizer"]}}
+                          "tokenizer": context["tokenizer"],
+                          **({} if plain else {"pause_samples": list(found.pauses)})}}
     record = sidecar_record(settings, context, result, pieces)
-    if settings.synthesis.captions:  # cues from the pieces' samples, in the output's rate
+    if not plain:
+        record["audio"]["pause_samples"] = list(found.pauses)
+    if o.captions:  # cues from the pieces' samples, in the output's rate
         spf = stage1.samples_per_frame
-        found = at_rate(cues(text_pieces(result.item.text, settings.synthesis),
-                             [piece_samples(p, spf) for p in pieces], SAMPLE_RATE, spf),
-                        run.sample_rate)
+        made = at_rate(cues(list(found.texts), [piece_samples(p, spf) for p in pieces],
+                            SAMPLE_RATE, found.pauses, found.voices), run.sample_rate)
         formats = (run.caption_formats or "").split(",") if run.caption_formats else []
-        record["captions"] = {"formats": formats, "cues": [c.record() for c in found]}
+        record["captions"] = {"formats": formats, "cues": [c.record() for c in made]}
     return samples, codes, record

@@ -42,6 +42,7 @@ from mimo_tts.runtime.paths import atomic_write, clean_temp_files, open_no_follo
 from mimo_tts.runtime.safetensors import parse_config
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, encode_audio
 from mimo_tts.synthesis.captions import Cue, caption_text, cues
+from mimo_tts.synthesis.markup import default_pauses
 from mimo_tts.synthesis.options import CAPTION_FORMATS
 
 CHAPTERS_DIR = "chapters"
@@ -78,11 +79,24 @@ class ChapterAudio:
         return PAUSE_FRAMES * self.samples_per_frame
 
     @property
+    def pauses(self) -> tuple[int, ...]:
+        """Samples of silence before each piece and after the last: `pause` between them
+        unless the piece's text asked its own (`[pause:]`, `--sentence-silence`: its item's
+        `extra`)."""
+        files = self.files
+        return (*(f.item.extra.get("pause", self.pause if i else 0)
+                  for i, f in enumerate(files)),
+                files[-1].item.extra.get("after", 0) if files else 0)
+
+    @property
     def samples(self) -> int:
-        return sum(f.samples for f in self.files) + self.pause * (len(self.files) - 1)
+        return sum(f.samples for f in self.files) + sum(self.pauses)
 
     def stamp(self, *more) -> str:
-        return _hash([VERSION, self.pause, [f.stamp for f in self.files], *more])
+        pauses = self.pauses
+        plain = pauses == default_pauses(len(self.files), self.pause)
+        return _hash([VERSION, self.pause, [f.stamp for f in self.files], *more,
+                      *([] if plain else [list(pauses)])])
 
 
 @dataclass
@@ -174,10 +188,13 @@ def chapter_blocks(chapter: ChapterAudio):
     """A chapter's samples as blocks: pieces and the pauses between them."""
     import numpy as np
 
-    for i, piece in enumerate(chapter.files):
-        if i:
-            yield np.zeros(chapter.pause, dtype=np.float32)
+    pauses = chapter.pauses
+    for pause, piece in zip(pauses, chapter.files, strict=False):
+        if pause:
+            yield np.zeros(pause, dtype=np.float32)
         yield read_piece(piece.path)
+    if pauses[-1]:
+        yield np.zeros(pauses[-1], dtype=np.float32)
 
 
 class _Outputs:
@@ -365,10 +382,11 @@ def book_cues(bplan: BookPlan, chapters: dict[int, ChapterAudio],
     """One cue per piece, numbered through the book, at its samples in the joined book."""
     out: list[Cue] = []
     for number, chapter in chapters.items():
-        for cue in cues([f.item.text for f in chapter.files], [f.samples for f in chapter.files],
-                        SAMPLE_RATE, chapter.samples_per_frame):
+        words = [f.item.extra.get("words", f.item.text) for f in chapter.files]
+        for cue in cues(words, [f.samples for f in chapter.files], SAMPLE_RATE, chapter.pauses,
+                        [f.item.extra.get("voice") for f in chapter.files]):
             out.append(Cue(len(out) + 1, cue.text, starts[number] + cue.start_sample,
-                           starts[number] + cue.end_sample, SAMPLE_RATE))
+                           starts[number] + cue.end_sample, SAMPLE_RATE, cue.voice))
     return out
 
 

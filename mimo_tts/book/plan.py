@@ -34,7 +34,7 @@ from mimo_tts.errors import OutputError, UsageError
 from mimo_tts.lm.tasks import TASKS
 from mimo_tts.runtime.paths import atomic_write
 from mimo_tts.synthesis.audio import FORMATS, SAMPLE_RATE
-from mimo_tts.synthesis.captions import caption_pieces
+from mimo_tts.synthesis.markup import DEFAULT_SENTENCE_SILENCE, script, silence_samples
 from mimo_tts.synthesis.options import MAX_SEED
 from mimo_tts.synthesis.settings import OptionValues, Settings
 
@@ -144,22 +144,73 @@ def piece_seed(seed: int, chapter: int, piece: int) -> int:
     return int.from_bytes(digest[:8], "big") & MAX_SEED
 
 
+PAUSE = silence_samples(DEFAULT_SENTENCE_SILENCE)  # between two pieces: synth's, 8 frames
+
+
 def chapter_pieces(chapter: Chapter, max_chars: int) -> list[str]:
     """A chapter's pieces: each paragraph's sentences, long ones cut at clauses (captions' cut,
     at most `max_chars` when that is smaller), so each piece is one cue."""
-    return [piece for paragraph in chapter.paragraphs
-            for piece in caption_pieces(paragraph, max_chars)]
+    return [piece[0] for piece in chapter_script(chapter, max_chars, PAUSE)]
+
+
+def chapter_script(chapter: Chapter, max_chars: int, silence: int) -> list[tuple]:
+    """A chapter's pieces as (text, voice, samples of silence before it), the pause and voice
+    tags read as in one text (`markup.script`, paragraph by paragraph): a voice tag lasts to
+    the next one or the chapter's end; a pause at a paragraph's end or start stands for the
+    sentence silence there. A chapter that ends with a pause has it as the last tuple's
+    fourth value."""
+    out: list[tuple] = []
+    voice: str | None = None
+    tail = 0  # the pause asked at the previous paragraph's end
+    for paragraph in chapter.paragraphs:
+        found = _paragraph(paragraph, max_chars, silence)
+        for k, (text, named) in enumerate(zip(found.texts, found.voices, strict=True)):
+            before = found.pauses[k]
+            if k == 0 and out:
+                asked = tail + before
+                before = asked if asked else silence
+            voice = named if named is not None else voice
+            out.append((text, voice, before))
+        tail = found.pauses[-1]
+    if out and tail:
+        out[-1] = (*out[-1], tail)
+    return out
+
+
+def _paragraph(paragraph: str, max_chars: int, silence: int):
+    return script(paragraph, _Cut(max_chars, silence / SAMPLE_RATE))
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """The options `markup.script` reads: a book cuts every paragraph as captions do."""
+
+    max_chars: int
+    sentence_silence: float
+    captions: bool = True
 
 
 def book_items(book: Book, settings: Settings) -> dict[int, list[Item]]:
-    """Every chapter's pieces as items: id and seed from their place, the run's voice prompt."""
+    """Every chapter's pieces as items: id and seed from their place, the run's voice prompt;
+    a piece's own pause before it (and the chapter's after its last) in `extra`."""
     o = settings.synthesis
     prompt = os.path.abspath(o.prompt_audio) if isinstance(o.prompt_audio, str) else None
-    return {c.number: [Item(id=piece_id(c.number, k), text=text, source_id=piece_id(c.number, k),
-                            seed=piece_seed(o.seed, c.number, k), prompt_audio=prompt,
-                            source=f"{book.source.name} chapter {c.number}")
-                       for k, text in enumerate(chapter_pieces(c, o.max_chars), 1)]
-            for c in book.chapters}
+    silence = silence_samples(o.sentence_silence)
+    out = {}
+    for c in book.chapters:
+        items = []
+        for k, (text, voice, before, *after) in enumerate(
+                chapter_script(c, o.max_chars, silence), 1):
+            extra = {"pause": before} if before != (PAUSE if k > 1 else 0) else {}
+            extra.update({"after": after[0]} if after else {})
+            extra.update({"voice": voice, "words": text} if voice else {})
+            spoken = f"[voice:{voice}] {text}" if voice else text  # read again by synth
+            items.append(Item(id=piece_id(c.number, k), text=spoken,
+                              source_id=piece_id(c.number, k),
+                              seed=piece_seed(o.seed, c.number, k), prompt_audio=prompt,
+                              source=f"{book.source.name} chapter {c.number}", extra=extra))
+        out[c.number] = items
+    return out
 
 
 def item_lines(items: list[Item], task: str) -> bytes:

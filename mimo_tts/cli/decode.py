@@ -123,8 +123,9 @@ def decode_files(codes: list[str], options: OptionValues, log, *, output: str | 
                 overwrite=overwrite, audio_only=True)
             with sink:
                 sink.check(result)  # an existing file is kept: before any decoding
-                audio = stage1.join(pieces, int(meta.get("pause_frames", PAUSE_FRAMES)),
-                                    path.name)
+                pauses = meta.get("pause_samples") or stage1.frame_pauses(
+                    len(pieces), int(meta.get("pause_frames", PAUSE_FRAMES)))
+                audio = stage1.join(pieces, pauses, path.name)
                 sink.write(result, resample(audio, SAMPLE_RATE, rate), {}, {})
         except MimoTTSError as exc:
             result.error, result.exit_code = str(exc), exc.exit_code

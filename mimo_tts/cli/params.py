@@ -188,6 +188,9 @@ CATALOGUE = (
     Option("speed", "synth book serve wyoming", "Speaking rate, pitch kept: 0.25 to 4 (default "
            "{default:g}; 1.5 is half again as fast). The audio is stretched after Stage-1, so "
            "the codes are speed 1's.", "RATE", GEN),
+    Option("sentence_silence", "synth book serve wyoming", "Seconds of silence between "
+           "sentences (default {default:g}); \\[pause:1.5] or SSML <break time=\"500ms\"/> in the "
+           "text ask their own.", "SECONDS", GEN),
     Option("temperature", "synth book", "Text temperature (0 = greedy; task default "
            "{default:g}).", "T", GEN, default=TEXT.temperature),
     Option("top_k", "synth book", "Text top-k.", "K", GEN),

@@ -44,14 +44,14 @@ from mimo_tts.server.requestlog import RequestLog
 from mimo_tts.server.session import Session, Sessions
 from mimo_tts.server.voices import client_message
 from mimo_tts.synthesis.audio import (
-    PAUSE_FRAMES,
     SAMPLE_RATE,
     encode_audio,
     join_pieces,
     pcm16,
     wav_stream_header,
 )
-from mimo_tts.synthesis.captions import cues, text_pieces
+from mimo_tts.synthesis.captions import cues
+from mimo_tts.synthesis.markup import script
 from mimo_tts.synthesis.voices import served_voices
 
 if TYPE_CHECKING:
@@ -190,10 +190,9 @@ class Speech:
 
     def cues(self) -> list[dict]:
         """The request's captions: a cue per piece from its samples and the pauses."""
-        stage1, o = self.server.tts.stage1, self.params.options
-        found = cues(text_pieces(self.params.text, o), self.lengths, SAMPLE_RATE,
-                     stage1.samples_per_frame)
-        return [c.record() for c in found]
+        found = script(self.params.text, self.params.options)
+        return [c.record() for c in cues(list(found.texts), self.lengths, SAMPLE_RATE,
+                                         found.pauses, found.voices)]
 
     def bounded(self, send):
         """The response's `send`, each call cut off at the request's deadline: a client that
@@ -226,13 +225,14 @@ class Speech:
 
     async def body(self, request):
         """The response body's bytes: pcm/wav as decoded, other formats whole at the end."""
-        fmt, pause = self.params.fmt, PAUSE_FRAMES * self.server.tts.stage1.samples_per_frame
+        fmt, pauses = self.params.fmt, script(self.params.text, self.params.options).pauses
         header = wav_stream_header(SAMPLE_RATE) if fmt == "wav" else b""
         audios = []
         for i in range(len(self.session.jobs)):
-            if i and fmt in STREAMED:
-                self.tally.samples += pause
-                yield pcm16(_zeros(pause))
+            if pauses[i] and fmt in STREAMED:
+                self.tally.samples += pauses[i]
+                yield header + pcm16(_zeros(pauses[i]))
+                header = b""
             while (event := await self.next_event(i, request))[0] == "audio":
                 self.tally.samples += int(event[1].shape[-1])
                 yield header + pcm16(event[1])
@@ -242,11 +242,13 @@ class Speech:
             audios.append(event[1]["audio"])
             self.lengths.append(int(event[1]["audio"].shape[-1]))
             self.usage["output_tokens"] += event[1]["groups"]
+        if pauses[-1] and fmt in STREAMED:
+            self.tally.samples += pauses[-1]
+            yield header + pcm16(_zeros(pauses[-1]))
         if fmt not in STREAMED:
             from starlette.concurrency import run_in_threadpool
 
-            joined = join_pieces(audios, PAUSE_FRAMES,
-                                     self.server.tts.stage1.samples_per_frame)
+            joined = join_pieces(audios, pauses)
             self.tally.samples += int(joined.shape[-1])
             yield await run_in_threadpool(encode_audio, joined, SAMPLE_RATE, fmt)
 

@@ -31,7 +31,8 @@ from mimo_tts.server.protocol import (
 )
 from mimo_tts.server.session import Sessions
 from mimo_tts.server.voices import client_message
-from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, pcm16
+from mimo_tts.synthesis.audio import SAMPLE_RATE, pcm16
+from mimo_tts.synthesis.markup import script
 from mimo_tts.synthesis.settings import OptionValues
 from mimo_tts.synthesis.text import clean_text, ended_sentences
 from mimo_tts.synthesis.voices import BUILT_IN, served_voices
@@ -97,15 +98,17 @@ class WyomingSpeech:
                 session.start(prompts, options, streamed=True)
                 fmt = {"rate": SAMPLE_RATE, "width": WIDTH, "channels": CHANNELS}
                 await send(AudioStart(**fmt).event())
-                pause = PAUSE_FRAMES * self.tts.stage1.samples_per_frame
+                pauses = script(text, options).pauses
                 for i in range(len(prompts)):
-                    if i:
-                        await send(AudioChunk(audio=bytes(WIDTH * pause), **fmt).event())
+                    if pauses[i]:
+                        await send(AudioChunk(audio=bytes(WIDTH * pauses[i]), **fmt).event())
                     while (event := await session.next_event(i))[0] == "audio":
                         await send(AudioChunk(audio=pcm16(event[1]), **fmt).event())
                     if event[0] == "error":
                         outcome = "failed"
                         raise ApiError.of(event[1], client_message(str(event[1]), self))
+                if pauses[-1]:
+                    await send(AudioChunk(audio=bytes(WIDTH * pauses[-1]), **fmt).event())
                 await send(AudioStop().event())
                 outcome = "ok"
         except TimeoutError:

@@ -117,16 +117,20 @@ def check_audio(audio, item_id: str) -> None:
                               f"(peak below {SILENCE_PEAK})")
 
 
-def join_pieces(audios: list, pause_frames: int, samples_per_frame: int):
-    """Pieces' audio [S_i] joined with `pause_frames` frames of silence: [S] float32 on CPU."""
+def join_pieces(audios: list, pauses):
+    """Pieces' audio [S_i] joined with silence: `pauses[i]` zero samples before piece i and
+    `pauses[-1]` after the last (`markup.Script.pauses`) -> [S] float32 on CPU."""
     import torch
 
-    pause = torch.zeros(pause_frames * samples_per_frame)
+    if len(pauses) != len(audios) + 1:
+        raise ValueError(f"{len(pauses)} pauses for {len(audios)} pieces")
     parts = []
-    for i, audio in enumerate(audios):
-        if i:
-            parts.append(pause)
+    for pause, audio in zip(pauses, audios, strict=False):
+        if pause:
+            parts.append(torch.zeros(int(pause)))
         parts.append(audio.detach().float().cpu())
+    if pauses[-1]:
+        parts.append(torch.zeros(int(pauses[-1])))
     return torch.cat(parts)
 
 

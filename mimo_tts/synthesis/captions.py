@@ -2,11 +2,12 @@
 
 With captions asked, a text is cut into one piece per sentence (a sentence past `CUE_CHARS` is
 cut at clause punctuation, then at whitespace, never inside a grapheme cluster), and each piece
-is generated on its own. The
-pieces' audio is joined with `PAUSE_FRAMES` of silence between them (`audio.join_pieces`), so
-a cue's start and end are known to the sample: piece i starts after the samples of the pieces
-before it and their pauses. MiMo-Audio's TTS output carries no text aligned with its audio, so
-there are no word times: nothing here is an estimate.
+is generated on its own. The pieces' audio is joined with the text's pauses
+(`markup.Script.pauses`: `--sentence-silence` between them unless the text asks its own;
+`audio.join_pieces`), so a cue's start and end are known to the sample: piece i starts after
+the samples of the pieces before it and their pauses. MiMo-Audio's TTS output carries no text
+aligned with its audio, so there are no word times: nothing here is an estimate. A piece a
+`[voice:]` tag gave its voice names it in its cue (WebVTT's `<v name>`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from mimo_tts.synthesis.audio import PAUSE_FRAMES
 from mimo_tts.synthesis.text import grapheme_boundary, sentences, split_text, trim
 
 CUE_CHARS = 84  # two subtitle lines of 42 characters, the usual readable cue
@@ -63,6 +63,7 @@ class Cue:
     start_sample: int
     end_sample: int
     sample_rate: int
+    voice: str | None = None  # the voice a `[voice:]` tag gave its piece
 
     @property
     def start(self) -> float:
@@ -76,7 +77,7 @@ class Cue:
         """The cue as JSON (sidecars, the server)."""
         return {"index": self.index, "text": self.text, "start": round(self.start, 6),
                 "end": round(self.end, 6), "start_sample": self.start_sample,
-                "end_sample": self.end_sample}
+                "end_sample": self.end_sample, **({"voice": self.voice} if self.voice else {})}
 
 
 def piece_samples(piece, samples_per_frame: int) -> int:
@@ -86,16 +87,18 @@ def piece_samples(piece, samples_per_frame: int) -> int:
     return int(piece.codes.shape[-1]) * samples_per_frame
 
 
-def cues(texts: list[str], lengths: list[int], sample_rate: int, samples_per_frame: int,
-         pause_frames: int = PAUSE_FRAMES) -> list[Cue]:
-    """The cues of pieces of `lengths` samples joined with `pause_frames` frames between."""
-    if len(texts) != len(lengths):
-        raise ValueError(f"{len(texts)} cue texts for {len(lengths)} pieces")
+def cues(texts: list[str], lengths: list[int], sample_rate: int, pauses,
+         voices=None) -> list[Cue]:
+    """The cues of pieces of `lengths` samples joined with `pauses` (samples before each piece
+    and after the last, as `audio.join_pieces` joins them), each naming its piece's voice."""
+    if len(texts) != len(lengths) or len(pauses) != len(lengths) + 1:
+        raise ValueError(f"{len(texts)} cue texts and {len(pauses)} pauses for "
+                         f"{len(lengths)} pieces")
+    voices = voices or [None] * len(texts)
     out, at = [], 0
-    for i, (text, length) in enumerate(zip(texts, lengths, strict=True)):
-        if i:
-            at += pause_frames * samples_per_frame
-        out.append(Cue(i + 1, text, at, at + length, sample_rate))
+    for i, (text, length, voice) in enumerate(zip(texts, lengths, voices, strict=True)):
+        at += pauses[i]
+        out.append(Cue(i + 1, text, at, at + length, sample_rate, voice))
         at += length
     return out
 
@@ -110,7 +113,7 @@ def at_rate(found: list[Cue], rate: int) -> list[Cue]:
     def scale(sample: int) -> int:
         return -(-sample * rate // source)
 
-    return [Cue(c.index, c.text, scale(c.start_sample), scale(c.end_sample), rate)
+    return [Cue(c.index, c.text, scale(c.start_sample), scale(c.end_sample), rate, c.voice)
             for c in found]
 
 
@@ -122,12 +125,19 @@ def caption_text(cues: list[dict], fmt: str) -> str:
     escaped for its format (`cue_text`)."""
     mark = "," if fmt == "srt" else "."
     blocks = [f"{c['index']}\n{_stamp(c['start'], mark)} --> {_stamp(c['end'], mark)}\n"
-              f"{cue_text(c['text'], fmt)}\n" for c in cues]
+              f"{_speaker(c.get('voice'), fmt)}{cue_text(c['text'], fmt)}\n" for c in cues]
     text = "\n".join(blocks)
     return f"WEBVTT\n\n{text}" if fmt == "vtt" else text
 
 
 _SRT_ARROW = re.compile(r"--+>")
+
+
+def _speaker(voice: str | None, fmt: str) -> str:
+    """A cue's speaker: WebVTT's voice span `<v name>`; SubRip has none, so `name: `."""
+    if not voice:
+        return ""
+    return f"<v {cue_text(voice, fmt)}>" if fmt == "vtt" else f"{voice}: "
 
 
 def cue_text(text: str, fmt: str) -> str:

@@ -31,6 +31,7 @@ from mimo_tts.synthesis.audio import (
     check_format_rate,
     prompt_audio_of,
 )
+from mimo_tts.synthesis.markup import DEFAULT_SENTENCE_SILENCE, MAX_SENTENCE_SILENCE
 from mimo_tts.synthesis.tempo import SPEEDS
 from mimo_tts.synthesis.voices import check_name
 
@@ -148,6 +149,9 @@ class SynthesisOptions:
     # Speaking rate, pitch kept: each piece's audio time-stretched after Stage-1
     # (`synthesis/tempo.py`), so its codes are speed 1's; pauses keep their length.
     speed: float = 1.0
+    # Seconds of silence between a text's pieces (`[pause:]` and SSML `<break>` in the text
+    # ask their own; `synthesis/markup.py`), counted in samples: 0.32 s = 7680, 8 frames.
+    sentence_silence: float = DEFAULT_SENTENCE_SILENCE
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_audio", prompt_audio_of(self.prompt_audio))
@@ -159,6 +163,8 @@ class SynthesisOptions:
         check(self.max_chars >= 0, "--max-chars must be >= 0 (0 disables splitting)")
         check(SPEEDS[0] <= self.speed <= SPEEDS[1],
               f"--speed must be in [{SPEEDS[0]:g}, {SPEEDS[1]:g}]")
+        check(0 <= self.sentence_silence <= MAX_SENTENCE_SILENCE,
+              f"--sentence-silence must be in [0, {MAX_SENTENCE_SILENCE:g}] seconds")
         check(0 <= self.seed <= MAX_SEED, "--seed must be in [0, 2**64 - 1]")
         check(self.max_new_groups is None or self.max_new_groups >= 1,
                "--max-new-groups must be >= 1")

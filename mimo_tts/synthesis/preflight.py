@@ -21,7 +21,7 @@ from mimo_tts.errors import CheckpointError, DeviceError, NotEnoughMemoryError, 
 from mimo_tts.lm.engine import engine_spec
 from mimo_tts.runtime.devices import DTYPE_BYTES, Probe, cpu_flags
 from mimo_tts.runtime.machine import GIB, available, gib, packed_fits, stated
-from mimo_tts.synthesis.captions import text_pieces
+from mimo_tts.synthesis.markup import script
 from mimo_tts.synthesis.settings import Settings
 
 
@@ -35,7 +35,7 @@ def lengths_for(settings: Settings, texts: list[str], rows: int | None = None,
     lengths = Lengths.for_run(texts, settings.run.batch_size if rows is None else rows,
                               o.max_chars, o.max_new_groups)
     if decode_rows is None:
-        decode_rows = max((len(text_pieces(t, o)) for t in texts), default=1)
+        decode_rows = max((len(script(t, o).texts) for t in texts), default=1)
     return replace(lengths, encodes=encodes, decode_rows=max(1, decode_rows))
 
 

@@ -28,7 +28,8 @@ from mimo_tts.synthesis.audio import (
     to_numpy,
     write_audio,
 )
-from mimo_tts.synthesis.captions import cues, piece_samples, text_pieces
+from mimo_tts.synthesis.captions import cues, piece_samples
+from mimo_tts.synthesis.markup import script
 from mimo_tts.synthesis.options import (
     DEFAULT_TASK,
     RunOptions,
@@ -123,14 +124,15 @@ class SpeechCalls:
     def stream(self, text: str, **given) -> Iterator[AudioChunk]:
         """Speech for `text` in chunks as Stage-1 decodes them (keywords as `synthesize`)."""
         o = self._options("stream", given.pop("options", None), **given)
-        prompts = self.prompts(_text(text, "text"), o, o.seed)
+        text = _text(text, "text")
+        prompts = self.prompts(text, o, o.seed)
         options = o.generation_options(o.seed)
         jobs = [SpeechJob(p, options, o.seed, decode="stream", label="stream", order=(0, i),
                           key=i, speed=o.speed) for i, p in enumerate(prompts)]
         worker = self.worker(1, stream=True, schedule=(o.stream_mode, o.stream_chunk_groups,
                                                        o.stream_max_chunk_groups))
-        pause = PAUSE_FRAMES * self.stage1.samples_per_frame
-        for index, chunk in enumerate(_background(stream_audio(worker.run(jobs), pause))):
+        pauses = script(text, o).pauses
+        for index, chunk in enumerate(_background(stream_audio(worker.run(jobs), pauses))):
             yield AudioChunk(to_numpy(chunk), SAMPLE_RATE, index)
 
     def decode(self, codes, pause_frames: int = PAUSE_FRAMES) -> Audio:
@@ -146,7 +148,8 @@ class SpeechCalls:
         else:
             raise OptionTypeError(f"codes must be a tensor or a list of tensors, not "
                                   f"{type(codes).__name__}")
-        audio = self.stage1.join(pieces, check_pause(pause_frames), "codes")
+        pauses = self.stage1.frame_pauses(len(pieces), check_pause(pause_frames))
+        audio = self.stage1.join(pieces, pauses, "codes")
         return Audio(to_numpy(audio), SAMPLE_RATE,
                      {"runner": runner_record(),
                       "tokenizer": self.tok_ref.describe() if self.tok_ref else None})
@@ -170,7 +173,8 @@ class SpeechCalls:
         results = []
         for n, group in enumerate(groups):
             pieces = [job.piece for job in group]
-            audio = self._audio(self.finish(pieces, f"text {n + 1}"), o, pieces)
+            audio = self._audio(self.finish(pieces, f"text {n + 1}", script(texts[n], o).pauses),
+                                o, pieces)
             if o.captions:
                 audio = replace(audio, cues=tuple(self.cues(texts[n], o, pieces)))
             results.append(audio)
@@ -178,9 +182,9 @@ class SpeechCalls:
 
     def cues(self, text: str, o: SynthesisOptions, pieces: list[Piece]) -> list:
         """The captions of a text synthesised with `captions=True`: one cue per piece."""
-        spf = self.stage1.samples_per_frame
-        return cues(text_pieces(text, o), [piece_samples(p, spf) for p in pieces],
-                    SAMPLE_RATE, spf)
+        spf, found = self.stage1.samples_per_frame, script(text, o)
+        return cues(list(found.texts), [piece_samples(p, spf) for p in pieces], SAMPLE_RATE,
+                    found.pauses, found.voices)
 
     def _options(self, call: str, options, **given) -> SynthesisOptions:
         """`options` (default `self.options`) with this call's keywords; a keyword that is no
@@ -231,9 +235,10 @@ def _texts(texts) -> list[str]:
     return [_text(t, f"texts[{i}]") for i, t in enumerate(texts)]
 
 
-def stream_audio(events: Iterable, pause: int) -> Iterator:
-    """The audio [S_i] of streamed jobs' events, in order, with `pause` zero samples between
-    consecutive jobs (the pieces of one text, run one at a time); a failure is raised."""
+def stream_audio(events: Iterable, pauses) -> Iterator:
+    """The audio [S_i] of streamed jobs' events, in order, with `pauses[i]` zero samples
+    before piece i and `pauses[-1]` after the last (the pieces of one text, run one at a
+    time); a failure is raised."""
     import torch
 
     begun: set = set()
@@ -241,12 +246,14 @@ def stream_audio(events: Iterable, pause: int) -> Iterator:
         if isinstance(event, Failed):
             raise event.error
         job = event.job
-        if job.order[1] and job not in begun:  # the pause before a later piece's audio
+        if job not in begun:  # the pause before a piece's audio
             begun.add(job)
-            yield torch.zeros(pause)
-        begun.add(job)
+            if pauses[job.order[1]]:
+                yield torch.zeros(pauses[job.order[1]])
         if isinstance(event, Chunk):
             yield event.samples
+    if pauses[-1]:
+        yield torch.zeros(pauses[-1])
 
 
 def _background(chunks: Iterator) -> Iterator:

@@ -31,6 +31,7 @@ from mimo_tts.synthesis.audio import (
     read_audio,
 )
 from mimo_tts.synthesis.loader import check_fits, resolve_tokenizer
+from mimo_tts.synthesis.markup import default_pauses
 from mimo_tts.synthesis.pieces import Piece
 
 
@@ -155,22 +156,32 @@ class Stage1:
         with thread_budget(self.threads), oom_advice("Stage-1 decode", str(self.codec.device)):
             return self.codec.decode_batch(list(codes_list))
 
-    def finish(self, pieces: list[Piece], label: str) -> torch.Tensor:
-        """The pieces' audio joined and checked [S] (24 kHz); no audio tokens is an error."""
+    def finish(self, pieces: list[Piece], label: str, pauses=None) -> torch.Tensor:
+        """The pieces' audio joined and checked [S] (24 kHz); no audio tokens is an error.
+        `pauses`: samples of silence before each piece and after the last (None: plain
+        text's, `PAUSE_FRAMES` between pieces)."""
         missing = [i for i, p in enumerate(pieces) if p.codes is None]
         if missing:
             where = f" (text piece {missing[0] + 1} of {len(pieces)})" if len(pieces) > 1 else ""
             raise NoAudioError(f"item {label!r}: the LM generated no audio tokens in "
                                f"{len(pieces[missing[0]].new_text_ids)} group(s){where}")
         audios = [p.audio for p in pieces]
-        return self.join([p.codes for p in pieces], PAUSE_FRAMES, label,
+        if pauses is None:
+            pauses = default_pauses(len(pieces), PAUSE_FRAMES * self.samples_per_frame)
+        return self.join([p.codes for p in pieces], pauses, label,
                          None if any(a is None for a in audios) else audios)
 
-    def join(self, codes_list: Sequence[torch.Tensor], pause_frames: int, label: str,
+    def frame_pauses(self, count: int, pause_frames: int) -> tuple[int, ...]:
+        """The pauses of `count` pieces `pause_frames` frames apart (a codes file's
+        `pause_frames`), in samples."""
+        return default_pauses(count, pause_frames * self.samples_per_frame)
+
+    def join(self, codes_list: Sequence[torch.Tensor], pauses, label: str,
              audios: Sequence | None = None) -> torch.Tensor:
-        """Pieces' audio (decoded here unless given) joined by pauses and checked: [S] float32."""
+        """Pieces' audio (decoded here unless given) joined by pauses (samples before each
+        piece and after the last) and checked: [S] float32."""
         audios = self.decode(codes_list) if audios is None else audios
         with oom_advice("joining and checking the audio", "cpu"):  # on the CPU, [S] float32
-            audio = join_pieces(list(audios), pause_frames, self.samples_per_frame)
+            audio = join_pieces(list(audios), pauses)
             check_audio(audio, label)
         return audio

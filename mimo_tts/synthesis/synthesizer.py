@@ -27,13 +27,13 @@ from mimo_tts.lm.tasks import TASKS
 from mimo_tts.lm.text import TextTokenizer
 from mimo_tts.runtime.checkpoints import DEFAULT_MODEL
 from mimo_tts.runtime.guards import oom_advice
-from mimo_tts.synthesis.captions import text_pieces
 from mimo_tts.synthesis.loader import (
     check_fits,
     resolve_checkpoints,
     stage1_mode,
     thread_budgets,
 )
+from mimo_tts.synthesis.markup import script
 from mimo_tts.synthesis.options import (
     EngineOptions,
     SynthesisOptions,
@@ -43,7 +43,13 @@ from mimo_tts.synthesis.preflight import Lengths, weights_bytes
 from mimo_tts.synthesis.settings import Settings, resolve
 from mimo_tts.synthesis.speech import SpeechCalls
 from mimo_tts.synthesis.stage1 import Stage1, _naming, check_pairing
-from mimo_tts.synthesis.voices import VoiceStore, add_voice, file_sha256, tokenizer_record
+from mimo_tts.synthesis.voices import (
+    BUILT_IN,
+    VoiceStore,
+    add_voice,
+    file_sha256,
+    tokenizer_record,
+)
 from mimo_tts.synthesis.worker import STAGE1_BATCH, SpeechWorker
 
 
@@ -163,10 +169,22 @@ class MiMoTTS(SpeechCalls):
             codes = self.stage1.prompt_codes(prompt_audio)
         else:
             codes = self.voice_codes(o.voice) if o.voice else None
-        return [build_prompt(o.task, piece, self.text, self.empty_ids, instruct=instruct,
-                             prompt_codes=codes, template=o.template, seed=seed,
+        found = script(text, o)
+        run = (o.task, instruct, codes)
+        return [build_prompt(task, piece, self.text, self.empty_ids, instruct=given,
+                             prompt_codes=voiced, template=o.template, seed=seed,
                              group_size=self.group_size)
-                for piece in text_pieces(text, o)]
+                for piece, (task, given, voiced) in zip(
+                    found.texts, (run if v is None else self.tagged(v, instruct)
+                                  for v in found.voices), strict=True)]
+
+    def tagged(self, voice: str, instruct=None) -> tuple:
+        """(task, instruct, prompt codes) of a piece a `[voice:NAME]` tag gives its voice: a
+        built-in voice speaks in its task; a stored one is cloned (with the run's instruction,
+        which that task takes)."""
+        if voice in BUILT_IN:
+            return BUILT_IN[voice][0], None, None
+        return "tts_sft_with_audio", instruct, self.voice_codes(voice)
 
     def voice_codes(self, name: str) -> torch.Tensor:
         """A stored voice's prompt codes [K, T]. Codes another audio tokenizer encoded are
@@ -219,9 +237,9 @@ class MiMoTTS(SpeechCalls):
                             stage1_batch=stage1_batch or STAGE1_BATCH, meter=meter,
                             log=log or self.log)
 
-    def finish(self, pieces: list[Piece], label: str) -> torch.Tensor:
-        """The pieces' audio joined and checked [S] (24 kHz): `Stage1.finish`."""
-        return self.stage1.finish(pieces, label)
+    def finish(self, pieces: list[Piece], label: str, pauses=None) -> torch.Tensor:
+        """The pieces' audio joined by `pauses` and checked [S] (24 kHz): `Stage1.finish`."""
+        return self.stage1.finish(pieces, label, pauses)
 
     def describe(self, o: SynthesisOptions) -> dict:
         """Checkpoints, placement, engine and effective samplers (provenance of every output)."""

@@ -51,9 +51,14 @@ def test_check_audio():
 
 
 def test_join_pieces_keeps_whole_frames():
-    audio = join_pieces([torch.ones(960 * 3), torch.ones(960 * 2)], 8, 960)
+    audio = join_pieces([torch.ones(960 * 3), torch.ones(960 * 2)], (0, 960 * 8, 0))
     assert audio.shape[0] == 960 * (3 + 8 + 2)
     assert audio[960 * 3: 960 * 11].abs().max() == 0
+
+
+def test_join_pieces_puts_each_pause_where_it_is_asked_to_the_sample():
+    audio = join_pieces([torch.ones(5), torch.ones(7)], (3, 11, 2))
+    assert audio.tolist() == [0] * 3 + [1] * 5 + [0] * 11 + [1] * 7 + [0] * 2
 
 
 # --- the runner on the reference checkpoints ----------------------------------------------------

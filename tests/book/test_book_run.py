@@ -395,3 +395,42 @@ def test_without_the_extra(base_env, tmp_path):
     assert error_line(refused.stderr) == ("Error: writing book.m4b needs PyAV: pip install "
                                           "'mimo-tts[book]' (or give --no-m4b)")
     assert not (tmp_path / "out").exists()
+
+
+def test_pause_tags_in_a_chapter_are_exact_and_the_captions_follow(invoke, tmp_path):
+    """[pause:1] inside a paragraph and [pause:0.5] at its end (standing for the sentence
+    silence before the next paragraph): the chapter file is its pieces (the title first) with
+    exactly those zero samples between them; an untagged chapter keeps today's pauses; the
+    captions hold the words without the tags, each cue after its pause."""
+    import numpy as np
+
+    book = tmp_path / "paused.md"
+    book.write_text("# Paused\n\nOne here. [pause:1] Two here. [pause:0.5]\n\nThree here.\n\n"
+                    "# Plain\n\nFour here. Five here.\n")
+    done = invoke("book", book, "--output-dir", tmp_path / "out", "--no-m4b", *TINY)
+    assert done.exit_code == 0, done.output
+    out = tmp_path / "out"
+
+    def piece(chapter, k):
+        return sf.read(str(out / "tts_sft" / f"c{chapter:03d}-p{k:04d}.wav"), dtype="int16")[0]
+
+    first, second = (sf.read(str(p), dtype="int16")[0]
+                     for p in sorted((out / "chapters").iterdir()))
+    gaps = (PAUSE_FRAMES * SPF, 24000, 12000)
+    expected = [piece(1, 1)]
+    for k, gap in zip((2, 3, 4), gaps, strict=True):
+        expected += [np.zeros(gap, "int16"), piece(1, k)]
+    assert np.array_equal(first, np.concatenate(expected))
+    plain = [len(piece(2, k)) for k in (1, 2, 3)]
+    assert len(second) == sum(plain) + 2 * PAUSE_FRAMES * SPF  # untagged: today's pauses
+    srt = (out / "book.srt").read_text()
+    assert "Two here." in srt and "[pause" not in srt
+    blocks = [b.splitlines() for b in srt.strip().split("\n\n")]
+    starts = [_srt_seconds(b[1].split(" --> ")[0]) for b in blocks]
+    ends = [_srt_seconds(b[1].split(" --> ")[1]) for b in blocks]
+    assert abs(starts[2] - ends[1] - 1.0) <= 0.002 and abs(starts[3] - ends[2] - 0.5) <= 0.002
+
+
+def _srt_seconds(stamp: str) -> float:
+    h, m, rest = stamp.split(":")
+    return int(h) * 3600 + int(m) * 60 + float(rest.replace(",", "."))

@@ -31,11 +31,13 @@ COMMANDS = {"voices-add" if name == "voices" else name: (
 MODEL = {"Models": "--model -m --tokenizer --allow-download --offline",
          "Devices": "--lm-device --tokenizer-device --dtype --tokenizer-dtype --cuda-graph "
                     "--no-cuda-graph --no-memory-check --lm-quant --lm-threads --tokenizer-threads",
-         "Generation": "--seed --speed --temperature --top-k --top-p --audio-temperature "
-                       "--audio-top-k --audio-top-p --max-new-groups --batch-size",
+         "Generation": "--seed --speed --sentence-silence --temperature --top-k --top-p "
+                       "--audio-temperature --audio-top-k --audio-top-p --max-new-groups "
+                       "--batch-size",
          "vLLM engine": "--engine --gpu-memory-utilization --max-num-seqs --tensor-parallel-size "
                         "--max-model-len"}
-SERVED = {"Generation": "--max-new-groups --speed", "Models": "--model -m --tokenizer",
+SERVED = {"Generation": "--max-new-groups --speed --sentence-silence",
+          "Models": "--model -m --tokenizer",
           "Devices": "--lm-device --tokenizer-device --dtype --tokenizer-dtype --cuda-graph "
                      "--no-cuda-graph --no-memory-check --lm-threads --tokenizer-threads",
           "Run": "--config -c --verbose -v --debug"}
@@ -112,7 +114,7 @@ def test_synth_and_book_share_what_they_shared_before_from_one_declaration():
 
     both = {f for o in CATALOGUE if {"synth", "book"} <= set(o.commands)
             for flag in o.flags for f in flag.split("/")}
-    assert len(both) == 37  # 33 options, with -m, -c, --offline, --no-cuda-graph
+    assert len(both) == 38  # 34 options, with -m, -c, --offline, --no-cuda-graph
     assert flags("synth") & flags("book") == both | {
         "--output-dir", "--format", "--json", "--quiet", "-q", "--verbose", "-v", "--debug"}
     for name in ("synth", "book"):

@@ -157,3 +157,36 @@ def test_bad_caption_flags_are_usage_errors(invoke, tmp_path):
         result = invoke("synth", *TINY, "-t", "Hi.", *args)
         assert result.exit_code == EXIT_USAGE and "--captions" in result.stderr, args
     assert not (tmp_path / "output_audio").exists()
+
+
+def test_voice_tags_speak_each_span_in_its_voice_and_the_vtt_names_them(invoke, store,
+                                                                        tmp_path):
+    """[voice:default] then [voice:me]: one file, each span in its voice (the tagged span's
+    codes are those of `--voice me` on its words alone, the other's those of the plain run),
+    cues naming the speaker (WebVTT <v>); an unknown voice is a one-line exit 2 before the
+    model loads."""
+    import torch
+
+    from mimo_tts.batch.files import load_codes
+
+    assert invoke("voices", "add", "me", "voice.wav", *TINY).exit_code == 0
+    text = "[voice:default] Narration here. [voice:me] Hello there."
+    common = ("--seed", "3", "--max-new-groups", "5", "--save-codes")
+    both = invoke("synth", *TINY, "-t", text, "-o", "both.wav", *common, "--captions", "vtt")
+    assert both.exit_code == 0, both.stderr
+    alone = {}
+    for name, words, extra in (("narr", "Narration here.", []),
+                               ("me", "Hello there.", ["--voice", "me"])):
+        done = invoke("synth", *TINY, "-t", words, "-o", f"{name}.wav", *common, *extra)
+        assert done.exit_code == 0, done.stderr
+        alone[name] = load_codes(next(tmp_path.glob(f"{name}.*safetensors")))[0][0]
+    pieces = load_codes(next(tmp_path.glob("both.*safetensors")))[0]
+    assert torch.equal(pieces[0], alone["narr"]) and torch.equal(pieces[1], alone["me"])
+    cues = json.loads((tmp_path / "both.json").read_text())["captions"]["cues"]
+    assert [c["voice"] for c in cues] == ["default", "me"]
+    assert cues[-1]["end_sample"] == sf.info(str(tmp_path / "both.wav")).frames
+    vtt = (tmp_path / "both.vtt").read_text()
+    assert "<v default>Narration here." in vtt and "<v me>Hello there." in vtt
+    unknown = invoke("synth", *TINY, "-t", "[voice:nobody] Hi.", "--output-dir", "never")
+    assert unknown.exit_code == EXIT_USAGE and "unknown voice 'nobody'" in unknown.stderr
+    assert len(unknown.stderr.strip().splitlines()) == 1 and not (tmp_path / "never").exists()

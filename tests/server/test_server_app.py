@@ -134,6 +134,34 @@ def test_speed_stretches_the_stream_and_the_file(client):
     assert len(fast.content) // 2 == samples == round(len(plain) // 2 / 2)
 
 
+def test_pauses_in_the_input_are_exact_in_the_stream_and_the_file(client):
+    """[pause:1] and a trailing [pause:0.5] in `input`: the pcm stream (sse, with its cues) and
+    a wav file hold exactly those zero samples between and after the pieces; the file's
+    captions header gives the same cues; a bad tag is a 400 naming it."""
+    text = {"input": "One here. [pause:1] Two here. [pause:0.5]", "seed": 4, "captions": True}
+    events = []
+    with client.stream("POST", "/v1/audio/speech",
+                       json={"model": "tiny", "response_format": "pcm", "stream_format": "sse",
+                             **text}) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line]
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in events
+                   if e["type"] == "speech.audio.delta")
+    samples = np.frombuffer(pcm, "<i2")
+    (cues,) = [e["captions"] for e in events if e["type"] == "speech.audio.done"]
+    assert cues[0]["start_sample"] == 0
+    assert cues[1]["start_sample"] - cues[0]["end_sample"] == 24000
+    assert len(samples) == cues[1]["end_sample"] + 12000
+    assert not samples[cues[0]["end_sample"]:cues[1]["start_sample"]].any()
+    assert not samples[cues[1]["end_sample"]:].any()
+    whole = speech(client, response_format="wav", stream_format="audio", **{**text,
+                                                                         "captions": False})
+    assert whole.status_code == 200
+    file_samples, _ = sf.read(io.BytesIO(whole.content), dtype="int16")
+    assert np.array_equal(file_samples, samples)
+    bad = speech(client, input="<speak>Hi <emphasis>x</emphasis></speak>")
+    assert bad.status_code == 400 and "<emphasis>" in bad.json()["error"]["message"]
+
+
 def test_sse_streams_deltas_before_the_end(client):
     start = time.perf_counter()
     events = []

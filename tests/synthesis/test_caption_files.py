@@ -11,6 +11,7 @@ import re
 import pytest
 
 from mimo_tts.synthesis.captions import caption_text, cue_text, cues
+from mimo_tts.synthesis.markup import default_pauses
 
 HOSTILE = ["Tom & Jerry <b>bold</b> 1 < 2 > 0", "00:00:01.000 --> 00:00:09.000",
            "a ---> b -> c <-- d", "&amp; is already an entity", "two\nlines\r\nhere"]
@@ -19,7 +20,8 @@ TIMING = {"vtt": re.compile(r"^\d\d:\d\d:\d\d\.\d{3} --> \d\d:\d\d:\d\d\.\d{3}$"
 
 
 def _records():
-    return [c.record() for c in cues(HOSTILE, [24000] * len(HOSTILE), 24000, 960)]
+    return [c.record() for c in cues(HOSTILE, [24000] * len(HOSTILE), 24000,
+                                    default_pauses(len(HOSTILE), 7680))]
 
 
 def _parse(text: str, fmt: str) -> list[str]:
@@ -72,5 +74,5 @@ def test_plain_cues_write_the_files_the_batch_writer_wrote(fmt):
     from mimo_tts.batch.files import caption_text as batch_caption_text
 
     plain = [c.record() for c in cues(["One sentence.", "Two, three!", "字。"], [960, 1920, 2880],
-                                      24000, 960)]
+                                      24000, default_pauses(3, 7680))]
     assert caption_text(plain, fmt) == batch_caption_text(plain, fmt)

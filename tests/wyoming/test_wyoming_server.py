@@ -96,6 +96,16 @@ def test_speed_at_start_up_stretches_each_text(server, start_wyoming):
     fast.stop()
 
 
+def test_a_pause_tag_is_its_samples_of_silence(server):
+    """[pause:0.5] before the words and [pause:1] after them: the text's PCM is the plain
+    text's with exactly 12000 zero samples before and 24000 after."""
+    said = [Synthesize(text="One here.")]
+    (plain,) = audio_cycles(exchange(server, said, ("audio-stop", "error")))
+    paused = [Synthesize(text="[pause:0.5] One here. [pause:1]")]
+    (longer,) = audio_cycles(exchange(server, paused, ("audio-stop", "error")))
+    assert longer == bytes(2 * 12000) + plain + bytes(2 * 24000)
+
+
 def test_the_streaming_form_speaks_sentence_by_sentence(server):
     texts = ["The first sen", "tence ends here. The sec", "ond one too! And a tail"]
     events = [SynthesizeStart(voice=SynthesizeVoice(name="default")),
