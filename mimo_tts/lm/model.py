@@ -94,12 +94,17 @@ _SCRATCH = threading.local()
 def _upcast_scratch(width: int) -> Tensor:
     """This thread's float32 block [UPCAST_BLOCK, width] for `upcast_linear`, kept between
     calls: a fresh one a block costs page faults, which reclaim page cache when the mapped
-    weights fill memory (measured: 9 GFLOP/s instead of 60 in a full-size run)."""
+    weights fill memory (measured: 9 GFLOP/s instead of 60 in a full-size run).
+
+    Always a normal tensor, made outside inference mode: one made under `torch.inference_mode`
+    (a generation) could not be written by a later call outside it (a library user's next
+    model), and a normal tensor may be written in both."""
     blocks = getattr(_SCRATCH, "blocks", None)
     if blocks is None:
         blocks = _SCRATCH.blocks = {}
     if width not in blocks:
-        blocks[width] = torch.empty(UPCAST_BLOCK, width, dtype=torch.float32)
+        with torch.inference_mode(False):
+            blocks[width] = torch.empty(UPCAST_BLOCK, width, dtype=torch.float32)
     return blocks[width]
 
 
