@@ -13,9 +13,13 @@ Every failure is a `MimoTTSError` subclass carrying the CLI's exit code; a run t
 in memory raises `NotEnoughMemoryError` before anything is loaded.
 """
 
-from mimo_tts._lazy import lazy_exports
-from mimo_tts._version import __version__  # noqa: F401 (the package face)
-from mimo_tts.errors import (
+from mimo_tts.runtime import openmp
+
+openmp.configure()  # before anything here imports torch (libgomp reads it once, at load)
+
+from mimo_tts._lazy import lazy_exports  # noqa: E402
+from mimo_tts._version import __version__  # noqa: E402, F401 (the package face)
+from mimo_tts.errors import (  # noqa: E402
     AudioCheckError,
     CheckpointError,
     DeviceError,

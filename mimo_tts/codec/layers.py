@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mimo_tts.codec import gemm
+from mimo_tts.runtime.fixed_order import attend_one, product
 
 # Query block of the windowed (local) attention: small enough that the masked key span
 # (block + left + right) stays close to the block, large enough to keep matmuls efficient.
@@ -62,6 +63,20 @@ def valid_mask(lengths: Tensor, size: int) -> Tensor:
     return torch.arange(size, device=lengths.device)[None, :] < lengths[:, None]
 
 
+SUM_CHUNK = 4096  # values one partial sum of `_item_sums` adds up
+
+
+def _item_sums(x: Tensor) -> Tensor:
+    """[B, C, L] -> [B, 1, 1] sums in an order the thread count cannot change: PyTorch splits
+    a reduction to a single value across threads (each adds a share, then the shares add), so
+    each step here leaves several values per item (split by outputs), chunk by chunk."""
+    sums = x.sum(dim=1)  # [B, L]
+    while sums.shape[1] > SUM_CHUNK:
+        sums = F.pad(sums, (0, -sums.shape[1] % SUM_CHUNK)).view(sums.shape[0], -1, SUM_CHUNK)
+        sums = sums.sum(dim=-1)  # [B, ceil(L / SUM_CHUNK)]
+    return sums.sum(dim=1).view(-1, 1, 1)
+
+
 def group_norm_fp32(norm: nn.GroupNorm, x: Tensor, lengths: Tensor | None = None) -> Tensor:
     """GroupNorm(1, C) over [B, C, L] in float32; with lengths, statistics skip the padding."""
     if lengths is None:
@@ -72,8 +87,8 @@ def group_norm_fp32(norm: nn.GroupNorm, x: Tensor, lengths: Tensor | None = None
     xf = x.float()
     mask = valid_mask(lengths, x.shape[-1])[:, None, :].to(xf.dtype)  # [B, 1, L]
     count = (lengths.to(xf.dtype) * x.shape[1]).view(-1, 1, 1)
-    mean = (xf * mask).sum(dim=(1, 2), keepdim=True) / count
-    var = (((xf - mean) * mask) ** 2).sum(dim=(1, 2), keepdim=True) / count
+    mean = _item_sums(xf * mask) / count
+    var = _item_sums(((xf - mean) * mask) ** 2) / count
     y = (xf - mean) * torch.rsqrt(var + norm.eps)
     y = y * norm.weight.float()[None, :, None] + norm.bias.float()[None, :, None]
     return (y * mask).to(x.dtype)
@@ -270,6 +285,8 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
     are padded to a multiple of KV_ALIGN; padded keys are masked (a causal query never sees them).
     """
     size, pad = k.shape[2], -k.shape[2] % KV_ALIGN
+    if q.shape[2] == 1 and not causal and q.dtype == torch.float32 and q.device.type == "cpu":
+        return attend_one(q, k, v, mask)  # PyTorch's splits one query's keys across threads
     if pad and _aligns_keys(q):
         k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
         if mask is not None:
@@ -373,7 +390,7 @@ def linear(proj: nn.Module, x: Tensor, gelu: bool = False,
     fusable = _fusable(x, weight, residual)
     if fusable and (gelu or residual is not None):
         return onednn_linear(x, weight, proj.bias, gelu, residual)
-    y = proj(x)
+    y = product(x, weight, proj.bias) if isinstance(weight, Tensor) else proj(x)
     if gelu:
         y = F.gelu(y)
     if residual is not None:
@@ -401,7 +418,7 @@ class Attention(nn.Module):
                                                   for p in projections], x):
             qkv = packed(x).view(x.shape[0], x.shape[1], 3, self.heads, self.head_dim)
             return tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))
-        return tuple(proj(x).view(shape).transpose(1, 2) for proj in projections)
+        return tuple(linear(proj, x).view(shape).transpose(1, 2) for proj in projections)
 
     def merge(self, out: Tensor, residual: Tensor | None = None) -> Tensor:
         """Attention output [B, H, L, D] -> out_proj [B, L, dim] (+ residual)."""

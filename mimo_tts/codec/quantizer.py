@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from mimo_tts.runtime.fixed_order import product
+
 
 class Codebook(nn.Module):
     """One codebook: `embed` [C, d] is a persistent buffer (it is not trained by gradients)."""
@@ -23,7 +25,7 @@ class Codebook(nn.Module):
         embed = self.embed
         dist = (
             residual.pow(2).sum(1, keepdim=True)
-            - 2 * residual @ embed.t()
+            - 2 * product(residual, embed)  # residual @ embed.T in a fixed order
             + embed.pow(2).sum(1)[None, :]
         )  # [T, C]
         return (-dist).argmax(dim=-1)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mimo_tts.lm.config import MAX_GROUPS, LMConfig, TransformerConfig
+from mimo_tts.runtime.fixed_order import attend_one, product, silu
 
 
 class RMSNorm(nn.Module):
@@ -71,7 +72,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         weight = dequantize(weight, x.dtype)
     rows = x.numel() // weight.shape[1]
     if x.device.type != "cpu" or rows > SMALL_ROWS or rows == 0:
-        return F.linear(x, weight, bias)
+        return product(x, weight, bias)  # float32 CPU: oneDNN, whose sums ignore the threads
     flat = x.reshape(rows, weight.shape[1])
     if rows == 1:
         out = torch.mv(weight, flat[0]) if bias is None else torch.addmv(bias, weight, flat[0])
@@ -93,12 +94,17 @@ _SCRATCH = threading.local()
 def _upcast_scratch(width: int) -> Tensor:
     """This thread's float32 block [UPCAST_BLOCK, width] for `upcast_linear`, kept between
     calls: a fresh one a block costs page faults, which reclaim page cache when the mapped
-    weights fill memory (measured: 9 GFLOP/s instead of 60 in a full-size run)."""
+    weights fill memory (measured: 9 GFLOP/s instead of 60 in a full-size run).
+
+    Always a normal tensor, made outside inference mode: one made under `torch.inference_mode`
+    (a generation) could not be written by a later call outside it (a library user's next
+    model), and a normal tensor may be written in both."""
     blocks = getattr(_SCRATCH, "blocks", None)
     if blocks is None:
         blocks = _SCRATCH.blocks = {}
     if width not in blocks:
-        blocks[width] = torch.empty(UPCAST_BLOCK, width, dtype=torch.float32)
+        with torch.inference_mode(False):
+            blocks[width] = torch.empty(UPCAST_BLOCK, width, dtype=torch.float32)
     return blocks[width]
 
 
@@ -123,7 +129,7 @@ def upcast_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
         if weight.dtype == torch.int8:  # as `int8.dequantize`: scaled, rounded to bfloat16
             block.mul_(scale[start:start + UPCAST_BLOCK, None])
             block.copy_(block.to(x.dtype))
-        torch.mm(flat, block.T, out=out[:, start:start + UPCAST_BLOCK])
+        out[:, start:start + UPCAST_BLOCK] = product(flat, block)
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
@@ -248,9 +254,10 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer, slot, span if spans is None else max(spans), k, v)
         if spans is not None:  # one row at a time over its own keys, as its single run does
-            out = torch.cat([F.scaled_dot_product_attention(
-                q[r:r + 1], k[r:r + 1, :, :n], v[r:r + 1, :, :n], enable_gqa=heads != kv)
-                for r, n in enumerate(spans)])
+            out = torch.cat([attend_one(q[r:r + 1], k[r:r + 1, :, :n], v[r:r + 1, :, :n])
+                             for r, n in enumerate(spans)])
+        elif length == 1:
+            out = attend_one(q, k, v, mask)  # float32: sums split by heads, not keys
         else:
             # is_causal aligns top-left: only valid when the queries start at key 0 (prefill).
             causal = self.causal and mask is None and length > 1
@@ -277,7 +284,7 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor, matmul: Matmul) -> Tensor:
         gate, up = matmul(x, self.gate_up_weight, None).chunk(2, dim=-1)
-        return matmul(F.silu(gate) * up, self.down_proj.weight, None)
+        return matmul(silu(gate) * up, self.down_proj.weight, None)
 
 
 class DecoderLayer(nn.Module):

@@ -99,3 +99,43 @@ def test_bfloat16_prefill_agrees_across_products(tiny_a, special, case_tensors, 
         states[product] = gen.prefill(model, [prompt], options, special).hidden
     torch.testing.assert_close(states[upcast_linear].float(), states[linear].float(),
                                rtol=2 ** -6, atol=2e-2)
+
+
+def _in_a_new_thread(fn):
+    """fn() in a fresh thread (its own, still empty upcast scratch); its result or its error."""
+    import threading
+
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except Exception as exc:  # noqa: BLE001 - handed back to the test
+            box["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def test_the_scratch_serves_calls_inside_and_outside_inference_mode():
+    """A generation runs under inference mode; a library user's next call in the same thread
+    may not (a second model, a test): the scratch kept between calls must take both orders.
+    Before the fix the second order raised "Inplace update to inference tensor outside
+    InferenceMode" (the scratch made by the first call was an inference tensor)."""
+    x, weight, bias = _operands(3 * SMALL_ROWS)
+    int8 = quantize_rows(weight.float())
+    for products in ((weight, bias), (int8, None)):
+        def both_orders(first_inference: bool, products=products):
+            results = []
+            for inference in (first_inference, not first_inference):
+                with torch.inference_mode(inference):
+                    results.append(upcast_linear(x, *products).clone())
+            return results
+
+        for first_inference in (True, False):
+            inside_first = _in_a_new_thread(lambda f=first_inference: both_orders(f))
+            assert torch.equal(inside_first[0], inside_first[1])
