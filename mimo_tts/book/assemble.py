@@ -266,9 +266,10 @@ def write_chapter(bplan: BookPlan, chapter: ChapterAudio, outputs: _Outputs, log
         data = encode_audio(_joined(chapter), SAMPLE_RATE, fmt)
         atomic_write(outputs.folder / name, lambda f: f.write(data), keep_same=True)
         outputs.made(name, stamp)
-    found = [c.record() for c in cues([f.item.text for f in chapter.files],
-                                      [f.samples for f in chapter.files], SAMPLE_RATE,
-                                      chapter.samples_per_frame)]
+    found = [c.record() for c in cues(
+        [f.item.extra.get("words", f.item.text) for f in chapter.files],
+        [f.samples for f in chapter.files], SAMPLE_RATE, chapter.pauses,
+        [f.item.extra.get("voice") for f in chapter.files])]
     for caption in CAPTION_FORMATS:
         outputs.text(f"{CHAPTERS_DIR}/{chapter_captions(title, caption)}",
                      caption_text(found, caption).encode("utf-8"))
