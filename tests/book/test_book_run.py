@@ -208,14 +208,16 @@ def test_speed_stretches_each_piece_and_the_captions_follow(whole, invoke, tmp_p
     its cues follow (the pauses between pieces keep their length)."""
     out, _ = whole
     fast = tmp_path / "fast"
+    # chapter 2 alone would take its own first piece as the book's voice: give it the whole
+    # book's, so its pieces are the whole book's at speed 1
     done = invoke("book", out.parent / "small-sea.epub", "--output-dir", fast, "--chapters", "2",
-                  "--speed", "2", *TINY)
+                  "--speed", "2", "--prompt-audio", out / "book-voice.wav", *TINY)
     assert done.exit_code == 0, done.output
     for stem in IDS[3:6]:
-        frames = sf.info(str(out / "tts_sft" / f"{stem}.wav")).frames
-        assert sf.info(str(fast / "tts_sft" / f"{stem}.wav")).frames == round(frames / 2)
-    (chapter,) = (fast / "chapters").iterdir()
-    pieces = [sf.info(str(fast / "tts_sft" / f"{stem}.wav")).frames for stem in IDS[3:6]]
+        frames = sf.info(str(out / PIECES / f"{stem}.wav")).frames
+        assert sf.info(str(fast / PIECES / f"{stem}.wav")).frames == round(frames / 2)
+    (chapter,) = (fast / "chapters").glob("*.wav")
+    pieces = [sf.info(str(fast / PIECES / f"{stem}.wav")).frames for stem in IDS[3:6]]
     assert sf.info(str(chapter)).frames == sum(pieces) + 2 * PAUSE_FRAMES * SPF
 
 
@@ -412,10 +414,10 @@ def test_pause_tags_in_a_chapter_are_exact_and_the_captions_follow(invoke, tmp_p
     out = tmp_path / "out"
 
     def piece(chapter, k):
-        return sf.read(str(out / "tts_sft" / f"c{chapter:03d}-p{k:04d}.wav"), dtype="int16")[0]
+        return sf.read(str(out / PIECES / f"c{chapter:03d}-p{k:04d}.wav"), dtype="int16")[0]
 
     first, second = (sf.read(str(p), dtype="int16")[0]
-                     for p in sorted((out / "chapters").iterdir()))
+                     for p in sorted((out / "chapters").glob("*.wav")))
     gaps = (PAUSE_FRAMES * SPF, 24000, 12000)
     expected = [piece(1, 1)]
     for k, gap in zip((2, 3, 4), gaps, strict=True):
