@@ -5,7 +5,8 @@ codes.
         --stage0-actors 4 --stage0-gpus 1 --stage1-actors 16
 
 The synth options below mean what `mimo-tts synth`'s of the same names mean. A book's pieces
-run here too: `mimo-tts book BOOK --output-dir DIR --items-out DIR/book-items.jsonl`, then this
+run here too: `mimo-tts book BOOK --output-dir DIR --items-out DIR/book-items.jsonl` (without a
+voice it reads the book's voice, DIR/book-voice.wav, which every item names), then this
 script on that file with `--output-dir DIR` (and the book's --voice or model options), then
 the same `mimo-tts book` command again, which finds the pieces done and assembles the book.
 """

@@ -18,15 +18,27 @@ from pathlib import Path
 from mimo_tts.errors import InputError, OutputError
 from mimo_tts.lm.config import AUDIO_CHANNELS
 from mimo_tts.runtime.paths import atomic_write
-from mimo_tts.synthesis.audio import encode_audio, pcm16
+from mimo_tts.synthesis.audio import FORMATS, encode_audio, pcm16
 from mimo_tts.synthesis.captions import caption_text
 
 
-def companion_paths(audio: Path) -> tuple[Path, Path]:
+def audio_suffix(fmt: str | None) -> str:
+    """An output's file ending in a folder: its format's extension, and `.f32.wav` for
+    `wav-float`, so a float and a PCM16 WAV of one item keep their own files (and sidecars,
+    `x.f32.json`). Lines from before formats were recorded are wav."""
+    return ".f32.wav" if fmt == "wav-float" else FORMATS.get(fmt or "wav", FORMATS["wav"])[2]
+
+
+def companion_paths(audio: Path, named: bool = False) -> tuple[Path, Path]:
     """The sidecar and codes files of an audio file: `x.json` beside `x.wav`, `x.flac.json`
-    beside `x.flac` (each format has its own, so formats in one folder never share one)."""
-    base = audio.stem if audio.suffix.lower() in ("", ".wav") else audio.name
-    return audio.with_name(base + ".json"), audio.with_name(base + ".codes.safetensors")
+    beside `x.flac` (each format has its own, so formats in one folder never share one). A file
+    the user `named` (`-o x.flac`) has `x.json` whatever its format, as `-o x.wav` has."""
+    return (audio.with_name(_base(audio, named) + ".json"),
+            audio.with_name(_base(audio, named) + ".codes.safetensors"))
+
+
+def _base(audio: Path, named: bool) -> str:
+    return audio.stem if named or audio.suffix.lower() in ("", ".wav") else audio.name
 
 
 # --- codes files --------------------------------------------------------------------------------
@@ -177,16 +189,17 @@ def jsonl_records(handle) -> Iterator[dict]:
 # --- captions -----------------------------------------------------------------------------------
 
 
-def caption_path(audio: Path, fmt: str) -> Path:
+def caption_path(audio: Path, fmt: str, named: bool = False) -> Path:
     """`x.srt` beside `x.wav`, `x.flac.vtt` beside `x.flac` (as `companion_paths`)."""
-    base = audio.stem if audio.suffix.lower() in ("", ".wav") else audio.name
-    return audio.with_name(f"{base}.{fmt}")
+    return audio.with_name(f"{_base(audio, named)}.{fmt}")
 
 
-def write_captions(audio: Path, cues: list[dict], formats: list[str]) -> list[Path]:
+def write_captions(audio: Path, cues: list[dict], formats: list[str],
+                   named: bool = False) -> list[Path]:
     """Each caption file beside `audio`, written atomically."""
     paths = []
     for fmt in formats:
         payload = caption_text(cues, fmt).encode("utf-8")
-        paths.append(atomic_write(caption_path(audio, fmt), lambda f, p=payload: f.write(p)))
+        paths.append(atomic_write(caption_path(audio, fmt, named),
+                                  lambda f, p=payload: f.write(p)))
     return paths

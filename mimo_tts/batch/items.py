@@ -49,12 +49,14 @@ class Item:
 @dataclass(frozen=True)
 class Naming:
     """The run's values for what an item does not set itself (`--seed`, `--instruct`,
-    `--prompt-audio`): they change its audio, so they are part of a derived id."""
+    `--prompt-audio`, `--voice`): they change its audio, so they are part of a derived id."""
 
     seed: int = 0
     instruct: str | None = None
     prompt_audio: str | None = None
     task: str = DEFAULT_TASK  # not in the id: each task has its own folder
+    voice: str | None = None  # a stored voice, by name (an item's own prompt_audio wins)
+    captions: bool = False  # a piece per sentence: other audio
 
 
 # --- ids and text -------------------------------------------------------------------------------
@@ -86,14 +88,18 @@ def printable(text: str) -> str:
 
 
 def text_id(text: str, seed: int = 0, instruct: str | None = None,
-            prompt_audio: str | None = None) -> str:
+            prompt_audio: str | None = None, voice: str | None = None,
+            captions: bool = False) -> str:
     """A stable id for an item without one: a slug of the text plus a short hash of the text
     and of what else changes its audio (a seed other than 0, an instruction, a voice prompt's
-    path as written), so another seed, style or voice of one sentence is another file. With
-    none of those the hash covers the text alone, as it always did."""
+    path as written, a stored voice's name, captions' piece per sentence), so another seed,
+    style, voice or cut of one sentence is another file. With none of those the hash covers
+    the text alone, as it always did."""
     parts = [text, *([f"seed={seed}"] if seed else []),
              *([f"instruct={instruct}"] if instruct else []),
-             *([f"prompt_audio={os.path.normpath(prompt_audio)}"] if prompt_audio else [])]
+             *([f"prompt_audio={os.path.normpath(prompt_audio)}"] if prompt_audio else []),
+             *([f"voice={voice}"] if voice and not prompt_audio else []),
+             *(["captions"] if captions else [])]
     blob = "\0".join(parts)  # clean text holds no NUL: the parts cannot run together
     digest = hashlib.sha1(blob.encode("utf-8", errors="surrogatepass")).hexdigest()[:8]
     slug = sanitize_id(" ".join(text.split()[:6]))[:32].rstrip("._-")
@@ -120,9 +126,20 @@ def read_items(texts: Iterable[str], inputs: Iterable[str], stdin=None,
             item.legacy_id = item.id
             item.id = text_id(item.text, item.seed if item.seed is not None else naming.seed,
                               item.instruct or naming.instruct,
-                              item.prompt_audio or naming.prompt_audio)
+                              item.prompt_audio or naming.prompt_audio, naming.voice,
+                              naming.captions)
             item.legacy_id = None if item.legacy_id == item.id else item.legacy_id
     return _dedupe(items, naming)
+
+
+def piped(stdin=None) -> bool:
+    """Whether stdin brings text: open and not a terminal (a pipe, a file, a here-string), as
+    `echo text | mimo-tts synth` gives it."""
+    stream = stdin if stdin is not None else sys.stdin
+    try:
+        return stream is not None and not stream.closed and not stream.isatty()
+    except (OSError, ValueError):  # a closed or unreadable descriptor: nothing is piped
+        return False
 
 
 def _stdin_text(stdin) -> str:

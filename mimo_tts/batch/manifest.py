@@ -10,13 +10,12 @@ import stat
 import time
 from pathlib import Path
 
-from mimo_tts.batch.files import iter_jsonl
+from mimo_tts.batch.files import audio_suffix, iter_jsonl
 from mimo_tts.errors import OutputError
 from mimo_tts.runtime.paths import (
     atomic_write,
     open_no_follow,
 )
-from mimo_tts.synthesis.audio import FORMATS
 
 LOCK_NAME = ".mimo-tts.lock"
 
@@ -76,7 +75,7 @@ class Manifest:
         atomic_write(self.path, lambda f: f.write(payload.encode("utf-8")))
 
     def get(self, item_id: str, fmt: str | None = None) -> dict | None:
-        return self.records.get((item_id, _suffix(fmt)))
+        return self.records.get((item_id, audio_suffix(fmt)))
 
     def add(self, record: dict) -> None:
         """Record an item: append a line, or rewrite the file when it is already present."""
@@ -102,14 +101,9 @@ class Manifest:
             raise
 
 
-def _suffix(fmt: str | None) -> str:
-    """The audio file extension of a format (lines from before formats were recorded: wav)."""
-    return FORMATS.get(fmt or "wav", FORMATS["wav"])[2]
-
-
 def _manifest_key(record: dict) -> tuple[str, str]:
     """Lines are per item and audio file: wav and flac of one id each keep their own line."""
-    return str(record["id"]), _suffix(record.get("format"))
+    return str(record["id"]), audio_suffix(record.get("format"))
 
 
 def done_record(audio: Path, sidecar: Path, key: str) -> dict | None:

@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-from mimo_tts.batch.items import Item, Naming, has_surrogates, read_items
+from mimo_tts.batch.items import Item, Naming, has_surrogates, piped, read_items
 from mimo_tts.batch.results import ItemResult
 from mimo_tts.batch.runner import BatchRunner
 from mimo_tts.batch.shards import Shard, resolve_shard
@@ -24,6 +24,7 @@ from mimo_tts.batch.sinks import (
     TaskDirectories,
 )
 from mimo_tts.errors import UsageError
+from mimo_tts.lm.tasks import TASKS
 from mimo_tts.synthesis.options import check
 from mimo_tts.synthesis.profiles import load_profile
 from mimo_tts.synthesis.settings import OptionValues, Settings, place, resolve_options
@@ -86,9 +87,14 @@ def plan_synth(request: SynthRequest, stdin=None, log=None, make_items=None) -> 
            "--json prints to stdout, which -o - / --raw already use")
     check_binary_stdout(run.to_stdout, "--raw" if run.raw else "-o -")
     o = settings.synthesis
+    inputs = request.inputs
+    if not request.texts and not inputs and stdin is not None and piped(stdin):
+        inputs = ("-",)  # `echo text | mimo-tts synth`: stdin as --input - reads it
     items = make_items(settings) if make_items is not None else read_items(
-        request.texts, request.inputs, stdin, Naming(o.seed, o.instruct, o.prompt_audio, o.task))
-    check(bool(items), "nothing to say: give --text, --input FILE or --input -")
+        request.texts, inputs, stdin,
+        Naming(o.seed, o.instruct, o.prompt_audio, o.task, o.voice, o.captions))
+    check(bool(items), "nothing to say: give --text, --input FILE, or pipe text to stdin")
+    check_task_inputs(o, items)
     check(run.output is None or run.raw or len(items) == 1,
            f"-o/--output takes exactly one item, got {len(items)}; use --output-dir")
     settings = place(settings, request.options, profile, os.environ)
@@ -99,6 +105,23 @@ def plan_synth(request: SynthRequest, stdin=None, log=None, make_items=None) -> 
         items = [i for i in items if shard.owns(i.id)]
         log(f"shard {shard.label} ({shard.source}): {len(items)} items")
     return Plan(items, settings, shard)
+
+
+def check_task_inputs(o, items: list[Item]) -> None:
+    """What the run's task needs and neither a flag nor any of its items gives (a `--task
+    tts_sft_with_audio` without a voice prompt): the flags alone decide it, so it is a usage
+    error before anything is written. Items that may give it themselves fail one by one."""
+    spec = TASKS[o.task]
+    mine = [i for i in items if (i.task or o.task) == o.task and i.error is None]
+    if not mine:
+        return
+    if spec.prompt_audio == "required" and not (o.prompt_audio or o.voice) and not any(
+            i.prompt_audio for i in mine):
+        raise UsageError(f"--task {spec.name} needs a voice prompt: give --prompt-audio FILE "
+                         "or --voice NAME (or prompt_audio in JSONL items)")
+    if spec.instruct == "required" and not o.instruct and not any(i.instruct for i in mine):
+        raise UsageError(f"--task {spec.name} needs a style instruction: give --instruct TEXT "
+                         "(or instruct in JSONL items)")
 
 
 def shard_for(settings: Settings, flag: str | None,

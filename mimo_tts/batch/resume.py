@@ -47,7 +47,7 @@ def sidecar_record(settings: Settings, context: dict, result: ItemResult,
         "effective_sampler": {"text": asdict(text), "audio": asdict(audio)},
         "seed": result.seed, "max_new_groups": o.max_new_groups,
         "batch_size": s.run.batch_size, "stream": s.run.stream, "stream_mode": o.stream_mode,
-        "max_chars": o.max_chars,
+        "max_chars": o.max_chars, **({"speed": o.speed} if o.speed != 1 else {}),
         "audio": {"format": s.run.format, "sample_rate": s.run.sample_rate,
                   "seconds": round(result.seconds, 4), "pause_frames": PAUSE_FRAMES},
         "pieces": [p.record() for p in pieces],
@@ -110,6 +110,8 @@ def run_inputs(settings: Settings, refs) -> dict:
         inputs["voice"] = _voice_stamp(o.voice)
     if o.captions:  # a piece per sentence: other audio
         inputs["captions"] = True
+    if o.speed != 1:  # the same codes, stretched: speed 1 keeps its keys
+        inputs["speed"] = o.speed
     return inputs
 
 

@@ -28,8 +28,8 @@ from mimo_tts.batch.resume import item_key, item_options, run_inputs, sidecar_re
 from mimo_tts.errors import InputError, MimoTTSError
 from mimo_tts.lm.engine import engine_spec
 from mimo_tts.lm.tasks import TASKS, validate_inputs
-from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, check_prompt_file, resample
-from mimo_tts.synthesis.captions import cues, piece_samples, text_pieces
+from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, check_prompt_audio, resample
+from mimo_tts.synthesis.captions import at_rate, cues, piece_samples, text_pieces
 from mimo_tts.synthesis.loader import resolve_checkpoints
 from mimo_tts.synthesis.options import SynthesisOptions
 from mimo_tts.synthesis.pieces import Piece
@@ -199,10 +199,12 @@ class BatchRunner:
             if r.status != "pending":
                 continue
             pieces[id(r)] = [None] * len(prompts)
-            options = self.options(r.item).generation_options(r.seed)  # its task's
+            item_options = self.options(r.item)
+            options = item_options.generation_options(r.seed)  # its task's
             group: list = []
             group += [SpeechJob(prompt, options, r.seed, decode=decode, group=group,
-                                label=r.item.id, order=(n, i), key=(r, i))
+                                label=r.item.id, order=(n, i), key=(r, i),
+                                speed=item_options.speed)
                       for i, prompt in enumerate(prompts)]
             yield from group
 
@@ -282,8 +284,8 @@ def check_inputs(item: Item, o) -> None:
     try:
         o.check_item(item.instruct, item.prompt_audio)  # a missing input names its flag
         validate_inputs(TASKS[o.task], item.text, instruct, bool(prompt_audio or o.voice))
-        if prompt_audio:
-            check_prompt_file(prompt_audio)
+        if prompt_audio:  # a corrupt file fails here, before the models load
+            check_prompt_audio(prompt_audio)
     except InputError as exc:
         raise InputError(f"{item.source}: {exc}") from None
 
@@ -310,10 +312,11 @@ def finish_item(stage1, settings: Settings, context: dict, result: ItemResult,
              "metadata": {"pause_frames": PAUSE_FRAMES, "id": result.item.id,
                           "tokenizer": context["tokenizer"]}}
     record = sidecar_record(settings, context, result, pieces)
-    if settings.synthesis.captions:  # cues from the pieces' samples, at 24 kHz
+    if settings.synthesis.captions:  # cues from the pieces' samples, in the output's rate
         spf = stage1.samples_per_frame
-        found = cues(text_pieces(result.item.text, settings.synthesis),
-                     [piece_samples(p, spf) for p in pieces], SAMPLE_RATE, spf)
+        found = at_rate(cues(text_pieces(result.item.text, settings.synthesis),
+                             [piece_samples(p, spf) for p in pieces], SAMPLE_RATE, spf),
+                        run.sample_rate)
         formats = (run.caption_formats or "").split(",") if run.caption_formats else []
         record["captions"] = {"formats": formats, "cues": [c.record() for c in found]}
     return samples, codes, record

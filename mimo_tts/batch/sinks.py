@@ -26,6 +26,7 @@ import os
 from pathlib import Path
 
 from mimo_tts.batch.files import (
+    audio_suffix,
     caption_path,
     companion_paths,
     save_codes,
@@ -54,7 +55,7 @@ from mimo_tts.runtime.paths import (
     remove_quietly,
     write_json,
 )
-from mimo_tts.synthesis.audio import FORMATS, SAMPLE_RATE, encode_audio, write_audio
+from mimo_tts.synthesis.audio import SAMPLE_RATE, encode_audio, write_audio
 
 
 def _skip(result, path: Path, done: dict) -> None:
@@ -129,7 +130,10 @@ class FileSink(Sink):
     existing file among the item's (audio, sidecar, codes) is kept unless `overwrite`. Missing
     folders are created. Temp files a killed run left beside the target are removed (those of
     dead pids). A target that is not a regular file (`/dev/null`, a FIFO) gets the audio only.
+    The user named the file, so its sidecar is `x.json` whatever its format (`named`).
     """
+
+    named = True  # companions by the file's stem (a folder's outputs: by its name, per format)
 
     def __init__(self, path: str | Path, fmt: str = "wav", sample_rate: int = SAMPLE_RATE,
                  save_codes: bool = False, overwrite: bool = False, audio_only: bool = False):
@@ -144,11 +148,11 @@ class FileSink(Sink):
         return self
 
     def _own_files(self, path: Path) -> tuple[Path, ...]:
-        sidecar, codes = companion_paths(path)
+        sidecar, codes = companion_paths(path, self.named)
         return (path,) if self.audio_only else (path, sidecar, codes)
 
     def targets(self, result) -> tuple[Path, Path, Path]:
-        return (self.path, *companion_paths(self.path))
+        return (self.path, *companion_paths(self.path, self.named))
 
     def check(self, result) -> None:
         """Skip an item done with the same inputs; refuse to replace anything else."""
@@ -187,12 +191,14 @@ class FileSink(Sink):
             data = encode_audio(samples, self.sample_rate, self.fmt)
             result.path, result.sidecar = path, sidecar
             captions = record.get("captions") or {}
-            caption_files = [caption_path(path, f) for f in captions.get("formats", ())]
+            caption_files = [caption_path(path, f, self.named) for f in captions.get("formats",
+                                                                                  ())]
             result.captions = [str(p) for p in caption_files] or None
             audio = {**record.get("audio", {}), "bytes": len(data)}  # done: this size on disk
             write_json(sidecar, {**record, "audio": audio,
                                  "result": result.record(record["task"])})
-            write_captions(path, captions.get("cues", []), captions.get("formats", []))
+            write_captions(path, captions.get("cues", []), captions.get("formats", []),
+                           self.named)
             atomic_write(path, lambda f: f.write(data))
         except BaseException:
             remove_quietly(sidecar, result.codes_path,
@@ -216,12 +222,15 @@ class DirectorySink(FileSink):
     is still there. The lock file is opened without following links.
     """
 
+    named = False
+
     def __init__(self, root: str | Path, task: str, fmt: str = "wav",
                  sample_rate: int = SAMPLE_RATE, save_codes: bool = False,
-                 overwrite: bool = False, shard=None):
+                 overwrite: bool = False, shard=None, who: str | None = None):
         super().__init__(Path(root) / task, fmt, sample_rate, save_codes, overwrite)
         self.dir = self.path
-        self.suffix = FORMATS[fmt][2]
+        self.who = who  # what opens the folder when it is not a run (`status --merge`)
+        self.suffix = audio_suffix(fmt)
         self.shard = shard  # shards.Shard or None
         self._locks: list = []
         self.manifest: Manifest | None = None
@@ -243,9 +252,9 @@ class DirectorySink(FileSink):
                 clean_temp_files(self.dir)
             if self.shard is None:
                 if not alone and (writing := self._shards_writing()):
-                    raise OutputError(f"shard(s) {writing} are writing to {self.dir}; an "
-                                      "unsharded run waits for them (or use another "
-                                      "--output-dir)")
+                    waits = (f"{self.who} waits until they are done" if self.who else
+                             "an unsharded run waits for them (or use another --output-dir)")
+                    raise OutputError(f"shard(s) {writing} are writing to {self.dir}; {waits}")
                 self._hold(folder, alone, f"is writing to {self.dir}", record=True)
             else:  # shared folder lock (waiting out a clean-up), then this shard's own lock
                 self._hold(folder, flock(folder, exclusive=False, wait=SHARED_LOCK_WAIT_S),
@@ -279,8 +288,9 @@ class DirectorySink(FileSink):
         if not held:
             lock.seek(0)
             holder = lock.read().decode("utf-8", "replace").strip() or "?"
-            raise OutputError(f"another mimo-tts run (pid {holder}) {doing}; "
-                              "wait for it or use another --output-dir")
+            advice = (f"{self.who} waits until it is done" if self.who else
+                      "wait for it or use another --output-dir")
+            raise OutputError(f"another mimo-tts run (pid {holder}) {doing}; {advice}")
         if record:
             with contextlib.suppress(OSError):  # e.g. a full disk: the lock is held all the same
                 lock.seek(0)

@@ -193,7 +193,7 @@ def _shard(item_id: str, count: int | None) -> str | None:
 
 def _merge(folder: Path, records: dict[str, dict], order: list[str]) -> Path:
     """One line per item (input order first) into results.jsonl, under the folder lock."""
-    with DirectorySink(folder.parent, folder.name) as sink:
+    with DirectorySink(folder.parent, folder.name, who="status --merge") as sink:
         ordered = [i for i in order if i in records] + [i for i in records if i not in order]
         sink.manifest.records = {i: records[i] for i in ordered}
         sink.manifest.compact()

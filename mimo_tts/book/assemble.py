@@ -1,6 +1,7 @@
-"""A book's outputs from its pieces' files: one audio file per chapter (`--format`), and once
-every chapter is done `book.m4b` (`m4b.py`), `book.srt` and `book.vtt` for the whole book and
-`book.json` with each chapter's start.
+"""A book's outputs from its pieces' files: one audio file per chapter (`--format`) with its
+`.srt` and `.vtt`, each written as soon as the chapter's pieces are done (`ChapterWriter`,
+during the run), and once every chapter is done `book.m4b` (`m4b.py`), `book.srt` and
+`book.vtt` for the whole book and `book.json` with each chapter's start.
 
 A chapter is its pieces joined with `PAUSE_FRAMES` of silence, as synth joins an item's pieces;
 the book is its chapters joined with `CHAPTER_PAUSE_FRAMES`. Every time is counted in samples
@@ -20,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +29,13 @@ from mimo_tts.batch.files import companion_paths
 from mimo_tts.batch.items import Item
 from mimo_tts.batch.manifest import done_record, flock
 from mimo_tts.batch.resume import item_key
-from mimo_tts.book.plan import ITEMS_NAME, BookPlan, chapter_name
+from mimo_tts.book.plan import (
+    ITEMS_NAME,
+    BookPlan,
+    chapter_captions,
+    chapter_name,
+    chapter_number,
+)
 from mimo_tts.codec.config import CodecConfig
 from mimo_tts.errors import OutputError
 from mimo_tts.runtime.paths import atomic_write, clean_temp_files, open_no_follow
@@ -87,6 +95,11 @@ class Assembly:
     waiting: dict[int, int] = field(default_factory=dict)  # chapter -> pieces missing
     written: list[Path] = field(default_factory=list)
     kept: list[Path] = field(default_factory=list)
+    order: list[Path] = field(default_factory=list)  # written and kept, as they came
+
+    def note(self, path: Path, written: bool) -> None:
+        (self.written if written else self.kept).append(path)
+        self.order.append(path)
 
     @property
     def complete(self) -> bool:
@@ -94,7 +107,8 @@ class Assembly:
 
     @property
     def outputs(self) -> list[Path]:
-        return self.written + self.kept
+        """Every output, written or kept, in the order the assembly came to it."""
+        return list(self.order)
 
 
 def _hash(value) -> str:
@@ -110,24 +124,27 @@ def samples_per_frame(refs) -> int:
 def find_pieces(bplan: BookPlan, refs) -> dict[int, ChapterAudio]:
     """Every chapter's done pieces (or its count of missing ones), judged as the runner judges
     an item: its audio and sidecar carry this run's resume key."""
+    spf = samples_per_frame(refs)
+    return {number: find_chapter(bplan, refs, number, spf) for number in bplan.chapters}
+
+
+def find_chapter(bplan: BookPlan, refs, number: int, spf: int | None = None) -> ChapterAudio:
+    """One chapter's done pieces, or its count of missing ones (`find_pieces`)."""
     settings = bplan.settings
     task_dir = Path(settings.run.output_dir) / settings.synthesis.task
-    spf = samples_per_frame(refs)
-    found = {}
-    for number, items in bplan.chapters.items():
-        files, missing = [], 0
-        for item in items:
-            audio = task_dir / f"{item.id}.wav"
-            key = item_key(settings, refs, item, item.seed)
-            done = done_record(audio, companion_paths(audio)[0], key)
-            if done is None:
-                missing += 1
-                continue
-            info = audio.stat()
-            files.append(PieceFile(item, audio, _frames(audio),
-                                   (item.id, key, info.st_size, info.st_mtime_ns)))
-        found[number] = ChapterAudio(number, None if missing else files, missing, spf)
-    return found
+    files, missing = [], 0
+    for item in bplan.chapters[number]:
+        audio = task_dir / f"{item.id}.wav"
+        key = item_key(settings, refs, item, item.seed)
+        done = done_record(audio, companion_paths(audio)[0], key)
+        if done is None:
+            missing += 1
+            continue
+        info = audio.stat()
+        files.append(PieceFile(item, audio, _frames(audio),
+                               (item.id, key, info.st_size, info.st_mtime_ns)))
+    return ChapterAudio(number, None if missing else files, missing,
+                        spf or samples_per_frame(refs))
 
 
 def _frames(audio: Path) -> int:
@@ -176,7 +193,7 @@ class _Outputs:
         if old.get("stamp") == stamp and path.is_file() and path.stat().st_size == old.get(
                 "bytes"):
             self.files[name] = old
-            self.assembly.kept.append(path)
+            self.assembly.note(path, written=False)
             return True
         return False
 
@@ -184,50 +201,108 @@ class _Outputs:
         path = self.folder / name
         if stamp is not None:
             self.files[name] = {"stamp": stamp, "bytes": path.stat().st_size}
-        self.assembly.written.append(path)
+        self.assembly.note(path, written=True)
 
     def text(self, name: str, data: bytes) -> None:
         """A small file, written only when its bytes change."""
         path = self.folder / name
         if path.is_file() and not path.is_symlink() and path.read_bytes() == data:
-            self.assembly.kept.append(path)
+            self.assembly.note(path, written=False)
             return
         atomic_write(path, lambda f: f.write(data))
-        self.assembly.written.append(path)
+        self.assembly.note(path, written=True)
 
 
 def assemble(bplan: BookPlan, refs, log=None) -> Assembly:
-    """Write what the done pieces allow (module docstring): chapter files for complete
-    chapters; the m4b, captions and chapter starts once the whole book is done."""
+    """Write what the done pieces allow (module docstring): chapter files and their captions
+    for complete chapters; the m4b, captions and chapter starts once the whole book is done."""
     log = log or (lambda message: None)
     folder = bplan.folder
     chapters = find_pieces(bplan, refs)
     (folder / CHAPTERS_DIR).mkdir(parents=True, exist_ok=True)
-    with _locked(folder):
+    with BookLock(folder):
         clean_temp_files(folder / CHAPTERS_DIR)  # a killed assembly's temp files
         clean_temp_files(folder, OWN_FILES)  # (there, only those of dead pids)
-        previous = (_read_json(folder / BOOK_JSON) or {}).get("files") or {}
         assembly = Assembly(folder, {})
-        outputs = _Outputs(folder, previous if isinstance(previous, dict) else {}, assembly)
-        fmt = bplan.request.format
+        outputs = _Outputs(folder, _recorded_files(folder), assembly)
         for number, chapter in chapters.items():
             if chapter.files is None:
                 assembly.waiting[number] = chapter.missing
-                continue
-            name = f"{CHAPTERS_DIR}/{chapter_name(bplan.book.chapter(number), fmt)}"
-            stamp = chapter.stamp(fmt)
-            if not outputs.current(name, stamp):
-                log(f"writing {folder / name}")
-                data = encode_audio(_joined(chapter), SAMPLE_RATE, fmt)
-                atomic_write(folder / name, lambda f, d=data: f.write(d), keep_same=True)
-                outputs.made(name, stamp)
+            else:
+                write_chapter(bplan, chapter, outputs, log)
         starts = _starts(chapters) if assembly.complete else None
         if starts is not None:
             _whole_book(bplan, chapters, starts, outputs, log)
         assembly.record = book_record(bplan, chapters, starts, outputs.files)
-        outputs.text(BOOK_JSON, (json.dumps(assembly.record, ensure_ascii=False, indent=2)
-                                 + "\n").encode("utf-8"))
+        outputs.text(BOOK_JSON, _json_bytes(assembly.record))
     return assembly
+
+
+def write_chapter(bplan: BookPlan, chapter: ChapterAudio, outputs: _Outputs, log) -> None:
+    """A complete chapter's audio file (kept while its stamp holds) and its captions, one cue
+    per piece in the chapter file's samples (kept while their bytes are the same)."""
+    fmt, title = bplan.request.format, bplan.book.chapter(chapter.number)
+    name = f"{CHAPTERS_DIR}/{chapter_name(title, fmt)}"
+    stamp = chapter.stamp(fmt)
+    if not outputs.current(name, stamp):
+        log(f"writing {outputs.folder / name}")
+        data = encode_audio(_joined(chapter), SAMPLE_RATE, fmt)
+        atomic_write(outputs.folder / name, lambda f: f.write(data), keep_same=True)
+        outputs.made(name, stamp)
+    found = [c.record() for c in cues([f.item.text for f in chapter.files],
+                                      [f.samples for f in chapter.files], SAMPLE_RATE,
+                                      chapter.samples_per_frame)]
+    for caption in CAPTION_FORMATS:
+        outputs.text(f"{CHAPTERS_DIR}/{chapter_captions(title, caption)}",
+                     caption_text(found, caption).encode("utf-8"))
+
+
+class ChapterWriter:
+    """Each chapter written while the book is read: once this run's last piece of a chapter
+    is settled and every piece of it is done, its file and captions, and `book.json` naming
+    them, so a run stopped after chapter 1 leaves chapter 1 (and a later run keeps it)."""
+
+    def __init__(self, bplan: BookPlan, refs, log=None):
+        self.bplan, self.refs = bplan, refs
+        self.log = log or (lambda message: None)
+        self.left = Counter(chapter_number(item.id) for item in bplan.plan.items)
+        self.found: dict[int, ChapterAudio] | None = None  # every chapter, once one is written
+
+    def settled(self, item: Item) -> list[Path]:
+        """`item` is written, skipped or failed: its chapter's outputs when it completes it
+        (the files written; none when they are current or the chapter waits for pieces)."""
+        number = chapter_number(item.id)
+        self.left[number] -= 1
+        if self.left[number]:
+            return []
+        chapter = find_chapter(self.bplan, self.refs, number)
+        if chapter.files is None:  # a failed piece, or another shard's still missing
+            return []
+        folder = self.bplan.folder
+        (folder / CHAPTERS_DIR).mkdir(parents=True, exist_ok=True)
+        with BookLock(folder):
+            previous = _recorded_files(folder)
+            assembly = Assembly(folder, {})
+            outputs = _Outputs(folder, previous, assembly)
+            write_chapter(self.bplan, chapter, outputs, self.log)
+            if not assembly.written:
+                return []
+            if self.found is None:
+                self.found = find_pieces(self.bplan, self.refs)
+            self.found[number] = chapter
+            record = book_record(self.bplan, self.found, None, {**previous, **outputs.files})
+            outputs.text(BOOK_JSON, _json_bytes(record))
+        return assembly.written
+
+
+def _recorded_files(folder: Path) -> dict:
+    """The outputs `book.json` records (name -> stamp and size), or none."""
+    files = (_read_json(folder / BOOK_JSON) or {}).get("files") or {}
+    return files if isinstance(files, dict) else {}
+
+
+def _json_bytes(record: dict) -> bytes:
+    return (json.dumps(record, ensure_ascii=False, indent=2) + "\n").encode("utf-8")
 
 
 def _joined(chapter: ChapterAudio):
@@ -307,10 +382,12 @@ def book_record(bplan: BookPlan, chapters: dict[int, ChapterAudio],
     for number, items in bplan.chapters.items():
         chapter, found = book.chapter(number), chapters[number]
         name = f"{CHAPTERS_DIR}/{chapter_name(chapter, fmt)}"
+        captions = [f"{CHAPTERS_DIR}/{chapter_captions(chapter, f)}" for f in CAPTION_FORMATS]
         rows.append({
             "number": number, "title": chapter.title, "characters": chapter.characters,
             "pieces": len(items), "done": len(items) - found.missing,
             "first_piece": items[0].id, "file": name if name in files else None,
+            "captions": captions if found.files is not None else [],
             "seconds": round(found.samples / SAMPLE_RATE, 6) if found.files else None,
             "start": round(starts[number] / SAMPLE_RATE, 6) if starts else None,
             "end": round(ends[number] / SAMPLE_RATE, 6) if starts else None,
@@ -321,11 +398,13 @@ def book_record(bplan: BookPlan, chapters: dict[int, ChapterAudio],
     return {
         "title": book.title, "author": book.author, "source": str(book.source),
         "complete": starts is not None, "task": o.task, "seed": o.seed, "voice": o.voice,
+        "book_voice": bplan.voice.path.name if bplan.voice else None,
         "prompt_audio": os.path.abspath(o.prompt_audio) if isinstance(o.prompt_audio, str)
         else None, "items": ITEMS_NAME, "format": fmt, "sample_rate": SAMPLE_RATE,
         "pause_frames": PAUSE_FRAMES, "chapter_pause_frames": CHAPTER_PAUSE_FRAMES,
         "seconds": round(total / SAMPLE_RATE, 6) if total is not None else None,
-        "chapters": rows, "m4b": M4B_NAME if M4B_NAME in files else None,
+        "chapters": rows,
+        "m4b": M4B_NAME if starts is not None and M4B_NAME in files else None,
         "captions": [f"book.{f}" for f in CAPTION_FORMATS] if starts is not None else [],
         "files": files}
 
@@ -338,8 +417,8 @@ def _read_json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-class _locked:
-    """The book folder's assembly lock (exclusive `flock`, waited for)."""
+class BookLock:
+    """The book folder's lock (exclusive `flock`, waited for): assembling, reading the voice."""
 
     def __init__(self, folder: Path):
         self.folder = folder

@@ -7,6 +7,12 @@ A piece's id is its place, `c003-p0042` (chapter 3, piece 42), and so is its see
 the book's `--seed`, the chapter's number and the piece's number (`piece_seed`). A re-run of one
 chapter, alone or in shards, gives the same audio; another `--seed` gives another reading.
 
+A book is one narrator: without `--voice` or `--prompt-audio` the book's first piece, read once
+in the model's own voice, is kept in its folder (`VOICE_NAME`, made by `voice.read_voice`)
+and every piece is read with it as the voice prompt, so a resumed run, a shard, `--chapters`
+and the Ray pipeline (the items name it) clone the same voice. `--voice-per-piece` keeps each
+piece in the model's own voice.
+
 The pieces are written as JSON lines (`ITEMS_NAME` in the book's folder, or `--items-out`):
 the items `mimo-tts synth --input` and the Ray pipeline read, and what `mimo-tts status` judges
 the folder by. No torch here.
@@ -25,6 +31,7 @@ from mimo_tts.batch.items import Item, sanitize_id
 from mimo_tts.batch.plan import Plan, SynthRequest, plan_synth
 from mimo_tts.book.read import Book, Chapter, read_book
 from mimo_tts.errors import OutputError, UsageError
+from mimo_tts.lm.tasks import TASKS
 from mimo_tts.runtime.paths import atomic_write
 from mimo_tts.synthesis.audio import FORMATS, SAMPLE_RATE
 from mimo_tts.synthesis.captions import caption_pieces
@@ -32,6 +39,7 @@ from mimo_tts.synthesis.options import MAX_SEED
 from mimo_tts.synthesis.settings import OptionValues, Settings
 
 ITEMS_NAME = "book-items.jsonl"
+VOICE_NAME = "book-voice.wav"  # the book's voice: its first piece, in the model's own voice
 PIECES_FORMAT = "wav"  # pieces are PCM16 at 24 kHz, joined losslessly into chapters
 # Speech rate for `--list`'s estimate: about 150 words (900 characters) a minute in alphabetic
 # scripts, about 250 characters a minute in Chinese, Japanese and Korean.
@@ -55,6 +63,7 @@ class BookRequest:
     shard: str | None = None
     config: str | None = None
     as_json: bool = False
+    voice_per_piece: bool = False  # each piece in the model's own voice (no book voice)
 
     @property
     def folder(self) -> Path:
@@ -63,16 +72,26 @@ class BookRequest:
         return Path(given) if given else Path("output_audio") / Path(self.input).stem
 
 
+@dataclass(frozen=True)
+class BookVoice:
+    """The book's voice (`book_voice`): where it is kept and the plan that reads it there."""
+
+    path: Path  # absolute: the pieces' prompt_audio
+    plan: Plan  # one item, the book's first piece, to `path` as `synth -o` writes it
+
+
 @dataclass
 class BookPlan:
     """A planned book: the book, the chapters this run takes, every chapter's pieces (the
-    whole book's items) and synth's plan of this run's items (its shard's)."""
+    whole book's items), synth's plan of this run's items (its shard's) and the book's voice
+    (None with --voice, --prompt-audio or --voice-per-piece)."""
 
     request: BookRequest
     book: Book
     selected: tuple[int, ...]
     chapters: dict[int, list[Item]]
     plan: Plan
+    voice: BookVoice | None = None
 
     @property
     def folder(self) -> Path:
@@ -164,7 +183,10 @@ def write_items(path: Path, items: list[Item], task: str) -> Path:
 
 def plan_book(request: BookRequest, log=None, outputs: bool = True) -> BookPlan:
     """Read the book, select its chapters, then synth's plan of their pieces: usage and input
-    errors here, before anything is written (with `outputs`, also a missing `book` extra)."""
+    errors here, before anything is written (with `outputs`, also a missing `book` extra).
+    Without a voice prompt (and without `--voice-per-piece`) the pieces clone the book's voice
+    (`book_voice`)."""
+    log = log or (lambda message: None)
     book = read(request)
     selected = select_chapters(request.chapters, len(book.chapters))
     if request.format not in FORMATS:
@@ -175,22 +197,69 @@ def plan_book(request: BookRequest, log=None, outputs: bool = True) -> BookPlan:
         require_av()
     options = OptionValues.of({**request.options.given(), "output_dir": str(request.folder),
                                "format": PIECES_FORMAT, "sample_rate": SAMPLE_RATE})
-    synth = SynthRequest(options, shard=request.shard, config=request.config,
-                         as_json=request.as_json)
-    chosen = set(selected)
-    plan = plan_synth(synth, log=log, make_items=lambda settings: [
-        item for number, items in book_items(book, settings).items() if number in chosen
-        for item in items])
-    run = plan.settings.run
+    notes: list[str] = []
+    plan = _plan_pieces(request, options, book, selected, notes.append)
+    run, o = plan.settings.run, plan.settings.synthesis
     if run.output or run.raw or run.stream:
         raise UsageError("a book is written to its --output-dir; a profile's output, raw or "
                          "stream cannot be used with it")
-    return BookPlan(request, book, selected, book_items(book, plan.settings), plan)
+    if request.voice_per_piece and (o.voice or o.prompt_audio):
+        raise UsageError("--voice-per-piece reads each piece in the model's own voice; it "
+                         "cannot be used with --voice or --prompt-audio")
+    voice = None
+    if not request.voice_per_piece and o.voice is None and o.prompt_audio is None:
+        voice = book_voice(request, book, options, plan.settings)
+        cloned = {**options.given(), "prompt_audio": str(voice.path), "task": clone_task(o.task)}
+        plan = _plan_pieces(request, OptionValues.of(cloned), book, selected, log)
+    else:
+        for note in notes:
+            log(note)
+    return BookPlan(request, book, selected, book_items(book, plan.settings), plan, voice)
+
+
+def _plan_pieces(request: BookRequest, options: OptionValues, book: Book,
+                 selected: tuple[int, ...], log) -> Plan:
+    synth = SynthRequest(options, shard=request.shard, config=request.config,
+                         as_json=request.as_json)
+    chosen = set(selected)
+    return plan_synth(synth, log=log, make_items=lambda settings: [
+        item for number, items in book_items(book, settings).items() if number in chosen
+        for item in items])
+
+
+def clone_task(task: str) -> str:
+    """The task of a piece read with the book's voice: its own when it takes a voice prompt,
+    else the clone task (with the run's instruction, if any)."""
+    return task if TASKS[task].prompt_audio != "none" else "tts_sft_with_audio"
+
+
+def book_voice(request: BookRequest, book: Book, options: OptionValues,
+               settings: Settings) -> BookVoice:
+    """The book's voice: its first piece (chapter 1's, whichever chapters this run reads),
+    with its own seed, read as `synth -o DIR/book-voice.wav` would read it."""
+    first, o = book.chapters[0], settings.synthesis
+    item = Item(id=piece_id(first.number, 1), text=chapter_pieces(first, o.max_chars)[0],
+                source_id=piece_id(first.number, 1), seed=piece_seed(o.seed, first.number, 1),
+                source=f"{book.source.name} chapter {first.number}")
+    path = Path(os.path.abspath(request.folder / VOICE_NAME))
+    given = {k: v for k, v in options.given().items() if k != "output_dir"}
+    plan = plan_synth(SynthRequest(OptionValues.of({**given, "output": str(path)}),
+                                   config=request.config), make_items=lambda _: [item])
+    return BookVoice(path, plan)
 
 
 def chapter_name(chapter: Chapter, fmt: str) -> str:
     """A chapter file's name: `003-The_Return.wav`."""
-    return f"{chapter.number:03d}-{sanitize_id(chapter.title)[:48]}{FORMATS[fmt][2]}"
+    return f"{_chapter_stem(chapter)}{FORMATS[fmt][2]}"
+
+
+def chapter_captions(chapter: Chapter, caption_format: str) -> str:
+    """A chapter's caption file's name: `003-The_Return.srt`."""
+    return f"{_chapter_stem(chapter)}.{caption_format}"
+
+
+def _chapter_stem(chapter: Chapter) -> str:
+    return f"{chapter.number:03d}-{sanitize_id(chapter.title)[:48]}"
 
 
 def minutes(text: str) -> float:

@@ -22,7 +22,7 @@ from mimo_tts.batch.files import _broken_pipe
 from mimo_tts.cli import book, decode, synth, tools, voices, wyoming
 from mimo_tts.cli.params import EXAMPLES
 from mimo_tts.cli.report import Reporter
-from mimo_tts.errors import EXIT_IO, EXIT_USAGE
+from mimo_tts.errors import EXIT_OK, EXIT_USAGE
 
 
 def _plain_metavars(params: list) -> list:
@@ -66,7 +66,8 @@ class App(TyperGroup):
 def _parse_errors():
     """Typer's usage errors (exit 2) as one `Error:` line naming the help command when stderr
     is not a terminal, so a CI log's last line says what went wrong; a terminal gets the box.
-    Help or version text into a closed pipe is exit 5, as any data (Typer and rich exit 1).
+    Help or version text into a closed pipe ends quietly, exit 0, as `git --help | head`
+    does: the reader stopped reading on purpose (Typer and rich printed an error, exit 1).
 
     Typer keeps its Click exceptions private: a usage error is known by exit code 2 and
     `format_message`, and a bare `mimo-tts` (help, then exit 2) is left to Typer."""
@@ -77,8 +78,8 @@ def _parse_errors():
         if not isinstance(exc, BrokenPipeError) and not isinstance(exc.__context__,
                                                                    BrokenPipeError):
             raise
-        Reporter().error(str(_broken_pipe()))
-        raise typer.Exit(EXIT_IO) from None
+        _broken_pipe()  # the reader has what it wanted (`--help | head`): nothing to say
+        raise typer.Exit(EXIT_OK) from None
     except Exception as exc:
         if (getattr(exc, "exit_code", None) != EXIT_USAGE or not hasattr(exc, "format_message")
                 or type(exc).__name__ == "NoArgsIsHelpError"):

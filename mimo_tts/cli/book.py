@@ -5,6 +5,7 @@ book.json (`mimo_tts/book/`). `--list` shows the chapters without loading anythi
 from __future__ import annotations
 
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Annotated
 
@@ -46,6 +47,7 @@ def book(
         rich_help_panel=BOOK, metavar="FILE", help="Write the pieces as JSON lines (id, text, "
         "seed, task) for synth --input or scripts/ray_synth.py, and exit.")] = None,
     *, options: OptionValues, config: str | None, shard: str | None,
+    voice_per_piece: bool | None,
     as_json: Annotated[bool, typer.Option("--json", rich_help_panel=RUN,
         help="JSON on stdout: the chapter table (--list), or one object per piece and one "
              "for the book.")] = False,
@@ -57,7 +59,7 @@ def book(
     from mimo_tts.book.plan import BookRequest
 
     request = BookRequest(input, options, chapters, title, author, format, not no_m4b, shard,
-                          config, as_json)
+                          config, as_json, bool(voice_per_piece))
     reporter = Reporter(quiet, verbose, as_json, debug)
     run_command(reporter, lambda: (listing(reporter, request) if list_chapters
                                    else read_aloud(reporter, request, items_out)))
@@ -81,7 +83,9 @@ def listing(reporter: Reporter, request) -> int:
 
 
 def read_aloud(reporter: Reporter, request, items_out: str | None) -> int:
-    """Plan, synthesise the pieces (progress on stderr), assemble, report."""
+    """Plan, synthesise the pieces (progress on stderr), assemble, report. Nothing is written
+    into the book's folder before its pieces' folder lock is held (the sink's): a run refused
+    by it leaves the folder as it was."""
     from mimo_tts.batch.files import stdout_stream
     from mimo_tts.batch.results import exit_code_for
     from mimo_tts.batch.runner import BatchRunner
@@ -95,46 +99,66 @@ def read_aloud(reporter: Reporter, request, items_out: str | None) -> int:
     for note in bplan.book.notes:
         reporter.info(f"note: {note}")
     task = bplan.settings.synthesis.task
+    _check_voice(bplan)
     if items_out is not None:
+        _read_voice(reporter, bplan)
         reporter.data(str(write_items(Path(items_out), bplan.plan.items, task)))
         return EXIT_OK
-    _check_voice(reporter, bplan.settings.synthesis)
-    bplan.folder.mkdir(parents=True, exist_ok=True)
-    write_items(bplan.folder / ITEMS_NAME, [i for v in bplan.chapters.values() for i in v], task)
     runner = BatchRunner(bplan.settings, log=reporter.log)
+    runner.resolve()  # a missing checkpoint ends the run here, before anything is written
     start = time.perf_counter()
-    with runner:  # closes the engine (vLLM)
-        results = _synthesize(reporter, bplan, runner)
+    with runner, bplan.plan.sink() as sink:  # the pieces' lock held; the engine closed after
+        _read_voice(reporter, bplan)
+        write_items(bplan.folder / ITEMS_NAME, [i for v in bplan.chapters.values() for i in v],
+                    task)
+        results = _synthesize(reporter, bplan, runner, sink)
     elapsed = time.perf_counter() - start
     done = assemble(bplan, runner.resolve(), reporter.log)
     _report(reporter, bplan, done, results, runner, elapsed)
     return exit_code_for(results)
 
 
-def _check_voice(reporter: Reporter, o) -> None:
+def _check_voice(bplan) -> None:
     """A stored voice is loaded before anything runs (an unknown one: exit 2 or 9)."""
-    if o.voice:
+    if bplan.settings.synthesis.voice:
         from mimo_tts.synthesis.voices import VoiceStore
 
-        VoiceStore().load(o.voice)
-    elif o.prompt_audio is None:
-        reporter.info("note: no --voice or --prompt-audio: each piece is read in the model's "
-                      "own voice, which may change from piece to piece")
+        VoiceStore().load(bplan.settings.synthesis.voice)
 
 
-def _synthesize(reporter: Reporter, bplan, runner) -> list:
-    """Each piece through the batch runner, in book order; the bar says the chapter."""
-    from mimo_tts.batch.plan import run_synth
+def _read_voice(reporter: Reporter, bplan) -> None:
+    """The book's voice, read when it is not there yet (`book.voice`)."""
+    if bplan.voice is not None:
+        from mimo_tts.book.voice import read_voice
+
+        if read_voice(bplan.voice, reporter.log):
+            reporter.info(f"book voice: {bplan.voice.path} (the first piece in the model's own "
+                          "voice; every piece is read with it)")
+
+
+def _synthesize(reporter: Reporter, bplan, runner, sink) -> list:
+    """Each piece through the batch runner, in book order, each chapter written as soon as its
+    pieces are done; the bar says the chapter."""
+    from mimo_tts.book.assemble import ChapterWriter
 
     items, count, task = bplan.plan.items, len(bplan.book.chapters), bplan.settings.synthesis.task
-    results = []
+    writer = ChapterWriter(bplan, runner.resolve(), reporter.log)
+    left = Counter(bplan.chapter_of(item).number for item in items)
+    lines = not reporter.err.is_terminal  # off a terminal (a log): a line per chapter
+    results, start = [], time.perf_counter()
     with reporter.bar(len(items), "reading", eta=True) as advance:
-        for result in run_synth(runner, items, bplan.plan.sink()):
+        for result in runner.run(items, sink):
             results.append(result)
             if reporter.as_json or result.status == "error":
                 reporter.item(result, task)
+            writer.settled(result.item)
             chapter = bplan.chapter_of(result.item)
             advance(f"chapter {chapter.number}/{count} {chapter.title[:24]}")
+            left[chapter.number] -= 1
+            if lines and not left[chapter.number]:
+                reporter.info(f"chapter {chapter.number}/{count} read: {chapter.title} "
+                              f"({len(results)} of {len(items)} pieces, "
+                              f"{time.perf_counter() - start:.0f} s)")
     return results
 
 

@@ -143,6 +143,10 @@ CATALOGUE = (
     Option("prompt_audio", BATCH, "Voice prompt audio file.", "FILE", IN),
     Option("voice", BATCH, "A stored voice (mimo-tts voices add): clones it as --prompt-audio "
            "its file would.", "NAME", IN),
+    Option("voice_per_piece", "book", "Read each piece in the model's own voice, which may "
+           "change from piece to piece (default without --voice or --prompt-audio: the book's "
+           "first piece, read once, is the voice of every piece: book-voice.wav).", panel=IN,
+           home=None, kind=bool),
     Option("caption_formats", "synth", "Write captions beside each output: srt, vtt or srt,vtt. "
            "Each sentence is then synthesised as its own piece, so the audio differs from a run "
            "without.", "FORMATS", OUT, ("--captions",)),
@@ -181,6 +185,9 @@ CATALOGUE = (
            "prompt encode.", "N", DEV),
     # how to sample
     Option("seed", BATCH, "Sampling seed (default {default}).", "SEED", GEN),
+    Option("speed", "synth book serve wyoming", "Speaking rate, pitch kept: 0.25 to 4 (default "
+           "{default:g}; 1.5 is half again as fast). The audio is stretched after Stage-1, so "
+           "the codes are speed 1's.", "RATE", GEN),
     Option("temperature", "synth book", "Text temperature (0 = greedy; task default "
            "{default:g}).", "T", GEN, default=TEXT.temperature),
     Option("top_k", "synth book", "Text top-k.", "K", GEN),
@@ -303,6 +310,9 @@ def add_arguments(parser, command: str) -> None:
 # How a command reports: each command takes these as its own.
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=RUN,
                                      help="Only errors on stderr (data still on stdout).")]
+ServeQuiet = Annotated[bool, typer.Option(
+    "--quiet", "-q", rich_help_panel=RUN, help="Only errors on stderr: no request log (one line "
+    "per request otherwise), no start-up lines.")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", rich_help_panel=RUN,
                                        help="More detail on stderr (loading, placement).")]
 AsJson = Annotated[bool, typer.Option("--json", rich_help_panel=RUN,
@@ -317,5 +327,10 @@ StatusJson = Annotated[bool, typer.Option(
 SelftestJson = Annotated[bool, typer.Option(
     "--json", help="The result as one JSON object on stdout: seconds, frames, peak, RTF "
     "(default: one line on stderr).")]
+VoiceAddJson = Annotated[bool, typer.Option(
+    "--json", rich_help_panel=RUN, help="The stored voice's record as one JSON object on stdout "
+    "(default: the record's path).")]
+VoicesListJson = Annotated[bool, typer.Option(
+    "--json", help="One JSON object per stored voice on stdout (default: a line each).")]
 Debug = Annotated[bool, typer.Option("--debug", rich_help_panel=RUN,
                                      help="Show tracebacks for errors.")]

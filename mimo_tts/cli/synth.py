@@ -29,7 +29,7 @@ def synth(
     input: Annotated[list[str] | None, typer.Option(
         "--input", "-i", rich_help_panel=IN, metavar="FILE",
         help=".txt (one item per line) or .jsonl (id, text, instruct, prompt_audio, seed, "
-             "task); '-' reads stdin.")] = None,
+             "task); '-' reads stdin, as does text piped in without --text/--input.")] = None,
     *, options: OptionValues, config: str | None, shard: str | None,
     dry_run: Annotated[bool, typer.Option("--dry-run", rich_help_panel=RUN,
         help="Preflight only (devices, checkpoints, memory); load nothing.")] = False,
@@ -65,7 +65,7 @@ def synth(
             VoiceStore().load(plan.settings.synthesis.voice)
         runner = BatchRunner(plan.settings, log=reporter.log)
         start = time.perf_counter()
-        with runner, reporter.bar(len(plan.items)) as advance:  # closes the engine (vLLM)
+        with runner, reporter.bar(len(plan.items), eta=True) as advance:  # closes the engine
             results = []
             for result in run_synth(runner, plan.items, plan.sink()):
                 results.append(result)

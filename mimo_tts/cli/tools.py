@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from mimo_tts.cli.params import Debug, SelftestJson, StatusJson, Verbose, takes
+from mimo_tts.cli.params import Debug, SelftestJson, ServeQuiet, StatusJson, Verbose, takes
 from mimo_tts.cli.report import Reporter, run_command
 from mimo_tts.errors import EXIT_OK, AudioCheckError
 from mimo_tts.presets import TINY
@@ -37,15 +37,20 @@ def status(
         metavar="TEXT", help="synth's --instruct, likewise.")] = None,
     prompt_audio: Annotated[str | None, typer.Option(
         metavar="FILE", help="synth's --prompt-audio, likewise.")] = None,
+    voice: Annotated[str | None, typer.Option(
+        metavar="NAME", help="synth's --voice, likewise.")] = None,
+    captions: Annotated[bool, typer.Option(
+        "--captions", help="The run had synth's --captions (any formats), likewise.")] = False,
     merge: Annotated[bool, typer.Option(
         "--merge", help="Write every shard's lines into one results.jsonl.")] = False,
     as_json: StatusJson = False, debug: Debug = False,
 ) -> None:
     """Done / failed / missing items across all shards' manifests of an output folder.
 
-    Give it synth's --input and the --seed, --instruct and --prompt-audio the run had: they
-    name the items. A book's folder (mimo-tts book) names its own pieces, with a line per
-    chapter. Exits 0 when every item is done, 10 when some are failed or missing.
+    Give it synth's --input and the --seed, --instruct, --prompt-audio, --voice and
+    --captions the run had: they name the items. A book's folder (mimo-tts book) names its
+    own pieces, with a line per chapter. Exits 0 when every item is done, 10 when some are
+    failed or missing.
     """
     reporter = Reporter(as_json=as_json, debug=debug)
 
@@ -58,7 +63,8 @@ def status(
             report, lines = book_status.report(output_dir, merge), book_status.lines
         else:
             report = folder_status.report(output_dir, task, input or [], merge,
-                                          Naming(seed, instruct, prompt_audio, task))
+                                          Naming(seed, instruct, prompt_audio, task,
+                                                 voice, captions))
             lines = folder_status.lines
         if as_json:
             reporter.data(report)
@@ -155,18 +161,23 @@ def _selftest_problems(audio, rate: int, frames: int, per_frame: int) -> list[st
 
 
 @takes("serve")
-def serve(*, serving: dict, options: OptionValues, config: str | None, verbose: Verbose = False,
-          debug: Debug = False) -> None:
-    """Serve an OpenAI-compatible speech API: POST /v1/audio/speech (needs the serve extra)."""
-    run_server("mimo_tts.server.app", serving, os.environ, options, config, verbose, debug)
+def serve(*, serving: dict, options: OptionValues, config: str | None, quiet: ServeQuiet = False,
+          verbose: Verbose = False, debug: Debug = False) -> None:
+    """Serve an OpenAI-compatible speech API: POST /v1/audio/speech (needs the serve extra).
+
+    Each request is one line on stderr when it ends (method, path, status, voice, characters,
+    audio seconds, time to first audio, total; never the text or the key); -q silences it."""
+    run_server("mimo_tts.server.app", serving, os.environ, options, config, verbose, debug,
+               quiet)
 
 
 def run_server(module: str, serving: dict, environ, options: OptionValues, config: str | None,
-               verbose: bool, debug: bool, port: int | None = None) -> None:
+               verbose: bool, debug: bool, quiet: bool = False,
+               port: int | None = None) -> None:
     """A server face's body (`serve`, `wyoming`): once its extra is there, its `main` gets the
     server's own options (`ServeConfig`, the key from `environ`) and the model's
     (`OptionValues`); imported only when it runs."""
-    reporter = Reporter(verbose=verbose, debug=debug)
+    reporter = Reporter(quiet=quiet, verbose=verbose, debug=debug)
 
     def body() -> int:
         import importlib

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from mimo_tts.cli.params import AsJson, Debug, Verbose, takes
+from mimo_tts.cli.params import Debug, Verbose, VoiceAddJson, VoicesListJson, takes
 from mimo_tts.cli.report import Reporter, run_command
 from mimo_tts.errors import EXIT_OK
 from mimo_tts.synthesis.settings import OptionValues
@@ -36,7 +36,7 @@ def add(
         help="What the recording says (kept in the record).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite",
         help="Replace a voice of the same name.")] = False,
-    *, options: OptionValues, as_json: AsJson = False, verbose: Verbose = False,
+    *, options: OptionValues, as_json: VoiceAddJson = False, verbose: Verbose = False,
     debug: Debug = False,
 ) -> None:
     """Encode FILE once and keep its voice-prompt codes as NAME."""
@@ -63,7 +63,7 @@ def add(
     run_command(reporter, body)
 
 
-def list_(as_json: AsJson = False, debug: Debug = False) -> None:
+def list_(as_json: VoicesListJson = False, debug: Debug = False) -> None:
     """The stored voices: name, seconds, tokenizer, created-at (one JSON line each with --json)."""
     reporter = Reporter(as_json=as_json, debug=debug)
 

@@ -40,6 +40,7 @@ from mimo_tts.server.protocol import (
     served_formats,
     sse,
 )
+from mimo_tts.server.requestlog import RequestLog
 from mimo_tts.server.session import Session, Sessions
 from mimo_tts.server.voices import client_message
 from mimo_tts.synthesis.audio import (
@@ -69,9 +70,12 @@ class StreamAborted(Exception):
 class SpeechServer:
     """The HTTP face over one loaded `MiMoTTS` and its `SpeechWorker`."""
 
-    def __init__(self, tts, cfg: ServeConfig, base: "SynthesisOptions", model: str, log=None):
+    def __init__(self, tts, cfg: ServeConfig, base: "SynthesisOptions", model: str, log=None,
+                 requests=None):
+        """`log`: the server's messages; `requests`: the request log's lines (None: none)."""
         self.tts, self.cfg, self.model = tts, cfg, model  # model: the public name
         self.log = log or (lambda message: None)
+        self.requests = requests
         self.formats = served_formats()
         self.parser = RequestParser(cfg, base, model, tuple(self.formats), tts.voices)
         self.metrics = ServerMetrics(lambda: self.sessions.places())
@@ -86,6 +90,7 @@ class SpeechServer:
 
         params = self.parser.parse(await read_body(request))
         tally = tally_of(request)
+        tally.voice, tally.chars = params.voice, len(params.text)
         session = self.sessions.open("speech")
         if session is None:
             tally.outcome = "rejected"
@@ -149,14 +154,15 @@ class SpeechServer:
 
     def app(self):
         """The FastAPI application: `routes.py`'s routes, errors as OpenAI-style JSON, each
-        API request counted by `ServerMetrics.wrap`; without a key, behind `guard.py`'s
-        refusals of what other web pages send."""
+        API request counted by `ServerMetrics.wrap`, each request's line in the request log;
+        without a key, behind `guard.py`'s refusals of what other web pages send."""
         from mimo_tts.server.routes import BODY_TYPES, build_app
 
         app = build_app(self)
         if self.cfg.api_key is None:
             app = Guard(self.cfg, BODY_TYPES).wrap(app)
-        return _Aborts(self.metrics.wrap(app))
+        app = self.metrics.wrap(app)
+        return _Aborts(app if self.requests is None else RequestLog(app, self.requests))
 
 
 class Speech:
@@ -335,7 +341,8 @@ def main(cfg: ServeConfig, options: "OptionValues", config: str | None, reporter
     a signal."""
     with loaded(cfg, options, config, reporter) as (settings, sock, tts):
         server = SpeechServer(tts, cfg, settings.synthesis,
-                              public_model_name(settings.checkpoints.lm[0]), reporter.info)
+                              public_model_name(settings.checkpoints.lm[0]), reporter.info,
+                              reporter.info)  # the request log: -q silences it
         reporter.info(serving_line(server, sock, tts))
         try:
             stopped_by = serve(server.app(), sock, reporter.verbose)

@@ -53,7 +53,7 @@ def serve(app, sock: socket.socket, verbose: bool) -> str:
     """Serve the ASGI `app` on the bound `sock` until a stop signal; that signal's name."""
     import uvicorn
 
-    config = uvicorn.Config(app, access_log=verbose, lifespan="off",
+    config = uvicorn.Config(app, access_log=False, lifespan="off",  # the app's request log
                             log_level="info" if verbose else "warning",
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     server = uvicorn.Server(config)  # its Config set the loggers up: the filter goes after

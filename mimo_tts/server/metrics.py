@@ -56,16 +56,23 @@ class Tally:
         self.metrics, self.start = metrics, time.perf_counter()
         self.outcome: str | None = None  # set by the request; else its status decides
         self.samples = 0  # of audio in its body, at SAMPLE_RATE
+        # a speech request's, for the request log: its voice and input's characters (once
+        # parsed), the seconds to its first audio bytes
+        self.voice: str | None = None
+        self.chars: int | None = None
+        self.first_at: float | None = None
 
     def first_audio(self, streamed: bool) -> None:
         """Its first audio bytes are ready (observed now: a long stream shows it at once)."""
+        self.first_at = time.perf_counter() - self.start
         if self.metrics is not None:
             self.metrics.first_audio.labels("stream" if streamed else "file").observe(
-                time.perf_counter() - self.start)
+                self.first_at)
 
 
 def tally_of(request) -> Tally:
-    """The request's `Tally` (a detached one when no `ServerMetrics.wrap` is in front)."""
+    """The request's `Tally` (a detached one when no `ServerMetrics.wrap` or `RequestLog` is
+    in front)."""
     return request.scope.get(TALLY_KEY) or Tally()
 
 
@@ -160,8 +167,8 @@ class ServerMetrics(Meter):
             endpoint = _endpoint(scope)
             if endpoint is None:
                 return await app(scope, receive, send)
-            tally, status = Tally(self), []
-            scope[TALLY_KEY] = tally
+            tally, status = scope.setdefault(TALLY_KEY, Tally()), []  # the request log's
+            tally.metrics = self
 
             async def watched(message) -> None:
                 if message["type"] == "http.response.start":

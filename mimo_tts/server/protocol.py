@@ -22,8 +22,10 @@ from urllib.parse import urlsplit
 
 from mimo_tts.errors import DeviceError, InputError, MimoTTSError, UsageError, short_repr
 from mimo_tts.lm.tasks import TASKS
-from mimo_tts.synthesis.audio import FORMATS, LOSSY_FORMATS, lossy_formats
+from mimo_tts.synthesis import aac
+from mimo_tts.synthesis.audio import AAC_FORMATS, FORMATS, LOSSY_FORMATS, lossy_formats
 from mimo_tts.synthesis.options import DEFAULT_TASK, MAX_SEED, task_for
+from mimo_tts.synthesis.tempo import SPEEDS
 from mimo_tts.synthesis.text import clean_text
 from mimo_tts.synthesis.voices import BUILT_IN, VoiceStore, served_voices
 from mimo_tts.synthesis.worker import STAGE1_BATCH
@@ -36,7 +38,7 @@ FIELDS = ("model", "input", "voice", "instructions", "response_format", "stream_
 MAX_VOICE_BYTES = 16 << 20  # an uploaded voice recording (POST /v1/audio/voices)
 CAPTIONS_HEADER = "X-MiMo-Captions"  # the cues of a whole-file response, as JSON
 # OpenAI's model, voice and response_format names, accepted so that existing clients work
-# unchanged (aac has no libsndfile encoder, so it is never offered).
+# unchanged (aac is offered where PyAV is installed).
 OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage",
                  "shimmer", "verse")
@@ -239,10 +241,12 @@ def voice_error(name: str, path: str, exc: MimoTTSError) -> MimoTTSError:
 
 def served_formats() -> list[str]:
     """The response formats this build answers in: pcm, then OpenAI's names among `FORMATS`
-    in their order, the lossy ones only where this libsndfile has the encoder."""
+    in their order, the lossy ones only where this libsndfile has the encoder, aac only with
+    PyAV."""
     lossy = lossy_formats()
     return [PCM, *(name for name in FORMATS if name in OPENAI_FORMATS
-                   and (name not in LOSSY_FORMATS or name in lossy))]
+                   and (name not in LOSSY_FORMATS or name in lossy)
+                   and (name not in AAC_FORMATS or aac.available()))]
 
 
 def media_type(fmt: str) -> str:
@@ -287,6 +291,7 @@ class SpeechParams:
     fmt: str
     sse: bool
     captions: bool = False  # cues in the X-MiMo-Captions header, or the SSE done event
+    voice: str = "default"  # the voice as the request named it (a served name: the log's)
 
 
 @dataclass(frozen=True)
@@ -331,7 +336,8 @@ class RequestParser:
                  "response_format")
         _require(stream_format in ("audio", "sse"), "stream_format must be audio or sse",
                  "stream_format")
-        _require(speed is None or speed == 1, "speed is not supported (only 1.0)", "speed")
+        _require(speed is None or SPEEDS[0] <= speed <= SPEEDS[1],
+                 f"speed must be in [{SPEEDS[0]:g}, {SPEEDS[1]:g}]", "speed")
         _require(not captions or stream_format == "sse" or fmt not in STREAMED,
                  f"captions come with a whole file or stream_format sse, not a {fmt} stream",
                  "captions")
@@ -347,10 +353,11 @@ class RequestParser:
         try:
             options = replace(self.base, task=task, instruct=instruct, prompt_audio=prompt_audio,
                               voice=voice, captions=captions or self.base.captions,
-                              seed=self.base.seed if seed is None else seed)
+                              seed=self.base.seed if seed is None else seed,
+                              speed=self.base.speed if speed is None else float(speed))
         except MimoTTSError as exc:
             raise ApiError.of(exc, in_fields(str(exc))) from None
-        return SpeechParams(text, options, fmt, stream_format == "sse", captions)
+        return SpeechParams(text, options, fmt, stream_format == "sse", captions, name)
 
     def bounded(self, text: str, name: str) -> str:
         """`input` or `instructions`, refused past `--max-input-chars`."""

@@ -121,7 +121,7 @@ class Session:
         self.jobs = [SpeechJob(prompt, generation, options.seed,
                                decode="stream" if streamed else "whole",
                                deliver=self._deliverer(queue), label=self.label,
-                               order=(self.serial, i))
+                               order=(self.serial, i), speed=options.speed)
                      for i, (prompt, queue) in enumerate(zip(prompts, self.queues, strict=True))]
         if not self.released:
             self.sessions._start(self)

@@ -4,6 +4,7 @@ prompt audio."""
 
 from __future__ import annotations
 
+import functools
 import io as _io
 import numbers
 import os
@@ -20,6 +21,7 @@ from mimo_tts.errors import (
     short_repr,
 )
 from mimo_tts.runtime.paths import atomic_write
+from mimo_tts.synthesis import aac
 
 SAMPLE_RATE = 24000
 
@@ -37,15 +39,21 @@ FORMATS = {"wav": ("WAV", "PCM_16", ".wav", "audio/wav"),
            "flac": ("FLAC", "PCM_16", ".flac", "audio/flac"),
            "mp3": ("MP3", "MPEG_LAYER_III", ".mp3", "audio/mpeg"),
            "opus": ("OGG", "OPUS", ".opus", "audio/opus"),
-           "ogg": ("OGG", "VORBIS", ".ogg", "audio/ogg")}
+           "ogg": ("OGG", "VORBIS", ".ogg", "audio/ogg"),
+           # AAC through PyAV (`synthesis/aac.py`), not libsndfile: ADTS frames, and MP4
+           "aac": ("ADTS", "AAC", ".aac", "audio/aac"),
+           "m4a": ("MP4", "AAC", ".m4a", "audio/mp4")}
+AAC_FORMATS = ("aac", "m4a")
 
 
 # The sample rates libsndfile's MP3 and Opus encoders take (any other rate is refused).
 FORMAT_RATES = {"mp3": (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000),
-                "opus": (8000, 12000, 16000, 24000, 48000)}
+                "opus": (8000, 12000, 16000, 24000, 48000),
+                "aac": aac.RATES, "m4a": aac.RATES}
 
 
-EXTENSIONS = {".wav": "wav", ".flac": "flac", ".mp3": "mp3", ".opus": "opus", ".ogg": "ogg"}
+EXTENSIONS = {".wav": "wav", ".flac": "flac", ".mp3": "mp3", ".opus": "opus", ".ogg": "ogg",
+              ".aac": "aac", ".m4a": "m4a"}
 
 
 def output_format(path: str | None, given: str | None) -> str:
@@ -70,7 +78,10 @@ def output_format(path: str | None, given: str | None) -> str:
 
 
 def check_format_rate(fmt: str, sample_rate: int) -> None:
-    """MP3 and Opus take only some rates: another is a usage error, before any work."""
+    """MP3, Opus and AAC take only some rates: another is a usage error, before any work; so
+    is AAC without PyAV."""
+    if fmt in AAC_FORMATS:
+        aac.require(fmt)
     rates = FORMAT_RATES.get(fmt)
     if rates is not None and sample_rate not in rates:
         raise UsageError(f"--format {fmt} takes --sample-rate {', '.join(map(str, rates))}, "
@@ -157,12 +168,15 @@ def wav_stream_header(sample_rate: int) -> bytes:
 
 
 def encode_audio(audio, sample_rate: int, fmt: str) -> bytes:
-    """Encoded file bytes for `fmt` (`wav` PCM16, `wav-float`, `flac`, or a lossy format)."""
+    """Encoded file bytes for `fmt` (`wav` PCM16, `wav-float`, `flac`, or a lossy format:
+    libsndfile's, or AAC through PyAV)."""
     import numpy as np
     import soundfile as sf
 
     container, subtype, *_ = FORMATS[fmt]
     samples = to_numpy(audio)
+    if fmt in AAC_FORMATS:
+        return aac.encode_aac(np.clip(samples, -1.0, 1.0), sample_rate, fmt)
     if subtype == "PCM_16":
         samples = np.frombuffer(pcm16(samples), dtype="<i2")
     elif container != "WAV":  # the lossy encoders take [-1, 1]
@@ -243,6 +257,23 @@ def check_prompt_file(path: str | Path, where: str = "prompt audio",
                 else "a device")
         raise InputError(f"{where} {shown} is {kind}, not a regular file")
     return path
+
+
+def check_prompt_audio(path: str | Path, where: str = "prompt audio",
+                       shown: str | None = None) -> Path:
+    """A prompt file checked as a run checks it before its models load: a regular file
+    (`check_prompt_file`) whose header decodes and whose length is within the limits
+    (`audio_seconds`), so a corrupt file fails its item in seconds. Each file (by path, size
+    and mtime) is probed once per process."""
+    path = check_prompt_file(path, where, shown)
+    info = path.stat()
+    _probe(str(path), info.st_size, info.st_mtime_ns, where, shown or str(path))
+    return path
+
+
+@functools.lru_cache(maxsize=256)
+def _probe(path: str, size: int, mtime_ns: int, where: str, shown: str) -> None:
+    audio_seconds(path, where, shown)  # an InputError is raised again on every call
 
 
 def read_audio(path: str | Path, where: str = "prompt audio", shown: str | None = None):

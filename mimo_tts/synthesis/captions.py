@@ -100,6 +100,20 @@ def cues(texts: list[str], lengths: list[int], sample_rate: int, samples_per_fra
     return out
 
 
+def at_rate(found: list[Cue], rate: int) -> list[Cue]:
+    """Cues in the samples of their audio resampled to `rate`: each bound scaled and rounded
+    up, as `audio.resample` sizes its output, so the last cue still ends at the audio's end."""
+    if not found or found[0].sample_rate == rate:
+        return found
+    source = found[0].sample_rate
+
+    def scale(sample: int) -> int:
+        return -(-sample * rate // source)
+
+    return [Cue(c.index, c.text, scale(c.start_sample), scale(c.end_sample), rate)
+            for c in found]
+
+
 # --- caption files -----------------------------------------------------------------------------
 
 

@@ -31,6 +31,7 @@ from mimo_tts.synthesis.audio import (
     check_format_rate,
     prompt_audio_of,
 )
+from mimo_tts.synthesis.tempo import SPEEDS
 from mimo_tts.synthesis.voices import check_name
 
 MAX_SEED = 2**64 - 1  # torch generators take seeds in [0, 2**64)
@@ -144,6 +145,9 @@ class SynthesisOptions:
     # One piece per sentence (long ones cut at clause punctuation), so that each gets a cue
     # with exact times (`synthesis/captions.py`); the audio differs from a run without.
     captions: bool = False
+    # Speaking rate, pitch kept: each piece's audio time-stretched after Stage-1
+    # (`synthesis/tempo.py`), so its codes are speed 1's; pauses keep their length.
+    speed: float = 1.0
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_audio", prompt_audio_of(self.prompt_audio))
@@ -153,6 +157,8 @@ class SynthesisOptions:
             check(self.prompt_audio is None,
                    "--voice and --prompt-audio both give the voice prompt; give one")
         check(self.max_chars >= 0, "--max-chars must be >= 0 (0 disables splitting)")
+        check(SPEEDS[0] <= self.speed <= SPEEDS[1],
+              f"--speed must be in [{SPEEDS[0]:g}, {SPEEDS[1]:g}]")
         check(0 <= self.seed <= MAX_SEED, "--seed must be in [0, 2**64 - 1]")
         check(self.max_new_groups is None or self.max_new_groups >= 1,
                "--max-new-groups must be >= 1")

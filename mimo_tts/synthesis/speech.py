@@ -126,7 +126,7 @@ class SpeechCalls:
         prompts = self.prompts(_text(text, "text"), o, o.seed)
         options = o.generation_options(o.seed)
         jobs = [SpeechJob(p, options, o.seed, decode="stream", label="stream", order=(0, i),
-                          key=i) for i, p in enumerate(prompts)]
+                          key=i, speed=o.speed) for i, p in enumerate(prompts)]
         worker = self.worker(1, stream=True, schedule=(o.stream_mode, o.stream_chunk_groups,
                                                        o.stream_max_chunk_groups))
         pause = PAUSE_FRAMES * self.stage1.samples_per_frame
@@ -159,7 +159,8 @@ class SpeechCalls:
         for n, text in enumerate(texts):
             group: list[SpeechJob] = []
             group += [SpeechJob(p, options, o.seed, group=group, label=f"text {n + 1}",
-                                order=(n, i)) for i, p in enumerate(self.prompts(text, o, o.seed))]
+                                order=(n, i), speed=o.speed)
+                      for i, p in enumerate(self.prompts(text, o, o.seed))]
             groups.append(group)
         jobs = [job for group in groups for job in group]
         if jobs:

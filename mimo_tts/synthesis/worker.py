@@ -38,6 +38,7 @@ from mimo_tts.errors import MimoTTSError
 from mimo_tts.runtime.guards import oom_advice, thread_budget
 from mimo_tts.synthesis.pieces import Piece
 from mimo_tts.synthesis.streaming import FrameCollector, lead_groups, push_schedule
+from mimo_tts.synthesis.tempo import stretch
 
 STAGE1_BATCH = 16  # streamed jobs whose pushes one Stage-1 round decodes together
 DECODES = ("stream", "whole", "none")
@@ -92,6 +93,7 @@ class SpeechJob:
     label: str = "speech"
     order: tuple = (0, 0)
     key: object = None  # the face's own handle
+    speed: float = 1.0  # its audio time-stretched once decoded (`tempo.stretch`)
     cancelled: threading.Event = field(default_factory=threading.Event)
     rows: int = 0  # live rows of the batch when it joined
     timings: dict = field(default_factory=dict)
@@ -491,9 +493,10 @@ class SpeechWorker:
         for (_, job, _, _), wave in zip(pushes, waves, strict=True):
             job.timings["stage1_s"] = job.timings.get("stage1_s", 0.0) + share
             if wave is not None:
-                job.timings.setdefault("first_audio_at", now)
                 job.chunks.append(wave)  # [S_i]
-                self._deliver(job, Chunk(job, wave), final=False)
+                if job.speed == 1:  # else the stretched piece comes whole at its end
+                    job.timings.setdefault("first_audio_at", now)
+                    self._deliver(job, Chunk(job, wave), final=False)
 
     def _finish_stream(self, job: SpeechJob) -> None:
         """A streamed job's end: its piece by the official extraction, its audio what was
@@ -508,6 +511,10 @@ class SpeechWorker:
             piece.audio = self.tts.stage1.decode([piece.codes])[0]
             job.timings["stage1_s"] = job.timings.get("stage1_s", 0.0) + (
                 time.perf_counter() - start)
+        if job.speed != 1 and piece.audio is not None:
+            piece.audio = stretch(piece.audio, job.speed)
+            job.timings.setdefault("first_audio_at", time.perf_counter())
+            self._deliver(job, Chunk(job, piece.audio), final=False)
         t, now = job.timings, time.perf_counter()
         piece.timings = {"stage0_s": t.get("stage0_s", 0.0), "stage1_s": t.get("stage1_s", 0.0),
                          "stage1_wait_s": now - t["generated_at"],
@@ -532,7 +539,7 @@ class SpeechWorker:
             audios = self.tts.stage1.decode([p.codes for p in pieces])
             share = (time.perf_counter() - start) / len(group)
             for job, piece, audio in zip(group, pieces, audios, strict=True):
-                piece.audio = audio
+                piece.audio = stretch(audio, job.speed)
                 job.timings["stage1_s"] = job.timings.get("stage1_s", 0.0) + share
         for job in group:
             self._deliver(job, Done(job, job.piece))

@@ -142,3 +142,15 @@ def test_a13_an_unsharded_run_refused_beside_shards_names_their_pids(tmp_path):
                                f"{tmp_path / 'tts_sft'}; an unsharded run waits for them (or "
                                "use another --output-dir)")
     assert "pid ?" not in str(info.value)
+
+
+def test_status_merge_beside_running_shards_says_what_waits(invoke, tmp_path):
+    """`status --merge` while shards write: one line naming them and that the merge waits
+    (before: "an unsharded run waits for them (or use another --output-dir)")."""
+    with _sink(tmp_path / "out", "1/2"):
+        merged = invoke("status", tmp_path / "out", "--merge")
+    pid = os.getpid()
+    assert merged.exit_code == 5, merged.output
+    assert merged.stderr.strip() == (
+        f"Error: shard(s) 1/2 (pid {pid}) are writing to {tmp_path / 'out' / 'tts_sft'}; "
+        "status --merge waits until they are done")

@@ -21,7 +21,7 @@ import soundfile as sf
 
 from mimo_tts.batch.shards import shard_of
 from mimo_tts.book.assemble import CHAPTER_PAUSE_FRAMES
-from mimo_tts.errors import EXIT_INCOMPLETE, EXIT_INPUT, EXIT_USAGE
+from mimo_tts.errors import EXIT_INCOMPLETE, EXIT_INPUT, EXIT_IO, EXIT_USAGE
 from mimo_tts.synthesis.audio import PAUSE_FRAMES
 from tests.book.books import (
     AUTHOR,
@@ -39,6 +39,7 @@ needs_av = pytest.mark.skipif(not HAS_AV, reason="PyAV is not installed (pip ins
                               "'mimo-tts[book]'): book.m4b cannot be written or read")
 TINY = ("--model", "tiny", "--max-new-groups", "4")
 IDS = [f"c{c:03d}-p{p:04d}" for c in (1, 2, 3) for p in (1, 2, 3)]
+PIECES = "tts_sft_with_audio"  # each piece read with the book's voice (book-voice.wav)
 SPF, RATE = 960, 24000
 AAC_FRAME_S = 1024 / RATE
 
@@ -86,7 +87,7 @@ def test_whole_book(whole, invoke):
     record = json.loads((out / "book.json").read_text())
     assert record["complete"] and (record["title"], record["author"]) == (TITLE, AUTHOR)
     assert [c["title"] for c in record["chapters"]] == [name for name, _, _ in THREE]
-    pieces = sorted((out / "tts_sft").glob("*.wav"))
+    pieces = sorted((out / PIECES).glob("*.wav"))
     assert [p.stem for p in pieces] == IDS
     lengths = {p.stem: sf.info(str(p)).frames for p in pieces}
     start = 0
@@ -109,6 +110,11 @@ def test_whole_book(whole, invoke):
     assert re.search(r"9 written, 0 skipped, 0 failed \| load [\d.]+ s \| synthesis [\d.]+ s "
                      r"for [\d.]+ s of audio \(RTF [\d.]+\)", done.stderr)
     assert "book: 3 chapters, 0:00:" in done.stderr
+    # off a terminal (a log) a line per chapter as it is read (before: nothing until the end)
+    assert re.findall(r"^chapter (\d)/3 read: (.*) \((\d) of 9 pieces, \d+ s\)$",
+                      done.stderr, re.M) == [("1", "The Harbour", "3"),
+                                             ("2", "The Lighthouse", "6"),
+                                             ("3", "The Return", "9")]
     status = invoke("status", out, "--json")
     report = json.loads(status.stdout)
     assert status.exit_code == 0 and report["done"] == 9 and report["items"] == 9
@@ -134,6 +140,35 @@ def test_m4b_chapters_and_metadata_equal_book_json(whole):
         assert abs(container.duration / 1e6 - record["seconds"]) <= AAC_FRAME_S
 
 
+def test_without_a_voice_every_piece_is_read_in_the_first_pieces_voice(whole, invoke,
+                                                                       tmp_path):
+    """A book is one narrator: without --voice or --prompt-audio, its first piece read in the
+    model's own voice is kept as book-voice.wav, named in book.json, and every piece is read
+    with it as the voice prompt (before: each piece in the model's own voice, a speaker per
+    piece); --voice-per-piece keeps the old reading."""
+    out, _ = whole
+    voice = out / "book-voice.wav"
+    record = json.loads((out / "book.json").read_text())
+    assert record["book_voice"] == "book-voice.wav" and record["task"] == PIECES
+    assert record["prompt_audio"] == str(voice)
+    for piece in IDS:
+        sidecar = json.loads((out / PIECES / f"{piece}.json").read_text())
+        assert (sidecar["task"], sidecar["prompt_audio"]) == (PIECES, str(voice))
+    own = tmp_path / "own"
+    done = invoke("book", out.parent / "small-sea.epub", "--output-dir", own, "--chapters", "1",
+                  "--voice-per-piece", *TINY, "--no-m4b")
+    assert done.exit_code == 0, done.output
+    assert not (own / "book-voice.wav").exists() and "book voice" not in done.stderr
+    assert json.loads((own / "book.json").read_text())["book_voice"] is None
+    assert sorted(p.stem for p in (own / "tts_sft").glob("*.wav")) == IDS[:3]
+    first, _ = sf.read(str(own / "tts_sft" / "c001-p0001.wav"), dtype="int16")
+    kept, rate = sf.read(str(voice), dtype="int16")
+    assert rate == RATE and first.tolist() == kept.tolist()  # the first piece, as read alone
+    both = invoke("book", out.parent / "small-sea.epub", "--output-dir", own, "--voice-per-piece",
+                  "--voice", "narrator", *TINY, "--no-m4b")
+    assert both.exit_code == EXIT_USAGE and "--voice-per-piece" in error_line(both.stderr)
+
+
 def test_rerun_rewrites_nothing(whole, invoke):
     out, _ = whole
     before = _files(out)
@@ -150,9 +185,12 @@ def test_one_chapter_alone_is_the_same_audio(whole, invoke, tmp_path):
     done = invoke("book", out.parent / "small-sea.epub", "--output-dir", one, "--chapters", "2",
                   *TINY)
     assert done.exit_code == 0, done.output
-    assert sorted(p.stem for p in (one / "tts_sft").glob("*.wav")) == IDS[3:6]
-    (chapter,) = (one / "chapters").iterdir()
-    assert chapter.read_bytes() == (out / "chapters" / chapter.name).read_bytes()
+    assert sorted(p.stem for p in (one / PIECES).glob("*.wav")) == IDS[3:6]
+    assert (one / "book-voice.wav").read_bytes() == (out / "book-voice.wav").read_bytes()
+    files = sorted((one / "chapters").iterdir())
+    assert [p.name for p in files] == [f"002-The_Lighthouse.{x}" for x in ("srt", "vtt", "wav")]
+    for chapter in files:  # the audio and its captions, as in the whole book
+        assert chapter.read_bytes() == (out / "chapters" / chapter.name).read_bytes()
     assert not (one / "book.m4b").exists() and not (one / "book.srt").exists()
     record = json.loads((one / "book.json").read_text())
     assert not record["complete"] and [c["done"] for c in record["chapters"]] == [0, 3, 0]
@@ -163,6 +201,22 @@ def test_one_chapter_alone_is_the_same_audio(whole, invoke, tmp_path):
     assert status.stdout.splitlines()[1:4] == [f"book {one}: 1 of 3 chapters done",
                                                "chapter 1: 0 of 3 pieces done",
                                                "chapter 3: 0 of 3 pieces done"]
+
+
+def test_speed_stretches_each_piece_and_the_captions_follow(whole, invoke, tmp_path):
+    """`book --speed 2`: each piece file holds half the samples of speed 1's, the chapter and
+    its cues follow (the pauses between pieces keep their length)."""
+    out, _ = whole
+    fast = tmp_path / "fast"
+    done = invoke("book", out.parent / "small-sea.epub", "--output-dir", fast, "--chapters", "2",
+                  "--speed", "2", *TINY)
+    assert done.exit_code == 0, done.output
+    for stem in IDS[3:6]:
+        frames = sf.info(str(out / "tts_sft" / f"{stem}.wav")).frames
+        assert sf.info(str(fast / "tts_sft" / f"{stem}.wav")).frames == round(frames / 2)
+    (chapter,) = (fast / "chapters").iterdir()
+    pieces = [sf.info(str(fast / "tts_sft" / f"{stem}.wav")).frames for stem in IDS[3:6]]
+    assert sf.info(str(chapter)).frames == sum(pieces) + 2 * PAUSE_FRAMES * SPF
 
 
 def test_two_shards_make_the_same_book(whole, invoke, tmp_path):
@@ -179,7 +233,7 @@ def test_two_shards_make_the_same_book(whole, invoke, tmp_path):
     second = invoke("book", out.parent / "small-sea.epub", "--output-dir", shards, "--shard",
                     "2/2", *TINY, *extra)
     assert second.exit_code == 0, second.output
-    lines = {k: [r["id"] for r in read_lines(shards / "tts_sft" / f"results.shard-{k}-of-2.jsonl")]
+    lines = {k: [r["id"] for r in read_lines(shards / PIECES / f"results.shard-{k}-of-2.jsonl")]
              for k in (1, 2)}
     assert {k: sorted(v) for k, v in lines.items()} == owned
     for name in ["book.srt", "book.json", *(["book.m4b"] if HAS_AV else []),
@@ -194,7 +248,7 @@ def test_kill_9_then_the_same_command_writes_each_piece_once(whole, base_env, tm
     out, _ = whole
     args = [out.parent / "small-sea.epub", "--output-dir", tmp_path / "book", *TINY,
             *([] if HAS_AV else ["--no-m4b"])]
-    pieces = tmp_path / "book" / "tts_sft"
+    pieces = tmp_path / "book" / PIECES
     proc = subprocess.Popen([str(ENTRY_POINT), "book", *map(str, args)], cwd=tmp_path,
                             env=base_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
@@ -206,15 +260,78 @@ def test_kill_9_then_the_same_command_writes_each_piece_once(whole, base_env, tm
     assert proc.returncode == -signal.SIGKILL
     kept = {p.name: p.stat().st_mtime_ns for p in pieces.glob("*.wav")}
     assert 2 <= len(kept) < len(IDS), "the run must be killed mid-book"
+    voice = (tmp_path / "book" / "book-voice.wav").stat().st_mtime_ns
     again = _run(args, base_env, tmp_path)
     assert again.returncode == 0, again.stderr
     assert f"{len(IDS) - len(kept)} written, {len(kept)} skipped, 0 failed" in again.stderr
     after = {p.name: p.stat().st_mtime_ns for p in pieces.glob("*.wav")}
     assert sorted(after) == [f"{i}.wav" for i in IDS]
     assert all(after[name] == mtime for name, mtime in kept.items())  # not written again
+    assert (tmp_path / "book" / "book-voice.wav").stat().st_mtime_ns == voice  # the same voice
     assert Counter(r["id"] for r in read_lines(pieces / "results.jsonl")) == Counter(IDS)
     for name in ["book.srt", *(["book.m4b"] if HAS_AV else [])]:  # the book it would have been
         assert (tmp_path / "book" / name).read_bytes() == (out / name).read_bytes()
+
+
+@pytest.mark.slow
+def test_a_stop_after_chapter_1_leaves_chapter_1(whole, base_env, tmp_path):
+    """Each chapter (and its captions) is written as soon as its pieces are done: a run
+    killed after chapter 1 leaves chapter 1's file, the same bytes as the whole run's, and the
+    same command again keeps it (before: nothing under chapters/ until the run's end)."""
+    out, _ = whole
+    folder = tmp_path / "book"
+    args = [out.parent / "small-sea.epub", "--output-dir", folder, *TINY,
+            *([] if HAS_AV else ["--no-m4b"])]
+    first = folder / "chapters" / "001-The_Harbour.wav"
+    proc = subprocess.Popen([str(ENTRY_POINT), "book", *map(str, args)], cwd=tmp_path,
+                            env=base_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None and not (
+            folder / "book.json").exists():  # written last, after the chapter's files
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the run must be stopped mid-book"
+    done = sorted(p.stem for p in (folder / PIECES).glob("*.wav"))
+    assert done[:3] == IDS[:3] and len(done) < len(IDS), "the run must be stopped mid-book"
+    assert first.read_bytes() == (out / "chapters" / first.name).read_bytes()
+    for caption in ("srt", "vtt"):
+        path = first.with_suffix(f".{caption}")
+        assert path.read_bytes() == (out / "chapters" / path.name).read_bytes()
+    srt = first.with_suffix(".srt").read_text()
+    assert srt.startswith("1\n00:00:00,000 --> ") and srt.count(" --> ") == 3
+    assert not (folder / "book.srt").exists()
+    record = json.loads((folder / "book.json").read_text())
+    assert record["chapters"][0]["file"] == f"chapters/{first.name}" and not record["complete"]
+    kept = first.stat().st_mtime_ns
+    again = _run(args, base_env, tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert first.stat().st_mtime_ns == kept  # not written again
+    assert sorted(p.name for p in (folder / "chapters").iterdir()) == sorted(
+        p.name for p in (out / "chapters").iterdir())
+
+
+def test_a_run_refused_by_the_folder_lock_writes_nothing(invoke, tmp_path):
+    """Nothing is written before the folder lock is held: a book run refused by it (another
+    run reads into the folder) leaves book-items.jsonl as it was and reads no voice (before:
+    the items file was rewritten first, so `status` then judged the folder by other items)."""
+    import fcntl
+
+    folder = tmp_path / "book"
+    (folder / PIECES).mkdir(parents=True)
+    items = folder / "book-items.jsonl"
+    items.write_bytes(b'{"id": "c001-p0001", "text": "Other.", "seed": 1, "task": "tts_sft"}\n')
+    before = _files(folder)
+    with open(folder / PIECES / ".mimo-tts.lock", "a+b") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another run holds the folder
+        held.write(b"4242")
+        held.flush()
+        done = invoke("book", _book(tmp_path), "--output-dir", folder, *TINY, "--no-m4b")
+    assert done.exit_code == EXIT_IO, done.output
+    assert "another mimo-tts run (pid 4242) is writing to" in error_line(done.stderr)
+    assert _files(folder) == before and items.read_bytes().startswith(b'{"id": "c001-p0001", '
+                                                                      b'"text": "Other."')
 
 
 @pytest.mark.parametrize("make, args, code, words", [
@@ -239,15 +356,24 @@ def test_bad_input_is_one_line_an_exit_code_and_nothing_written(invoke, tmp_path
 def test_items_out_writes_the_pieces_for_synth_and_ray(whole, invoke, tmp_path):
     out, _ = whole
     items = tmp_path / "items.jsonl"
-    done = invoke("book", out.parent / "small-sea.epub", "--output-dir", tmp_path / "out",
+    folder = tmp_path / "out"
+    done = invoke("book", out.parent / "small-sea.epub", "--output-dir", folder,
                   "--chapters", "1,3", "--items-out", items, *TINY)
     assert done.exit_code == 0, done.output
-    assert done.stdout.strip() == str(items) and not (tmp_path / "out").exists()
-    whole_items = (out / "book-items.jsonl").read_text().splitlines()
-    assert items.read_text().splitlines() == whole_items[:3] + whole_items[6:]
-    assert json.loads(whole_items[0]) == {"id": "c001-p0001", "text": "Chapter 1: The Harbour",
-                                          "seed": json.loads(whole_items[0])["seed"],
-                                          "task": "tts_sft"}
+    assert done.stdout.strip() == str(items)
+    # the pieces name the book's voice, read first into the book's folder (Ray clones it)
+    assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == [
+        "book-voice.json", "book-voice.wav"]
+    assert (folder / "book-voice.wav").read_bytes() == (out / "book-voice.wav").read_bytes()
+    lines = [json.loads(line) for line in items.read_text().splitlines()]
+    whole_lines = [json.loads(line) for line in (out / "book-items.jsonl").read_text()
+                   .splitlines()]
+    assert {line.pop("prompt_audio") for line in lines} == {str(folder / "book-voice.wav")}
+    for line in whole_lines:
+        line.pop("prompt_audio")
+    assert lines == whole_lines[:3] + whole_lines[6:]
+    assert lines[0] == {"id": "c001-p0001", "text": "Chapter 1: The Harbour",
+                        "seed": lines[0]["seed"], "task": PIECES}
 
 
 def test_without_the_extra(base_env, tmp_path):

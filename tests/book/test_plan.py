@@ -86,10 +86,17 @@ def test_plan_refuses_before_anything_is_written(tmp_path):
     with pytest.raises(UsageError, match="the book has 3 chapters"):
         plan_book(BookRequest(str(book), options, chapters="2-5", m4b=False))
     with pytest.raises(UsageError, match="--format must be one of"):
-        plan_book(BookRequest(str(book), options, format="aac", m4b=False))
+        plan_book(BookRequest(str(book), options, format="aiff", m4b=False))
     with pytest.raises(UsageError, match="--seed must be"):
         plan_book(BookRequest(str(book), OptionValues(seed=-1, output_dir=str(out)), m4b=False))
     plan = plan_book(BookRequest(str(book), options, chapters="2", shard="1/2", m4b=False))
     assert {i.id[:4] for i in plan.plan.items} <= {"c002"} and plan.plan.shard.label == "1/2"
-    assert plan.settings.run.format == "wav" and plan.settings.synthesis.task == "tts_sft"
+    assert plan.settings.run.format == "wav"
+    o = plan.settings.synthesis  # the book's voice, planned: its first piece, read to out/
+    assert (o.task, o.prompt_audio) == ("tts_sft_with_audio", str(out / "book-voice.wav"))
+    assert [i.id for i in plan.voice.plan.items] == ["c001-p0001"]
+    assert plan.voice.plan.settings.run.output == str(out / "book-voice.wav")
+    assert plan.voice.plan.settings.synthesis.task == "tts_sft"
+    own = plan_book(BookRequest(str(book), options, m4b=False, voice_per_piece=True))
+    assert own.voice is None and own.settings.synthesis.task == "tts_sft"
     assert not out.exists()

@@ -31,11 +31,11 @@ COMMANDS = {"voices-add" if name == "voices" else name: (
 MODEL = {"Models": "--model -m --tokenizer --allow-download --offline",
          "Devices": "--lm-device --tokenizer-device --dtype --tokenizer-dtype --cuda-graph "
                     "--no-cuda-graph --no-memory-check --lm-quant --lm-threads --tokenizer-threads",
-         "Generation": "--seed --temperature --top-k --top-p --audio-temperature --audio-top-k "
-                       "--audio-top-p --max-new-groups --batch-size",
+         "Generation": "--seed --speed --temperature --top-k --top-p --audio-temperature "
+                       "--audio-top-k --audio-top-p --max-new-groups --batch-size",
          "vLLM engine": "--engine --gpu-memory-utilization --max-num-seqs --tensor-parallel-size "
                         "--max-model-len"}
-SERVED = {"Generation": "--max-new-groups", "Models": "--model -m --tokenizer",
+SERVED = {"Generation": "--max-new-groups --speed", "Models": "--model -m --tokenizer",
           "Devices": "--lm-device --tokenizer-device --dtype --tokenizer-dtype --cuda-graph "
                      "--no-cuda-graph --no-memory-check --lm-threads --tokenizer-threads",
           "Run": "--config -c --verbose -v --debug"}
@@ -49,7 +49,7 @@ BEFORE = {
     "book": {
         "Outputs": "--output-dir --format --no-m4b --overwrite",
         "Book": "--list --chapters --title --author --items-out",
-        "Inputs": "--voice --prompt-audio --instruct",
+        "Inputs": "--voice --prompt-audio --instruct --voice-per-piece",  # (the last: since)
         **MODEL, "Run": "--config -c --shard --json --quiet -q --verbose -v --debug"},
     "devices": {
         "Models": "--model -m --tokenizer",
@@ -65,7 +65,8 @@ BEFORE = {
                  "Run": "--debug"},
     "serve": {"Server": "--host --port --api-key --allowed-host --voice --batch-size "
                         "--max-concurrent --max-queue --max-input-chars --timeout "
-                        "--stage1-batch", **SERVED},
+                        "--stage1-batch", **SERVED,
+              "Run": "--config -c --quiet -q --verbose -v --debug"},  # -q: issue 33's log
     "wyoming": {"Server": "--host --port --voice --batch-size --max-concurrent --max-queue "
                           "--max-input-chars --timeout --uri", **SERVED},
     "voices-add": {None: "--transcript --overwrite", "Models": "--model -m --tokenizer",
@@ -111,7 +112,7 @@ def test_synth_and_book_share_what_they_shared_before_from_one_declaration():
 
     both = {f for o in CATALOGUE if {"synth", "book"} <= set(o.commands)
             for flag in o.flags for f in flag.split("/")}
-    assert len(both) == 36  # 32 options, with -m, -c, --offline, --no-cuda-graph
+    assert len(both) == 37  # 33 options, with -m, -c, --offline, --no-cuda-graph
     assert flags("synth") & flags("book") == both | {
         "--output-dir", "--format", "--json", "--quiet", "-q", "--verbose", "-v", "--debug"}
     for name in ("synth", "book"):
@@ -146,7 +147,7 @@ def test_each_option_has_one_home_of_its_type():
         elif option.home == SERVER:
             assert option.name in SERVE_KEYS
         else:  # the command's own: each command that takes it names it
-            assert option.kind is str
+            assert option.kind in (str, bool)
     # every server option a server takes, and nothing else there
     assert {o.name for o in options_of("serve") if o.home == SERVER} == set(SERVE_KEYS)
 

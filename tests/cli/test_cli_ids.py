@@ -26,6 +26,9 @@ def test_b_the_id_hash_covers_seed_instruct_and_voice_and_not_only_the_text():
              text_id("Hello there.", prompt_audio="a.wav"), text_id("Hello there.", seed=5),
              text_id("Hello there.", prompt_audio="b.wav"), "Hello_there-95e3ac56"}
     assert len(named) == 6 and all(n.startswith("Hello_there-") for n in named)
+    voiced = {text_id("Hello there.", voice="ann"), text_id("Hello there.", voice="bob")}
+    assert len(voiced) == 2 and not voiced & named
+    assert text_id("Hi", prompt_audio="a.wav", voice="ann") == text_id("Hi", prompt_audio="a.wav")
     assert text_id("Hi", prompt_audio="./v/a.wav") == text_id("Hi", prompt_audio="v/a.wav")
 
 
@@ -61,6 +64,64 @@ def test_b_other_seeds_styles_and_voices_are_other_files_in_one_folder(invoke, t
     assert {task: len(list((folder / task).glob("*.wav"))) for task in (
         "tts_sft", "tts_sft_with_instruct", "tts_sft_with_audio")} == {
         "tts_sft": 2, "tts_sft_with_instruct": 2, "tts_sft_with_audio": 2}
+
+
+def test_two_stored_voices_reading_one_sentence_are_two_files(invoke, tmp_path, monkeypatch):
+    """A voice is part of an item's identity: two stored voices reading one id-less sentence
+    into one folder are two files, each skipped when run again (before: one name, and the
+    second voice's run exit 5, 'exists from other inputs', or --overwrite lost the first)."""
+    monkeypatch.setenv("MIMO_TTS_VOICES_DIR", str(tmp_path / "voices"))
+    for name, freq in (("ann", 220.0), ("bob", 330.0)):
+        made = invoke("voices", "add", name, _voice(tmp_path / f"{name}.wav", freq), "--model",
+                      "tiny")
+        assert made.exit_code == 0, made.stderr
+    paths = {}
+    for name in ("ann", "bob", "ann"):
+        run = invoke(*TINY, "--voice", name)
+        assert run.exit_code == 0, run.stderr
+        paths.setdefault(name, run.stdout.strip())
+        assert run.stdout.strip() == paths[name]
+    assert paths["ann"] != paths["bob"]
+    assert paths["ann"].endswith(text_id("Hello there.", voice="ann") + ".wav")
+    for name in ("ann", "bob"):
+        assert json.loads((tmp_path / paths[name]).with_suffix(".json").read_text())[
+            "voice"]["name"] == name
+    status = invoke("status", "output_audio", "--task", "tts_sft_with_audio", "--voice", "bob",
+                    "--input", _line(tmp_path))
+    assert status.exit_code == 0, status.stdout
+
+
+def test_other_output_settings_of_one_sentence_are_their_own_files_or_a_skip(invoke, tmp_path):
+    """One sentence with and then without --captions, or as wav-float then wav, into one
+    folder: each keeps its own files (captions cut the text another way: another derived id;
+    a float WAV is `<id>.f32.wav`), and each command again is a skip (before: the second of
+    each pair was exit 5, 'exists from other inputs')."""
+    runs = [("--captions", "srt"), (), ("--format", "wav-float"), ("--format", "wav")]
+    paths = []
+    for extra in runs:
+        run = invoke(*TINY, *extra)
+        assert run.exit_code == 0, run.stderr
+        paths.append(run.stdout.strip())
+    plain = "output_audio/tts_sft/Hello_there-95e3ac56"
+    captioned = "output_audio/tts_sft/" + text_id("Hello there.", captions=True)
+    assert paths == [captioned + ".wav", plain + ".wav", plain + ".f32.wav", plain + ".wav"]
+    assert sorted(p.name for p in (tmp_path / "output_audio" / "tts_sft").iterdir()
+                  if not p.name.startswith(".")) == sorted([
+        f"{captioned.rsplit('/', 1)[1]}.{x}" for x in ("wav", "json", "srt")] + [
+        f"Hello_there-95e3ac56.{x}" for x in ("wav", "json", "f32.wav", "f32.json")] + [
+        "results.jsonl"])
+    assert sf.info(str(tmp_path / (plain + ".f32.wav"))).subtype == "FLOAT"
+    for extra in runs:
+        again = invoke(*TINY, *extra)
+        assert again.exit_code == 0 and "0 written, 1 skipped" in again.stderr, again.stderr
+    status = invoke("status", "output_audio", "--captions", "--input", _line(tmp_path))
+    assert status.exit_code == 0, status.stdout
+
+
+def _line(tmp_path):
+    path = tmp_path / "line.txt"
+    path.write_text("Hello there.\n")
+    return path
 
 
 def test_b_an_output_named_by_its_text_alone_by_an_earlier_version_is_still_skipped(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import soundfile as sf
 
-from mimo_tts.errors import EXIT_INPUT, EXIT_USAGE
+from mimo_tts.errors import EXIT_PARTIAL, EXIT_USAGE
 
 TINY = ("--model", "tiny", "--lm-device", "cpu", "--tokenizer-device", "cpu",
         "--max-new-groups", "4")
@@ -46,11 +46,22 @@ def test_a_named_task_that_takes_no_such_input_is_still_refused(invoke, tmp_path
 
 
 def test_a_tasks_missing_input_names_the_flag(invoke, tmp_path):
-    """Before: `task tts_sft_with_audio needs prompt audio (voice prompt codes)`, naming no
-    flag. Now the item fails before its prompt is built, naming --prompt-audio / --instruct."""
+    """A task without the input it needs, when the flags alone decide it (no item can give
+    it): exit 2 naming the flag, before anything is written (before: exit 9 with
+    results.jsonl and a lock left behind). A JSONL line without it, beside lines that give
+    theirs, fails alone (exit 8 for the mixed batch)."""
     for task, flag in (("tts_sft_with_audio", "--prompt-audio"),
                        ("tts_sft_with_instruct", "--instruct")):
         result = invoke("synth", *TINY, "--text", "hi", "--task", task)
-        assert result.exit_code == EXIT_INPUT, result.stderr
-        assert f"task {task} needs" in result.stderr and f"give {flag}" in result.stderr
-        assert not list(tmp_path.rglob("*.wav"))
+        assert result.exit_code == EXIT_USAGE, result.stderr
+        assert f"--task {task} needs" in result.stderr and f"give {flag}" in result.stderr
+        assert not (tmp_path / "output_audio").exists()  # no results.jsonl, no lock
+    lines = tmp_path / "styles.jsonl"
+    lines.write_text('{"text": "Hi.", "instruct": "calm"}\n{"text": "Ho."}\n')
+    mixed = invoke("synth", *TINY, "--input", lines, "--task", "tts_sft_with_instruct",
+                   "--max-new-groups", "2")
+    assert mixed.exit_code == EXIT_PARTIAL, mixed.stderr
+    assert "task tts_sft_with_instruct needs a style instruction: give --instruct" in \
+        mixed.stderr
+
+

@@ -253,6 +253,27 @@ def test_stdin_items(mimo, tmp_path, manifest):
     assert manifest(tmp_path / "output_audio" / "tts_sft") == records
 
 
+def test_piped_text_without_flags_is_read_as_input_dash(base_env, entry_point, tmp_path):
+    """`echo text | mimo-tts synth`: a real pipe into the console script, no --text/--input;
+    the same items, ids and bytes as `--input -`; an empty pipe still says what to give."""
+    args = [str(entry_point), "synth", "--model", "tiny", "--max-new-groups", "2", "--json"]
+    runs = {}
+    for name, extra in (("piped", []), ("dash", ["--input", "-"])):
+        with subprocess.Popen(args + ["--output-dir", name] + extra, cwd=tmp_path, env=base_env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) as proc:
+            out, err = proc.communicate(b"Piped in.\nA second line.\n", timeout=300)
+        assert proc.returncode == 0, err.decode()
+        runs[name] = [json.loads(line) for line in out.decode().splitlines()]
+    assert [r["source"] for r in runs["piped"]] == ["stdin:1", "stdin:2"]
+    for piped, dash in zip(runs["piped"], runs["dash"], strict=True):
+        assert piped["id"] == dash["id"]
+        assert (tmp_path / piped["path"]).read_bytes() == (tmp_path / dash["path"]).read_bytes()
+    empty = subprocess.run(args, cwd=tmp_path, env=base_env, input=b"", capture_output=True,
+                           timeout=300)
+    assert empty.returncode == 2 and b"pipe text to stdin" in empty.stderr
+
+
 @pytest.mark.slow
 def test_wav_to_stdout_with_logs_on_stderr(mimo, tmp_path):
     proc = mimo("synth", "--model", "tiny", "--text", "To stdout.", "-o", "-",
@@ -405,3 +426,27 @@ def test_continuous_batch_writes_each_items_single_run_audio(invoke, tmp_path, s
     assert outputs[3] == outputs[1]
     pieces = [len(p) for _, p in outputs[1].values()]
     assert sum(pieces) > 3 and len(set(pieces)) > 1, pieces  # refills; items of 1-3 pieces
+
+
+def test_speed_stretches_the_audio_and_keeps_the_codes(invoke, tmp_path):
+    """--speed 2: the same codes as speed 1 (stretched after Stage-1), half the samples, its
+    own resume key; --speed 1 is today's run, byte for byte, key included."""
+    args = ["synth", "--model", "tiny", "--text", "Faster now.", "--max-new-groups", "4",
+            "--save-codes", "--json"]
+    runs = {}
+    for name, extra in (("plain", []), ("one", ["--speed", "1"]), ("fast", ["--speed", "2"])):
+        result = invoke(*args, "--output-dir", name, *extra)
+        assert result.exit_code == 0, result.stderr
+        runs[name] = json.loads(result.stdout)
+    plain, one, fast = (runs[n] for n in ("plain", "one", "fast"))
+    assert (tmp_path / plain["path"]).read_bytes() == (tmp_path / one["path"]).read_bytes()
+    assert plain["key"] == one["key"] != fast["key"]
+    codes = [(tmp_path / r["codes_path"]).read_bytes() for r in (plain, fast)]
+    assert codes[0] == codes[1]
+    frames = sf.info(str(tmp_path / plain["path"])).frames
+    assert sf.info(str(tmp_path / fast["path"])).frames == round(frames / 2)
+    sidecar = json.loads((tmp_path / fast["path"]).with_suffix(".json").read_text())
+    assert sidecar["speed"] == 2.0 and "speed" not in json.loads(
+        (tmp_path / plain["path"]).with_suffix(".json").read_text())
+    bad = invoke(*args, "--speed", "5")
+    assert bad.exit_code == 2 and "--speed must be in [0.25, 4]" in bad.stderr

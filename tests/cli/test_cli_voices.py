@@ -133,6 +133,24 @@ def test_captions_srt_and_vtt_for_five_sentences(invoke, tmp_path, manifest):
                                 for s in (".srt", ".vtt")]
 
 
+def test_cue_samples_are_in_the_output_rate(invoke, tmp_path):
+    """With --sample-rate the sidecar's cue samples count the written file's samples (before:
+    24 kHz samples in a 16 kHz file, the last cue ending 1.5 times past the audio); the times
+    in seconds stay those of the 24 kHz run."""
+    runs = {}
+    for rate in (24000, 16000):
+        done = invoke("synth", *TINY, "-t", FIVE, "--captions", "srt", "--sample-rate", rate,
+                      "-o", f"r{rate}.wav")
+        assert done.exit_code == 0, done.stderr
+        sidecar = json.loads((tmp_path / f"r{rate}.json").read_text())
+        runs[rate] = sidecar["captions"]["cues"]
+        assert runs[rate][-1]["end_sample"] == sf.info(str(tmp_path / f"r{rate}.wav")).frames
+    for fast, slow in zip(runs[24000], runs[16000], strict=True):
+        for bound in ("start", "end"):
+            assert slow[f"{bound}_sample"] == -(-fast[f"{bound}_sample"] * 2 // 3)
+            assert abs(slow[bound] - fast[bound]) < 1e-4  # the caption files' times
+
+
 def test_bad_caption_flags_are_usage_errors(invoke, tmp_path):
     for args in (("--captions", "ass"), ("--captions", "srt,srt"),
                  ("--captions", "srt", "-o", "-")):

@@ -1,7 +1,8 @@
 """A book's pieces on the Ray pipeline: `mimo-tts book --items-out` writes them as items, the
 pipeline (`mimo_tts.batch.ray.run`, what scripts/ray_synth.py runs) synthesises them into the
 book's folder, and the same `mimo-tts book` command then only assembles: every piece skipped,
-the chapters and captions those of a book read without Ray.
+the chapters and captions those of a book read without Ray (both clone the book's voice,
+`book-voice.wav`, which `--items-out` reads first).
 
 Runs in its own venv (`.ci/run-ray`); without Ray installed the module skips itself.
 """
@@ -31,6 +32,9 @@ def test_a_books_pieces_run_on_ray_then_the_book_assembles(local_ray, invoke, tm
     items = folder / "book-items.jsonl"
     made = invoke("book", epub, "--output-dir", folder, "--items-out", items, *TINY)
     assert made.exit_code == 0, made.output
+    voice = folder / "book-voice.wav"  # the book's voice, read first; every item names it
+    assert {json.loads(line)["prompt_audio"] for line in items.read_text().splitlines()} == {
+        str(voice)}
     request = SynthRequest(OptionValues(model="tiny", max_new_groups=4, output_dir=str(folder)),
                            inputs=(str(items),))
     results = list(mray.run(request, stage0_actors=1, stage1_actors=1))
@@ -45,5 +49,7 @@ def test_a_books_pieces_run_on_ray_then_the_book_assembles(local_ray, invoke, tm
     plain = tmp_path / "plain"
     alone = invoke("book", epub, "--output-dir", plain, *TINY, *M4B)
     assert alone.exit_code == 0, alone.output
-    for name in ["book.srt", *(f"chapters/{p.name}" for p in (plain / "chapters").iterdir())]:
+    assert json.loads((folder / "book.json").read_text())["book_voice"] == voice.name
+    for name in ["book.srt", "book-voice.wav",
+                 *(f"chapters/{p.name}" for p in (plain / "chapters").iterdir())]:
         assert (folder / name).read_bytes() == (plain / name).read_bytes(), name

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -78,6 +79,8 @@ def test_2_paths_go_to_stdout_while_the_bar_is_on_a_terminal(base_env, entry_poi
     paths = (tmp_path / "paths.txt").read_text().splitlines()
     assert len(paths) == 3 and all((tmp_path / p).is_file() for p in paths)
     assert b"output_audio/" not in screen and b"3 written" in screen
+    # the bar: items done, the time elapsed and the time left (before: no time left)
+    assert re.search(rb"[0-3]/3 \S* ?\d:\d\d:\d\d (\d:\d\d:\d\d|-:--:--)", screen), screen
 
 
 # --- 4: the format follows the -o extension -------------------------------------------------------
@@ -85,20 +88,25 @@ def test_2_paths_go_to_stdout_while_the_bar_is_on_a_terminal(base_env, entry_poi
 
 @pytest.mark.parametrize(("name", "fmt", "container", "subtype", "sidecar"), [
     ("x.wav", "wav", "WAV", "PCM_16", "x.json"),
-    ("x.flac", "flac", "FLAC", "PCM_16", "x.flac.json"),
-    ("x.mp3", "mp3", "MP3", "MPEG_LAYER_III", "x.mp3.json"),
-    ("x.opus", "opus", "OGG", "OPUS", "x.opus.json"),
-    ("x.ogg", "ogg", "OGG", "VORBIS", "x.ogg.json"),
-    ("X.FLAC", "flac", "FLAC", "PCM_16", "X.FLAC.json")])
+    ("x.flac", "flac", "FLAC", "PCM_16", "x.json"),  # as -o x.wav (before: x.flac.json)
+    ("x.mp3", "mp3", "MP3", "MPEG_LAYER_III", "x.json"),
+    ("x.opus", "opus", "OGG", "OPUS", "x.json"),
+    ("x.ogg", "ogg", "OGG", "VORBIS", "x.json"),
+    ("X.FLAC", "flac", "FLAC", "PCM_16", "X.json")])
 def test_4_output_format_follows_the_extension(invoke, tmp_path, name, fmt, container, subtype,
                                                sidecar):
-    result = invoke(*TINY, "--text", "Format by name.", "-o", tmp_path / name, "--json")
+    """`-o FILE` in any format has its sidecar `FILE`'s stem + `.json`, as `-o one.wav` has
+    `one.json` (`-o one.flac` wrote `one.flac.json`); so have its captions."""
+    result = invoke(*TINY, "--text", "Format by name.", "-o", tmp_path / name, "--json",
+                    "--captions", "srt")
     assert result.exit_code == 0, result.stderr
     info = sf.info(str(tmp_path / name))
     assert (info.format, info.subtype, info.samplerate) == (container, subtype, 24000)
     audio, _ = sf.read(str(tmp_path / name), dtype="float32")
     assert abs(len(audio) - FRAMES) < 2400 and np.abs(audio).max() > 0.01  # codec padding
     assert json.loads((tmp_path / sidecar).read_text())["audio"]["format"] == fmt
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [name, sidecar, sidecar.replace(".json", ".srt")])
 
 
 def test_4_format_flag_against_the_extension_and_rates(invoke, tmp_path):

@@ -109,6 +109,31 @@ def test_flac_bytes_equal_the_cli(client, mimo, tmp_path):
     assert response.content == (tmp_path / "cli.flac").read_bytes()
 
 
+def test_aac_is_a_whole_file_equal_to_the_cli(client, mimo, tmp_path):
+    """response_format aac (with PyAV, as CI installs it): ADTS bytes, the CLI's -o x.aac."""
+    pytest.importorskip("av")
+    response = speech(client, response_format="aac", seed=7)
+    assert response.status_code == 200 and response.headers["content-type"] == "audio/aac"
+    result = mimo("synth", "--model", "tiny", "--text", TEXT, "--seed", 7, "-o",
+                  tmp_path / "cli.aac")
+    assert result.returncode == 0, result.stderr
+    assert response.content[:2] == b"\xff\xf1"
+    assert response.content == (tmp_path / "cli.aac").read_bytes()
+
+
+def test_speed_stretches_the_stream_and_the_file(client):
+    """OpenAI's `speed` field: the pcm stream and a flac file at 2.0 hold half the samples of
+    1.0's (one piece, stretched after Stage-1); 1.0 is today's bytes."""
+    text = {"input": "One sentence here.", "seed": 5}
+    plain = speech(client, response_format="pcm", **text).content
+    assert speech(client, response_format="pcm", speed=1, **text).content == plain
+    fast = speech(client, response_format="pcm", speed=2.0, **text)
+    assert fast.status_code == 200, fast.text
+    whole = speech(client, response_format="flac", speed=2.0, **text)
+    samples = len(sf.read(io.BytesIO(whole.content))[0])
+    assert len(fast.content) // 2 == samples == round(len(plain) // 2 / 2)
+
+
 def test_sse_streams_deltas_before_the_end(client):
     start = time.perf_counter()
     events = []
@@ -223,7 +248,8 @@ def test_voices_and_instructions(client):
     ({"stream_format": "chunks"}, 400, "stream_format must be audio or sse"),
     ({"seed": -1}, 400, "seed must be in [0, 2**64 - 1]"),
     ({"seed": "3"}, 400, "seed must be an integer"),
-    ({"speed": 1.5}, 400, "speed is not supported"),
+    ({"speed": 4.5}, 400, "speed must be in [0.25, 4]"),
+    ({"speed": 0.2}, 400, "speed must be in [0.25, 4]"),
     ({"instructions": " "}, 400, "instructions is empty"),
     ({"instructions": "x" * 4097}, 400,
      "instructions is 4097 characters; this server's limit is 4096"),

@@ -88,10 +88,13 @@ def test_refusals_name_the_field_and_code():
 
 
 def test_served_formats_are_openais_among_formats(monkeypatch):
+    monkeypatch.setattr(protocol.aac, "available", lambda: False)
     monkeypatch.setattr(protocol, "lossy_formats", lambda: ["opus"])
     assert served_formats() == ["pcm", "wav", "flac", "opus"]
     monkeypatch.setattr(protocol, "lossy_formats", lambda: ["mp3", "opus"])
     assert served_formats() == ["pcm", "wav", "flac", "mp3", "opus"]
+    monkeypatch.setattr(protocol.aac, "available", lambda: True)  # PyAV: aac, never m4a
+    assert served_formats() == ["pcm", "wav", "flac", "mp3", "opus", "aac"]
 
 
 def test_media_types_come_from_formats():

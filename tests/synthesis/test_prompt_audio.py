@@ -12,7 +12,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from mimo_tts.errors import InputError
+from mimo_tts.errors import EXIT_INPUT, InputError
 from mimo_tts.synthesis.audio import (
     MAX_PROMPT_SECONDS,
     audio_seconds,
@@ -81,3 +81,21 @@ def test_an_unreadable_file_names_the_shown_name_not_the_path(tmp_path):
     assert str(tmp_path) not in str(caught.value)
     assert str(caught.value).startswith("the uploaded file upload:me.wav is unreadable or "
                                         "unsupported: ")
+
+
+def test_a_corrupt_or_too_long_prompt_fails_its_item_before_the_models_load(invoke, tmp_path):
+    """A voice prompt whose header does not decode (or past the length limit) fails its item
+    before anything loads: no `load` in the summary (before: the models loaded first and the
+    item failed when its prompt was built)."""
+    (tmp_path / "bad.wav").write_bytes(b"RIFF\x00\x00garbage")
+    sf.write(tmp_path / "long.flac", np.zeros(((MAX_PROMPT_SECONDS + 1) * 1000, 1),
+                                              dtype=np.float32), 1000)
+    os.mkdir(tmp_path / "dir.wav")
+    for name, words in (("bad.wav", "is unreadable or unsupported"),
+                        ("long.flac", "is 601 s long"), ("dir.wav", "is a directory")):
+        done = invoke("synth", "--model", "tiny", "--text", "Hi.", "--prompt-audio", name,
+                      "-o", "x.wav")
+        assert done.exit_code == EXIT_INPUT, done.stderr
+        assert f"prompt audio {name} {words}" in done.stderr
+        assert "| load" not in done.stderr and "loaded" not in done.stderr
+    assert not (tmp_path / "x.wav").exists()

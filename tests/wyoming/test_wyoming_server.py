@@ -85,6 +85,17 @@ def test_synthesize_streams_chunks_of_whole_frames(server):
     assert all(len(AudioChunk.from_event(c).audio) % 2 == 0 for c in chunks)
 
 
+def test_speed_at_start_up_stretches_each_text(server, start_wyoming):
+    """`mimo-tts wyoming --speed 2` (Wyoming's requests carry no rate): half the samples of
+    the same text at speed 1, in whole frames' worth of PCM16."""
+    fast = start_wyoming("--speed", 2)
+    said = [Synthesize(text="Hello over Wyoming.")]
+    (plain,) = audio_cycles(exchange(server, said, ("audio-stop", "error")))
+    (quick,) = audio_cycles(exchange(fast, said, ("audio-stop", "error")))
+    assert len(quick) // 2 == round(len(plain) // 2 / 2)
+    fast.stop()
+
+
 def test_the_streaming_form_speaks_sentence_by_sentence(server):
     texts = ["The first sen", "tence ends here. The sec", "ond one too! And a tail"]
     events = [SynthesizeStart(voice=SynthesizeVoice(name="default")),
