@@ -306,8 +306,9 @@ def speaker_stalled(speaker: asyncio.Task) -> bool:
         isinstance(speaker.exception(), ClientStalled)
 
 
-async def serve_wyoming(speech: WyomingSpeech, sock) -> str:
-    """Serve connections on the bound `sock` until a stop signal; that signal's name."""
+async def serve_wyoming(speech: WyomingSpeech, sock, ready=lambda: None) -> str:
+    """Serve connections on the bound `sock` until a stop signal; that signal's name.
+    `ready()` once it listens (the serving line: a client that reads it may connect)."""
     stopped = asyncio.Event()
     caught: list[int] = []
     loop = asyncio.get_running_loop()
@@ -328,6 +329,7 @@ async def serve_wyoming(speech: WyomingSpeech, sock) -> str:
     # the reader's limit bounds an event's header line (`wyoming_wire`)
     server = await asyncio.start_server(accept, sock=sock,
                                         limit=event_bytes(speech.cfg.max_input_chars))
+    ready()
     try:
         await stopped.wait()
     finally:
@@ -355,10 +357,10 @@ def main(cfg: ServeConfig, options: OptionValues, config: str | None, reporter) 
         speech = WyomingSpeech(tts, cfg, settings.synthesis,
                                public_model_name(settings.checkpoints.lm[0]), reporter.info)
         host, port = sock.getsockname()[:2]
-        reporter.info(f"serving {speech.model} over Wyoming on {url_of(host, port, 'tcp')} (batch "
-                      f"{cfg.batch_size}; voices {', '.join(speech.voices())}; no API key)")
+        line = (f"serving {speech.model} over Wyoming on {url_of(host, port, 'tcp')} (batch "
+                f"{cfg.batch_size}; voices {', '.join(speech.voices())}; no API key)")
         try:
-            stopped_by = asyncio.run(serve_wyoming(speech, sock))
+            stopped_by = asyncio.run(serve_wyoming(speech, sock, lambda: reporter.info(line)))
         finally:
             speech.close()
     reporter.info(f"server stopped ({stopped_by})")
