@@ -180,19 +180,21 @@ def sink_for(settings: Settings, shard: Shard | None = None, tasks=()):
     """The one sink a synth run writes through: raw PCM, stdout, one file or a directory (the
     shard's manifest and lock in it), or one for each of `tasks` (JSONL lines' own) too."""
     run = settings.run
+    captions = tuple(run.caption_formats.split(",")) if run.caption_formats else ()
     if run.raw:
         return RawPcmSink(streamed=run.stream)
     if run.output == "-":
         return StdoutSink(run.format, run.sample_rate)
     if run.output:
-        return FileSink(run.output, run.format, run.sample_rate, run.save_codes, run.overwrite)
+        return FileSink(run.output, run.format, run.sample_rate, run.save_codes, run.overwrite,
+                        captions=captions)
     task = settings.synthesis.task
     if set(tasks) - {task}:
         return TaskDirectories(run.output_dir, task, tasks, fmt=run.format,
                                sample_rate=run.sample_rate, save_codes=run.save_codes,
-                               overwrite=run.overwrite, shard=shard)
+                               overwrite=run.overwrite, shard=shard, captions=captions)
     return DirectorySink(run.output_dir, task, run.format, run.sample_rate, run.save_codes,
-                         run.overwrite, shard)
+                         run.overwrite, shard, captions=captions)
 
 
 def run_synth(runner: BatchRunner, items: list[Item], sink) -> Iterator[ItemResult]:

@@ -60,6 +60,14 @@ class BatchRunner:
         self.threads: dict = {}
         self.lengths = lengths_for(settings, [])  # sized from the items by `run`
         self.spec = engine_spec(settings.engine.engine)
+        self.on_piece = None  # called with an item's result as each of its pieces is generated
+
+    def piece_count(self, item: Item) -> int:
+        """How many text pieces an item is read in (a bad item: one)."""
+        try:
+            return len(text_pieces(item.text, self.options(item))) or 1
+        except (MimoTTSError, TypeError):
+            return 1
 
     def resolve(self):
         """Locate the checkpoints; a missing engine package or checkpoint ends a run early."""
@@ -212,9 +220,13 @@ class BatchRunner:
             group: list = []
             group += [SpeechJob(prompt, options, r.seed, decode=decode, group=group,
                                 label=r.item.id, order=(n, i), key=(r, i),
-                                speed=item_options.speed)
+                                speed=item_options.speed, on_generated=self._generated)
                       for i, prompt in enumerate(prompts)]
             yield from group
+
+    def _generated(self, job) -> None:
+        if self.on_piece is not None:
+            self.on_piece(job.key[0])
 
     def _ready(self, results: list[ItemResult], done: int, pieces: dict,
                sink) -> tuple[int, list[ItemResult]]:

@@ -42,6 +42,7 @@ from mimo_tts.batch.manifest import (
     flock,
     lock_name,
     manifest_name,
+    read_sidecar,
     sidecar_result,
 )
 from mimo_tts.batch.shards import parse_tag
@@ -136,9 +137,11 @@ class FileSink(Sink):
     named = True  # companions by the file's stem (a folder's outputs: by its name, per format)
 
     def __init__(self, path: str | Path, fmt: str = "wav", sample_rate: int = SAMPLE_RATE,
-                 save_codes: bool = False, overwrite: bool = False, audio_only: bool = False):
+                 save_codes: bool = False, overwrite: bool = False, audio_only: bool = False,
+                 captions: tuple[str, ...] = ()):
         self.path, self.fmt, self.sample_rate = Path(path), fmt, sample_rate
         self.save_codes, self.overwrite, self.audio_only = save_codes, overwrite, audio_only
+        self.captions = captions  # the caption formats this run writes (--captions)
 
     def __enter__(self) -> FileSink:
         if not is_special_file(self.path):
@@ -163,6 +166,7 @@ class FileSink(Sink):
             done = done_record(path, sidecar, result.key)
             if done is not None:
                 _skip(result, path, done)
+                self._add_captions(result, path, sidecar)
                 return
         ours = not self.audio_only and (sidecar_result(sidecar) or {}).get("key") == result.key
         mine = () if self.audio_only or ours else (sidecar, codes) if self.save_codes else (
@@ -170,6 +174,20 @@ class FileSink(Sink):
         for taken in () if ours else (path, *mine):  # ours, not done: its audio is cut
             if taken.exists() or taken.is_symlink():
                 raise OutputError(f"{taken} exists; use --overwrite to replace it")
+
+    def _add_captions(self, result, path: Path, sidecar: Path) -> None:
+        """A done item's captions in a format this run asks for and no earlier run wrote: from
+        the cues its sidecar keeps (the same key: the same audio), the sidecar then naming it."""
+        record = read_sidecar(sidecar) or {}
+        captions = record.get("captions")
+        if not self.captions or not isinstance(captions, dict) or "cues" not in captions:
+            return
+        files = [caption_path(path, f, self.named) for f in self.captions]
+        if missing := [f for f, p in zip(self.captions, files, strict=True) if not p.is_file()]:
+            write_captions(path, captions["cues"], missing, self.named)
+            formats = list(dict.fromkeys([*captions.get("formats", ()), *missing]))
+            write_json(sidecar, {**record, "captions": {**captions, "formats": formats}})
+        result.captions = [str(p) for p in files]
 
     def write(self, result, samples, codes, record) -> None:
         """Codes, then the sidecar (with the result), then the audio: audio present => done.
@@ -226,8 +244,10 @@ class DirectorySink(FileSink):
 
     def __init__(self, root: str | Path, task: str, fmt: str = "wav",
                  sample_rate: int = SAMPLE_RATE, save_codes: bool = False,
-                 overwrite: bool = False, shard=None, who: str | None = None):
-        super().__init__(Path(root) / task, fmt, sample_rate, save_codes, overwrite)
+                 overwrite: bool = False, shard=None, who: str | None = None,
+                 captions: tuple[str, ...] = ()):
+        super().__init__(Path(root) / task, fmt, sample_rate, save_codes, overwrite,
+                         captions=captions)
         self.dir = self.path
         self.who = who  # what opens the folder when it is not a run (`status --merge`)
         self.suffix = audio_suffix(fmt)
@@ -325,6 +345,7 @@ class DirectorySink(FileSink):
                 item.id, path = item.legacy_id, self.audio_path(item.legacy_id)
         if done is not None and not self.overwrite:
             _skip(result, path, done)
+            self._add_captions(result, path, self.sidecar_path(item.id))
             line = self.manifest.get(item.id, self.fmt) or {}
             if line.get("status") != "ok" or line.get("key") != result.key:
                 self.manifest.add({"format": self.fmt, **done})  # killed before its line

@@ -51,10 +51,10 @@ class Reporter:
     @contextlib.contextmanager
     def bar(self, total: int, description: str = "synthesising", eta: bool = False):
         """A progress bar on stderr, only on a terminal and never with --quiet/--json; it
-        yields `advance(description=None)`, which can also say where the run is now. With
+        yields `advance(description=None, steps=1)`, which can also say where the run is now. With
         `eta` it shows the time left."""
         if self.quiet or self.as_json or not self.err.is_terminal or total < 2:
-            yield lambda description=None: None
+            yield lambda description=None, steps=1: None
             return
         from rich.progress import (
             BarColumn,
@@ -73,9 +73,9 @@ class Reporter:
                       redirect_stdout=_same_terminal(), redirect_stderr=False) as progress:
             task = progress.add_task(description, total=total)
 
-            def advance(description: str | None = None) -> None:
-                progress.update(task, advance=1, **({"description": description}
-                                                    if description else {}))
+            def advance(description: str | None = None, steps: int = 1) -> None:
+                progress.update(task, advance=steps, **({"description": description}
+                                                        if description else {}))
 
             yield advance
 

@@ -65,16 +65,27 @@ def synth(
             VoiceStore().load(plan.settings.synthesis.voice)
         runner = BatchRunner(plan.settings, log=reporter.log)
         start = time.perf_counter()
-        with runner, reporter.bar(len(plan.items), eta=True) as advance:  # closes the engine
+        # the bar counts text pieces, so one long text shows its progress too
+        left = {id(item): runner.piece_count(item) for item in plan.items}
+        with runner, reporter.bar(sum(left.values()), "pieces", eta=True) as advance:
+            runner.on_piece = lambda r: advance(steps=_one_less(left, id(r.item)))
             results = []
-            for result in run_synth(runner, plan.items, plan.sink()):
+            for result in run_synth(runner, plan.items, plan.sink()):  # closes the engine
                 results.append(result)
                 reporter.item(result, plan.settings.synthesis.task)
-                advance()
+                advance(steps=left.pop(id(result.item), 0))  # skipped, failed: all at once
         reporter.info(summary(results, runner, time.perf_counter() - start))
         return exit_code_for(results)
 
     run_command(reporter, body)
+
+
+def _one_less(left: dict, key: int) -> int:
+    """One of an item's pieces done: 1 to show, if the item still counts it."""
+    if left.get(key, 0) < 1:
+        return 0
+    left[key] -= 1
+    return 1
 
 
 def _preflight(reporter: Reporter, request: SynthRequest) -> int:

@@ -100,6 +100,7 @@ class SpeechJob:
     ended: bool = False  # its last event was delivered
     piece: Piece | None = None
     frames: FrameCollector | None = None
+    on_generated: Callable[[SpeechJob], None] | None = None  # its Stage-0 ended (progress)
     decoder: object = None
     chunks: list = field(default_factory=list)
 
@@ -369,6 +370,8 @@ class SpeechWorker:
         self.meter.row_finished()
         if job.ended:
             return
+        if job.on_generated is not None:
+            job.on_generated(job)
         if job.decode == "stream":
             self._queue(job, ("push", job, job.frames.close(), True))
             return

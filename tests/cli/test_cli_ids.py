@@ -5,6 +5,7 @@ versions named by the text alone are still found (issue 22, B)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import soundfile as sf
@@ -116,6 +117,34 @@ def test_other_output_settings_of_one_sentence_are_their_own_files_or_a_skip(inv
         assert again.exit_code == 0 and "0 written, 1 skipped" in again.stderr, again.stderr
     status = invoke("status", "output_audio", "--captions", "--input", _line(tmp_path))
     assert status.exit_code == 0, status.stdout
+
+
+def test_captions_in_another_format_are_written_beside_the_done_item(invoke, tmp_path):
+    """--captions srt, then --captions vtt of the same item: the audio is the same (a piece per
+    sentence either way), so the second run skips the synthesis and writes the .vtt from the
+    sidecar's cues (before: a skip that wrote no .vtt), and lists it in its manifest line;
+    the srt and the audio are left as they were; -o FILE alike."""
+    first = invoke(*TINY, "--captions", "srt")
+    assert first.exit_code == 0, first.stderr
+    wav = tmp_path / first.stdout.strip()
+    audio, srt = wav.read_bytes(), wav.with_suffix(".srt").read_bytes()
+    second = invoke(*TINY, "--captions", "vtt", "--json")
+    assert second.exit_code == 0 and "0 written, 1 skipped" in second.stderr, second.stderr
+    vtt = wav.with_suffix(".vtt").read_text(encoding="utf-8")
+    assert vtt.startswith("WEBVTT") and "Hello there." in vtt
+    assert wav.read_bytes() == audio and wav.with_suffix(".srt").read_bytes() == srt
+    line = json.loads(second.stdout)
+    named = str(Path(first.stdout.strip()).with_suffix(".vtt"))
+    assert line["status"] == "skipped" and line["captions"] == [named]
+    cues = json.loads(wav.with_suffix(".json").read_text())["captions"]
+    assert cues["formats"] == ["srt", "vtt"]
+    both = invoke(*TINY, "--captions", "srt,vtt")
+    assert both.exit_code == 0 and "0 written, 1 skipped" in both.stderr, both.stderr
+    one = tmp_path / "one.wav"
+    for fmt in ("srt", "vtt"):
+        run = invoke(*TINY, "--captions", fmt, "-o", one)
+        assert run.exit_code == 0, run.stderr
+    assert one.with_suffix(".vtt").read_text(encoding="utf-8") == vtt
 
 
 def _line(tmp_path):

@@ -83,6 +83,30 @@ def test_2_paths_go_to_stdout_while_the_bar_is_on_a_terminal(base_env, entry_poi
     assert re.search(rb"[0-3]/3 \S* ?\d:\d\d:\d\d (\d:\d\d:\d\d|-:--:--)", screen), screen
 
 
+@pytest.mark.slow
+def test_2_one_long_text_shows_its_pieces_and_the_time_left_on_a_terminal(base_env, entry_point,
+                                                                          tmp_path):
+    """One --text of 25 sentences is several pieces: the bar counts them, with the time left
+    (before: one item, so no bar until the end)."""
+    from mimo_tts.synthesis.captions import text_pieces
+    from mimo_tts.synthesis.options import SynthesisOptions
+
+    text = " ".join(f"Sentence number {n} of the long text is read here." for n in range(1, 26))
+    count = len(text_pieces(text, SynthesisOptions()))
+    assert count > 2
+    master, slave = os.openpty()
+    proc = subprocess.Popen([str(entry_point), *TINY, "--text", text], cwd=tmp_path,
+                            env={**base_env, "TERM": "xterm"}, stdout=subprocess.DEVNULL,
+                            stderr=slave, stdin=subprocess.DEVNULL)
+    os.close(slave)
+    screen = _drain(master)
+    os.close(master)
+    assert proc.wait(timeout=300) == 0, screen.decode(errors="replace")
+    assert b"1 written" in screen
+    shown = re.findall(rb"(\d+)/%d \S* ?\d:\d\d:\d\d (?:\d:\d\d:\d\d|-:--:--)" % count, screen)
+    assert shown and {int(n) for n in shown} - {0, count}, screen  # pieces done on the way
+
+
 # --- 4: the format follows the -o extension -------------------------------------------------------
 
 
