@@ -65,7 +65,7 @@ class BatchRunner:
     def piece_count(self, item: Item) -> int:
         """How many text pieces an item is read in (a bad item: one)."""
         try:
-            return len(text_pieces(item.text, self.options(item))) or 1
+            return len(script(item.text, self.options(item)).texts) or 1
         except (MimoTTSError, TypeError):
             return 1
 
