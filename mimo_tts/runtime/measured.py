@@ -25,13 +25,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from mimo_tts.errors import OutputError, UsageError
-from mimo_tts.runtime.devices import cpu_flags
+from mimo_tts.errors import OutputError
+from mimo_tts.runtime.devices import PRODUCT_CHOICES_ENV, cpu_flags, product_choices
 from mimo_tts.runtime.guards import thread_budget
 from mimo_tts.runtime.paths import cache_root, write_json
 
-CHOICES_ENV = "MIMO_TTS_PRODUCT_CHOICES"
-NAMES = ("lm_kernel_products", "prefill_upcast", "codec_gemm")
+CHOICES_ENV = PRODUCT_CHOICES_ENV
 FORMAT = 1  # bump when what a file holds changes
 
 
@@ -76,20 +75,6 @@ def machine_key(name: str, probe: str) -> dict:
 def decision_path(key: dict) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "choices" / f"{key['choice']}-{digest}.json"
-
-
-def overrides(env: Mapping[str, str] | None = None) -> dict[str, bool]:
-    """The choices MIMO_TTS_PRODUCT_CHOICES sets: `name=1|0` pairs, comma-separated."""
-    text = (os.environ if env is None else env).get(CHOICES_ENV, "").strip()
-    found = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, _, value = part.partition("=")
-        name, value = name.strip(), value.strip().lower()
-        if name not in NAMES or value not in ("1", "0", "true", "false", "on", "off"):
-            raise UsageError(f"{CHOICES_ENV}: {part!r} is not NAME=1|0 with NAME one of "
-                             f"{', '.join(NAMES)}")
-        found[name] = value in ("1", "true", "on")
-    return found
 
 
 def measure_threads() -> int:
@@ -137,7 +122,7 @@ def decide(name: str, probe: str, measure: Callable[[], tuple[bool, float, float
     """The choice `name` on this machine: set by the environment, kept from an earlier
     measurement, or `measure()` (-> faster, ours, theirs) now at `measure_threads()` threads
     and kept for every later run."""
-    forced = overrides(env).get(name)
+    forced = product_choices(env).get(name)
     if forced is not None:
         return Decision(forced, 0.0, 0.0, f"set by {CHOICES_ENV}")
     key = machine_key(name, probe)

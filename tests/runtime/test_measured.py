@@ -95,3 +95,14 @@ def test_a_cache_that_cannot_be_written_still_measures(cache, monkeypatch):
     monkeypatch.setenv(CACHE_ENV, str(blocker / "cache"))  # below a file: no folder there
     decision = measured.decide("codec_gemm", "probe", _Timer((True, 2.0, 1.0)))
     assert decision.faster and "not kept" in decision.source and str(cache) not in decision.source
+
+
+def test_a_bad_setting_is_refused_when_the_placement_resolves():
+    from mimo_tts.runtime.devices import resolve_placement
+
+    for bad in ("prefill_upcast", "gemm=1", "codec_gemm=maybe"):
+        with pytest.raises(UsageError, match=measured.CHOICES_ENV):
+            resolve_placement(lm_device="cpu", tokenizer_device="cpu",
+                              env={measured.CHOICES_ENV: bad})
+    resolve_placement(lm_device="cpu", tokenizer_device="cpu",
+                      env={measured.CHOICES_ENV: "codec_gemm=off, prefill_upcast=yes"})
