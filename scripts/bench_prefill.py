@@ -73,9 +73,11 @@ def main() -> None:
             "torch_bf16_gflops": round(rows * flops_per_row / best["torch_bf16"] / 1e9, 1),
             "upcast_gflops": round(rows * flops_per_row / best["upcast"] / 1e9, 1),
             "speedup": round(best["torch_bf16"] / best["upcast"], 2)}
-    faster, upcast, eager = cpu_kernel.upcast_faster()
-    report["load_probe"] = {"upcast_chosen": faster, "upcast_gflops": upcast,
-                            "torch_gflops": eager}
+    faster, upcast, eager = cpu_kernel.measure_upcast()
+    kept = cpu_kernel.upcast_faster()
+    report["load_probe"] = {"upcast_faster_now": faster, "upcast_gflops": upcast,
+                            "torch_gflops": eager, "upcast_chosen": kept.faster,
+                            "chosen_from": kept.source}
     print(json.dumps(report, indent=2))
 
 

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from mimo_tts.errors import UsageError
 from mimo_tts.runtime.devices import CODEC_KERNEL_ENV, KERNEL_MODES, Choice
 from mimo_tts.runtime.kernels import build
+from mimo_tts.runtime.measured import Decision, decide
 
 SOURCE = files("mimo_tts.codec") / "gemm.c"
 
@@ -168,10 +169,16 @@ def _timed(fn) -> float:
 
 
 @functools.cache
-def faster() -> tuple[bool, float, float]:
+def faster() -> Decision:
+    """Whether the codec's float32 linears run through the GEMM on this machine (`measure`,
+    measured once per machine and kept: `runtime.measured`)."""
+    return decide("codec_gemm", "float32 [512, 1280] x [1280, 2560]", measure)
+
+
+def measure() -> tuple[bool, float, float]:
     """Whether the GEMM beats torch's float32 F.linear here: (faster, GEMM GFLOP/s, torch
     GFLOP/s), best of 5 alternating rounds after a warm-up call each, on a [512, 1280] x
-    [1280, 2560] product (the codec's fc1 shape, halved), measured once per process."""
+    [1280, 2560] product (the codec's fc1 shape, halved)."""
     with torch.device("cpu"):  # also where the caller's default device is another one
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(512, 1280, generator=gen)
@@ -217,5 +224,5 @@ def choose(beside: int = 0, weights: int = 0, mode: str = "auto") -> Choice:
             return Choice(False, f"auto: off, {gib(weights)} of packed tokenizer weights beside "
                                  f"{gib(beside)} of LM weights would leave under "
                                  f"{gib(PACK_HEADROOM)} of {gib(cpu_total())}")
-    ok, gemm, eager = faster()
-    return Choice(ok, f"auto: bf16x3 AMX {gemm} vs float32 {eager} GFLOP/s measured")
+    decision = faster()
+    return Choice(decision.faster, f"auto: bf16x3 AMX vs float32: {decision.words('GFLOP/s')}")

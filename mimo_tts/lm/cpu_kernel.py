@@ -40,6 +40,7 @@ from mimo_tts.lm.model import KVCache, Matmul, MiMoAudioLM, linear, upcast_linea
 from mimo_tts.lm.step import EagerStep
 from mimo_tts.runtime.devices import KERNEL_MODES, Choice
 from mimo_tts.runtime.kernels import build
+from mimo_tts.runtime.measured import Decision, decide
 
 SOURCE = files("mimo_tts.lm") / "cpu_kernel.c"
 
@@ -115,10 +116,16 @@ def set_amx_min_rows(rows: int) -> None:
 
 
 @functools.cache
-def products_faster() -> tuple[bool, float, float]:
+def products_faster() -> Decision:
+    """Whether the kernel's one-row bfloat16 products run the backbone on this machine
+    (`measure_products`, measured once per machine and kept: `runtime.measured`)."""
+    return decide("lm_kernel_products", "bfloat16 [1, 4096] x [8192, 4096]", measure_products)
+
+
+def measure_products() -> tuple[bool, float, float]:
     """Whether the kernel's one-row bfloat16 product streams a weight faster than PyTorch's
-    on this machine: (faster, kernel GB/s, PyTorch GB/s), best of 3 alternating rounds over
-    two 64 MiB matrices (together past the last-level cache), measured once per process."""
+    here: (faster, kernel GB/s, PyTorch GB/s), best of 3 alternating rounds over two 64 MiB
+    matrices (together past the last-level cache)."""
     lib = library()
     mats = [torch.full((8192, 4096), 0.01, dtype=torch.bfloat16) for _ in range(2)]
     x = torch.full((1, 4096), 0.5, dtype=torch.bfloat16)
@@ -238,7 +245,7 @@ class CpuKernelStep(EagerStep):
         lib = library()
         if lib is None:
             raise RuntimeError(f"the CPU kernel cannot run: {_build()[1]}")
-        dense = model.cpu_kernel == "on" or products_faster()[0]
+        dense = model.cpu_kernel == "on" or products_faster().faster
         super().__init__(model, cache, local_cache, valid, Products(lib, dense))
         self.local = LocalStepKernel(model.local_transformer, lib)
 
@@ -248,11 +255,17 @@ class CpuKernelStep(EagerStep):
 
 
 @functools.cache
-def upcast_faster() -> tuple[bool, float, float]:
+def upcast_faster() -> Decision:
+    """Whether a prefill multiplies through `model.upcast_linear` on this machine
+    (`measure_upcast`, measured once per machine and kept: `runtime.measured`)."""
+    return decide("prefill_upcast", "bfloat16 [64, 4096] x [1024, 4096]", measure_upcast)
+
+
+def measure_upcast() -> tuple[bool, float, float]:
     """Whether `model.upcast_linear` multiplies a prefill's rows faster than PyTorch's bfloat16
-    GEMM on this machine: (faster by 1.5x or more, its GFLOP/s, PyTorch's), best of 5
-    alternating rounds of 64 rows by a 1024 x 4096 matrix, measured once per process (an
-    AVX2-only EPYC: 77 against 17 GFLOP/s; AMX or AVX512-BF16 CPUs: PyTorch's is faster)."""
+    GEMM here: (faster by 1.5x or more, its GFLOP/s, PyTorch's), best of 5 alternating rounds
+    of 64 rows by a 1024 x 4096 matrix (an AVX2-only EPYC: 77 against 17 GFLOP/s; AMX or
+    AVX512-BF16 CPUs: PyTorch's is faster)."""
     weight = torch.full((1024, 4096), 0.01, dtype=torch.bfloat16)
     x = torch.full((64, 4096), 0.5, dtype=torch.bfloat16)
     best = {"upcast": float("inf"), "torch": float("inf")}
@@ -276,9 +289,9 @@ def prefill_products(model: MiMoAudioLM) -> tuple[Matmul, Choice]:
     if weight.dtype not in (torch.bfloat16, torch.int8) or model.model.norm.weight.dtype != \
             torch.bfloat16:
         return linear, Choice(False, "PyTorch's products (not bfloat16)")
-    faster, upcast, eager = upcast_faster()
-    words = f"{upcast} vs {eager} GFLOP/s measured"
-    if faster:
+    decision = upcast_faster()
+    words = decision.words("GFLOP/s")
+    if decision.faster:
         return upcast_linear, Choice(True, f"float32 blocks of the bfloat16 weights, {words}")
     return linear, Choice(False, f"PyTorch's bfloat16 GEMM, {words}")
 
@@ -327,7 +340,7 @@ def choose(model: MiMoAudioLM) -> Choice:
             f", AMX tiles from {isa['amx_min_rows']} rows")
     if mode == "on":
         return Choice(True, f"on: {how}; every product of <= {MAX_ROWS} rows")
-    faster, kernel_gbps, torch_gbps = products_faster()
-    where = "in the kernel" if faster else "in PyTorch (its GEMV was faster here)"
+    decision = products_faster()
+    where = "in the kernel" if decision.faster else "in PyTorch (its GEMV was faster here)"
     return Choice(True, f"auto: {how}; patch decoder steps in the kernel, backbone products "
-                        f"{where}: {kernel_gbps} vs {torch_gbps} GB/s")
+                        f"{where}: {decision.words('GB/s')}")

@@ -26,6 +26,9 @@ TOKENIZER_DTYPE_ENV = "MIMO_TTS_TOKENIZER_DTYPE"
 # "auto" (default), "1" (wherever it can run) or "0" (never): lm.cpu_kernel, codec.gemm.
 CPU_KERNEL_ENV = "MIMO_TTS_CPU_KERNEL"
 CODEC_KERNEL_ENV = "MIMO_TTS_CODEC_KERNEL"
+# `name=1|0,...`: product choices taken as given instead of measured (runtime.measured).
+PRODUCT_CHOICES_ENV = "MIMO_TTS_PRODUCT_CHOICES"
+PRODUCT_CHOICES = ("lm_kernel_products", "prefill_upcast", "codec_gemm")
 KERNEL_MODES = ("auto", "on", "off")
 _KERNEL_WORDS = {"on": ("1", "on", "true", "yes"), "off": ("0", "off", "false", "no"),
                  "auto": ("", "auto")}
@@ -336,6 +339,20 @@ class Placement:
         }
 
 
+def product_choices(env: Mapping[str, str] | None = None) -> dict[str, bool]:
+    """The product choices MIMO_TTS_PRODUCT_CHOICES sets (`name=1|0`, comma-separated)."""
+    text = (os.environ if env is None else env).get(PRODUCT_CHOICES_ENV, "").strip()
+    found = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        name, value = name.strip(), value.strip().lower()
+        if name not in PRODUCT_CHOICES or value not in _TRUE | _FALSE:
+            raise UsageError(f"{PRODUCT_CHOICES_ENV}: {part!r} is not NAME=1|0 with NAME one "
+                             f"of {', '.join(PRODUCT_CHOICES)}")
+        found[name] = value in _TRUE
+    return found
+
+
 def resolve_placement(
     lm_device: str | None = None,
     tokenizer_device: str | None = None,
@@ -353,6 +370,7 @@ def resolve_placement(
     automatic dtype follows.
     """
     profile = profile or {}
+    product_choices(env)  # a bad value is refused before anything runs
     lm = resolve_lm_device(lm_device, profile.get("lm_device"), env, probe)
     tok = resolve_tokenizer_device(tokenizer_device, profile.get("tokenizer_device"), env, probe)
     lm_ckpt, tok_ckpt = checkpoint_dtypes

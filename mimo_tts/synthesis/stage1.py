@@ -93,6 +93,7 @@ class Stage1:
 
     def __init__(self, codec, threads: int | None = None):
         self.codec, self.threads = codec, threads
+        self.gemm = None  # the float32 GEMM's decision (`codec.gemm.choose`) where one was taken
         self.samples_per_frame = codec.samples_per_frame
         if codec.config.sampling_rate != SAMPLE_RATE:  # the one rule: every face uses the constant
             raise CheckpointError(f"the audio tokenizer speaks {codec.config.sampling_rate} Hz; "
@@ -134,7 +135,9 @@ class Stage1:
         log(f"audio tokenizer loaded from {tok_path}")
         if choice is not None:
             log(f"tokenizer float32 GEMM: {'on' if choice.active else 'off'}, {choice.reason}")
-        return cls(codec, threads)
+        stage1 = cls(codec, threads)
+        stage1.gemm = choice
+        return stage1
 
     def prompt_codes(self, prompt: str | PromptAudio) -> torch.Tensor:
         """Voice-prompt codes [K, T] (encoded on the tokenizer device once per file or

@@ -153,8 +153,13 @@ class MiMoTTS(SpeechCalls):
         self.close()
 
     def engine_record(self) -> dict:
-        """The Stage-0 engine that ran (bfloat16 sums round differently in the CPU kernel)."""
-        return self.engine.describe()
+        """The Stage-0 engine that ran (bfloat16 sums round differently in the CPU kernel) and,
+        for a float32 tokenizer on the CPU, whether its linears ran through the AMX GEMM."""
+        record = self.engine.describe()
+        gemm = getattr(self.stage1, "gemm", None)
+        if gemm is not None:
+            record = {**record, "tokenizer_gemm": gemm.active, "tokenizer_gemm_reason": gemm.reason}
+        return record
 
     # -- building blocks (the batch runner uses these too) --
     def prompts(self, text: str, o: SynthesisOptions, seed: int, instruct=None,

@@ -86,6 +86,8 @@ def test_manifest_and_sidecar(default_run, manifest):
     assert sidecar["effective_sampler"]["text"]["temperature"] == 0.6
     assert {"load_s", "generate_s", "decode_s"} <= set(sidecar["timings"])
     assert sidecar["result"]["key"] == line["key"]
+    gemm = sidecar["engine"].pop("tokenizer_gemm"), sidecar["engine"].pop("tokenizer_gemm_reason")
+    assert isinstance(gemm[0], bool) and gemm[1]  # the float32 tokenizer's AMX GEMM decision
     assert sidecar["engine"] == {"name": "native", "cpu_kernel": False,  # float32: eager
                                  "cpu_kernel_reason": "auto: float32 weights run faster in "
                                                       "eager PyTorch",

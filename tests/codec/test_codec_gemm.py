@@ -141,8 +141,9 @@ def test_choice_modes(monkeypatch):
     if gemm.library() is None:
         assert not choice.active and choice.reason == gemm._build()[1]
     else:
-        faster, ours, eager = gemm.faster()
-        assert choice.active == faster and f"{ours} vs float32 {eager}" in choice.reason
+        decision = gemm.faster()
+        assert choice.active == decision.faster
+        assert f"{decision.ours} vs {decision.theirs} GFLOP/s" in choice.reason
 
 
 def test_bfloat16_layers_are_not_gemm_packed(monkeypatch):
@@ -175,8 +176,8 @@ def test_auto_leaves_the_gemm_off_where_memory_is_short(monkeypatch, tokenizer_d
     monkeypatch.delenv(CODEC_KERNEL_ENV, raising=False)
     short = gemm.choose(beside=3 * gib, weights=gib // 2, mode=_placed())
     assert not short.active and "of 6.0 GiB" in short.reason
-    assert gemm.choose(mode=_placed()).active == gemm.faster()[0]  # no LM beside: speed decides
-    assert gemm.choose(beside=gib, weights=gib // 2, mode=_placed()).active == gemm.faster()[0]
+    assert gemm.choose(mode=_placed()).active == gemm.faster().faster  # no LM beside: speed decides
+    assert gemm.choose(beside=gib, weights=gib // 2, mode=_placed()).active == gemm.faster().faster
     monkeypatch.setenv(CODEC_KERNEL_ENV, "1")
     assert gemm.choose(beside=3 * gib, weights=gib // 2, mode=_placed()).active
     monkeypatch.setenv(CODEC_KERNEL_ENV, "auto")

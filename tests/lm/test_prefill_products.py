@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from mimo_tts.lm import cpu_kernel
 from mimo_tts.lm.int8 import quantize_rows
 from mimo_tts.lm.model import SMALL_ROWS, UPCAST_BLOCK, linear, upcast_linear
+from mimo_tts.runtime.measured import Decision
+from mimo_tts.runtime.paths import CACHE_ENV
 
 
 def _operands(rows: int, out: int = 2 * UPCAST_BLOCK + 40, width: int = 256, seed: int = 0):
@@ -66,19 +68,25 @@ class _Model:
 def test_the_choice_is_measured_and_follows_the_mode(monkeypatch):
     assert cpu_kernel.prefill_products(_Model(torch.float32))[0] is linear
     assert cpu_kernel.prefill_products(_Model(torch.bfloat16, "off"))[0] is linear
-    monkeypatch.setattr(cpu_kernel, "upcast_faster", lambda: (True, 60.0, 8.0))
+    monkeypatch.setattr(cpu_kernel, "upcast_faster",
+                        lambda: Decision(True, 60.0, 8.0, "measured now"))
     product, choice = cpu_kernel.prefill_products(_Model(torch.bfloat16))
     assert product is upcast_linear and choice.active and "60.0 vs 8.0 GFLOP/s" in choice.reason
-    monkeypatch.setattr(cpu_kernel, "upcast_faster", lambda: (False, 50.0, 400.0))
+    monkeypatch.setattr(cpu_kernel, "upcast_faster",
+                        lambda: Decision(False, 50.0, 400.0, "measured now"))
     product, choice = cpu_kernel.prefill_products(_Model(torch.bfloat16))
     assert product is linear and not choice.active
 
 
-def test_the_measurement_compares_both_products():
+def test_the_measurement_compares_both_products(monkeypatch, tmp_path):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     cpu_kernel.upcast_faster.cache_clear()
-    faster, upcast, eager = cpu_kernel.upcast_faster()
-    assert upcast > 0 and eager > 0 and isinstance(faster, bool)
-    assert cpu_kernel.upcast_faster() == (faster, upcast, eager)  # measured once
+    try:
+        decision = cpu_kernel.upcast_faster()
+        assert decision.ours > 0 and decision.theirs > 0 and isinstance(decision.faster, bool)
+        assert cpu_kernel.upcast_faster() == decision  # measured once
+    finally:
+        cpu_kernel.upcast_faster.cache_clear()
 
 
 def test_bfloat16_prefill_agrees_across_products(tiny_a, special, case_tensors, greedy_options,
