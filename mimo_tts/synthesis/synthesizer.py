@@ -33,7 +33,7 @@ from mimo_tts.synthesis.loader import (
     stage1_mode,
     thread_budgets,
 )
-from mimo_tts.synthesis.markup import script
+from mimo_tts.synthesis.markup import STORE_HINT, check_voices, script
 from mimo_tts.synthesis.options import (
     EngineOptions,
     SynthesisOptions,
@@ -165,11 +165,12 @@ class MiMoTTS(SpeechCalls):
         if prompt_audio and TASKS[o.task].prompt_audio == "none":  # refuse before reading it
             raise InputError(f"task {o.task} takes no prompt audio; use tts_sft_with_audio")
         o.check_item(instruct, prompt_audio)
+        found = script(text, o)
+        check_voices(found.named_voices, self.voices.names, STORE_HINT)  # before any codes
         if prompt_audio:
             codes = self.stage1.prompt_codes(prompt_audio)
         else:
             codes = self.voice_codes(o.voice) if o.voice else None
-        found = script(text, o)
         run = (o.task, instruct, codes)
         return [build_prompt(task, piece, self.text, self.empty_ids, instruct=given,
                              prompt_codes=voiced, template=o.template, seed=seed,
