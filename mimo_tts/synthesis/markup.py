@@ -95,7 +95,8 @@ def check_voices(named, known, hint: str) -> None:
         names = list(known()) if names is None else names
         if name not in names:
             raise MarkupError(f"[voice:{name}]: unknown voice {name!r}; choose one of "
-                              f"{', '.join([*BUILT_IN, *names])} ({hint.format(name=name)})")
+                              f"{', '.join(dict.fromkeys([*BUILT_IN, *names]))} "
+                              f"({hint.format(name=name)})")
 
 
 @lru_cache(maxsize=256)

@@ -48,6 +48,7 @@ from mimo_tts.synthesis.voices import (
     VoiceStore,
     add_voice,
     file_sha256,
+    served_voices,
     tokenizer_record,
 )
 from mimo_tts.synthesis.worker import STAGE1_BATCH, SpeechWorker
@@ -93,6 +94,7 @@ class MiMoTTS(SpeechCalls):
         self.threads: dict = {}
         self.log = lambda message: None  # from_settings: the loader's log
         self.voices = VoiceStore()  # the registry (MIMO_TTS_VOICES_DIR, else the XDG data home)
+        self.startup_voices: dict = {}  # a server's `--voice NAME=FILE`: name -> prompt audio
 
     @classmethod
     def from_settings(cls, settings: Settings, lengths: Lengths | None = None, log=None,
@@ -166,7 +168,7 @@ class MiMoTTS(SpeechCalls):
             raise InputError(f"task {o.task} takes no prompt audio; use tts_sft_with_audio")
         o.check_item(instruct, prompt_audio)
         found = script(text, o)
-        check_voices(found.named_voices, self.voices.names, STORE_HINT)  # before any codes
+        check_voices(found.named_voices, self.served_voices, STORE_HINT)  # before any codes
         if prompt_audio:
             codes = self.stage1.prompt_codes(prompt_audio)
         else:
@@ -182,10 +184,18 @@ class MiMoTTS(SpeechCalls):
     def tagged(self, voice: str, instruct=None) -> tuple:
         """(task, instruct, prompt codes) of a piece a `[voice:NAME]` tag gives its voice: a
         built-in voice speaks in its task; a stored one is cloned (with the run's instruction,
-        which that task takes)."""
+        which that task takes); a server's start-up voice clones its prompt audio."""
         if voice in BUILT_IN:
             return BUILT_IN[voice][0], None, None
+        if voice in self.startup_voices:
+            return "tts_sft_with_audio", instruct, self.stage1.prompt_codes(
+                self.startup_voices[voice])
         return "tts_sft_with_audio", instruct, self.voice_codes(voice)
+
+    def served_voices(self) -> list[str]:
+        """The names a `[voice:]` tag may give: built-in, a server's start-up voices, stored
+        (`voices.served_voices`, the list every face shows)."""
+        return [name for name, _ in served_voices(self.startup_voices, self.voices)]
 
     def voice_codes(self, name: str) -> torch.Tensor:
         """A stored voice's prompt codes [K, T]. Codes another audio tokenizer encoded are
