@@ -358,13 +358,19 @@ class RequestParser:
                               speed=self.base.speed if speed is None else float(speed))
         except MimoTTSError as exc:
             raise ApiError.of(exc, in_fields(str(exc))) from None
-        try:  # its pause and voice tags, read before it is queued
+        self.tags(text, options, "input")  # read before it is queued
+        return SpeechParams(text, options, fmt, stream_format == "sse", captions, name)
+
+    def tags(self, text: str, options: SynthesisOptions, name: str,
+             hint: str = "GET /v1/audio/voices lists them") -> None:
+        """A text's pause and voice tags, each voice one this server serves: else a 400 on
+        `name` saying which tag (and `hint`: where the served voices are listed)."""
+        try:
             check_voices(script(text, options).named_voices,
                          lambda: [n for n, _ in served_voices(self.cfg.voices, self.store)],
-                         "GET /v1/audio/voices lists them")
+                         hint)
         except MarkupError as exc:
-            raise ApiError(400, str(exc), "input") from None
-        return SpeechParams(text, options, fmt, stream_format == "sse", captions, name)
+            raise ApiError(400, str(exc), name) from None
 
     def bounded(self, text: str, name: str) -> str:
         """`input` or `instructions`, refused past `--max-input-chars`."""
