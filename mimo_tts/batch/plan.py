@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from mimo_tts.batch.items import Item, Naming, has_surrogates, piped, read_items
 from mimo_tts.batch.results import ItemResult
@@ -27,14 +28,16 @@ from mimo_tts.errors import UsageError
 from mimo_tts.lm.tasks import TASKS
 from mimo_tts.synthesis.markup import (
     DEFAULT_SENTENCE_SILENCE,
+    STORE_HINT,
     MarkupError,
+    check_voices,
     has_markup,
     script,
 )
 from mimo_tts.synthesis.options import check
 from mimo_tts.synthesis.profiles import load_profile
 from mimo_tts.synthesis.settings import OptionValues, Settings, place, resolve_options
-from mimo_tts.synthesis.voices import BUILT_IN, VoiceStore
+from mimo_tts.synthesis.voices import VoiceStore
 
 
 def check_binary_stdout(to_stdout: bool, flag: str) -> None:
@@ -55,28 +58,13 @@ def variant_of(o) -> tuple[str, ...]:
 def check_markup(items: list[Item], o) -> None:
     """Every item's pause and voice tags read before anything loads: a bad one is a one-line
     UsageError naming the item and the tag (exit 2)."""
-    known = None
+    known = lru_cache(maxsize=1)(lambda: VoiceStore().names())  # the registry, read once
     for item in items:
         if item.error is None and has_markup(item.text):
             try:
-                named = script(item.text, o).named_voices
-                known = check_tagged_voices(named, known)
+                check_voices(script(item.text, o).named_voices, known, STORE_HINT)
             except MarkupError as exc:
                 raise MarkupError(f"{item.source}: {exc}") from None
-
-
-def check_tagged_voices(named, known=None) -> list[str] | None:
-    """The voices `[voice:]` tags name: built-in or in the registry, else a one-line
-    MarkupError (exit 2) before the model loads. Returns the registry's names (read once)."""
-    for name in named:
-        if name in BUILT_IN:
-            continue
-        known = VoiceStore().names() if known is None else known
-        if name not in known:
-            choices = ", ".join([*BUILT_IN, *known])
-            raise MarkupError(f"[voice:{name}]: unknown voice {name!r}; choose one of "
-                              f"{choices} (mimo-tts voices add {name} FILE stores one)")
-    return known
 
 
 @dataclass(frozen=True)

@@ -87,11 +87,16 @@ def item_key(settings: Settings, refs, item: Item, seed: int) -> str:
     inputs = {**run_inputs(settings, refs),
               **item_inputs(item.text, item.instruct or o.instruct, seed,
                             item.prompt_audio or o.prompt_audio, o.task)}
-    if has_markup(item.text):  # the voices its tags name, by their codes' hash
-        named = [v for v in script(item.text, o).named_voices if v not in BUILT_IN]
-        if named:
-            inputs["tagged_voices"] = {name: _voice_stamp(name) for name in named}
-    return resume_key(inputs)
+    return resume_key({**inputs, **tagged_inputs(item.text, o)})
+
+
+def tagged_inputs(text: str, o) -> dict:
+    """The key's inputs of the stored voices a text's `[voice:]` tags name, by their codes'
+    hash (none: nothing, so texts without such tags keep their keys)."""
+    if not has_markup(text):
+        return {}
+    named = [v for v in script(text, o).named_voices if v not in BUILT_IN]
+    return {"tagged_voices": {name: _voice_stamp(name) for name in named}} if named else {}
 
 
 def run_inputs(settings: Settings, refs) -> dict:

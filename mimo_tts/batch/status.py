@@ -22,11 +22,13 @@ from pathlib import Path
 from mimo_tts.batch.files import companion_paths, jsonl_records
 from mimo_tts.batch.items import Naming, read_items
 from mimo_tts.batch.manifest import MANIFEST_NAME, audio_problem, manifest_name, read_sidecar
-from mimo_tts.batch.resume import item_inputs, resume_key
+from mimo_tts.batch.resume import item_inputs, resume_key, tagged_inputs
 from mimo_tts.batch.shards import Shard, parse_tag, shard_of
 from mimo_tts.batch.sinks import DirectorySink
-from mimo_tts.errors import EXIT_INCOMPLETE, EXIT_OK, OutputError
+from mimo_tts.errors import EXIT_INCOMPLETE, EXIT_OK, MimoTTSError, OutputError
 from mimo_tts.lm.tasks import TASKS
+from mimo_tts.synthesis.markup import DEFAULT_SENTENCE_SILENCE
+from mimo_tts.synthesis.options import SynthesisOptions
 
 
 def manifests(folder: Path) -> list[Path]:
@@ -182,9 +184,17 @@ class _Judge:
             return None
         n = self.naming
         seed = item.seed if item.seed is not None else n.seed
+        try:  # how the run cut the text, for the stored voices its tags name
+            cut = SynthesisOptions(max_chars=run.get("max_chars", SynthesisOptions.max_chars),
+                                   captions=bool(run.get("captions")),
+                                   sentence_silence=run.get("sentence_silence",
+                                                            DEFAULT_SENTENCE_SILENCE))
+            tagged = tagged_inputs(item.text, cut)
+        except MimoTTSError:  # a sidecar that lies, or a bad tag: not this item's output
+            return ""
         return resume_key({**run, **item_inputs(item.text, item.instruct or n.instruct, seed,
                                                 item.prompt_audio or n.prompt_audio,
-                                                self.task)})
+                                                self.task), **tagged})
 
 
 def _shard(item_id: str, count: int | None) -> str | None:

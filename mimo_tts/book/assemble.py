@@ -266,10 +266,7 @@ def write_chapter(bplan: BookPlan, chapter: ChapterAudio, outputs: _Outputs, log
         data = encode_audio(_joined(chapter), SAMPLE_RATE, fmt)
         atomic_write(outputs.folder / name, lambda f: f.write(data), keep_same=True)
         outputs.made(name, stamp)
-    found = [c.record() for c in cues(
-        [f.item.extra.get("words", f.item.text) for f in chapter.files],
-        [f.samples for f in chapter.files], SAMPLE_RATE, chapter.pauses,
-        [f.item.extra.get("voice") for f in chapter.files])]
+    found = [c.record() for c in chapter_cues(chapter)]
     for caption in CAPTION_FORMATS:
         outputs.text(f"{CHAPTERS_DIR}/{chapter_captions(title, caption)}",
                      caption_text(found, caption).encode("utf-8"))
@@ -378,14 +375,20 @@ def _book_blocks(chapters: dict[int, ChapterAudio], starts: dict[int, int]):
         at = starts[number] + chapter.samples
 
 
+def chapter_cues(chapter: ChapterAudio) -> list[Cue]:
+    """One cue per piece at its samples in the chapter file: its words (no tags), after its
+    pause, naming the voice a tag gave it."""
+    words = [f.item.extra.get("words", f.item.text) for f in chapter.files]
+    return cues(words, [f.samples for f in chapter.files], SAMPLE_RATE, chapter.pauses,
+                [f.item.extra.get("voice") for f in chapter.files])
+
+
 def book_cues(bplan: BookPlan, chapters: dict[int, ChapterAudio],
               starts: dict[int, int]) -> list[Cue]:
     """One cue per piece, numbered through the book, at its samples in the joined book."""
     out: list[Cue] = []
     for number, chapter in chapters.items():
-        words = [f.item.extra.get("words", f.item.text) for f in chapter.files]
-        for cue in cues(words, [f.samples for f in chapter.files], SAMPLE_RATE, chapter.pauses,
-                        [f.item.extra.get("voice") for f in chapter.files]):
+        for cue in chapter_cues(chapter):
             out.append(Cue(len(out) + 1, cue.text, starts[number] + cue.start_sample,
                            starts[number] + cue.end_sample, SAMPLE_RATE, cue.voice))
     return out

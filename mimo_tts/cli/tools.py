@@ -15,6 +15,7 @@ from mimo_tts.presets import TINY
 from mimo_tts.runtime import checkpoints
 from mimo_tts.runtime.checkpoints import DEFAULT_MODEL, DEFAULT_TOKENIZER
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE
+from mimo_tts.synthesis.markup import DEFAULT_SENTENCE_SILENCE
 from mimo_tts.synthesis.options import DEFAULT_TASK
 from mimo_tts.synthesis.settings import OptionValues, resolve
 
@@ -41,30 +42,40 @@ def status(
         metavar="NAME", help="synth's --voice, likewise.")] = None,
     captions: Annotated[bool, typer.Option(
         "--captions", help="The run had synth's --captions (any formats), likewise.")] = False,
+    speed: Annotated[float, typer.Option(
+        metavar="FACTOR", help="synth's --speed, likewise (off 1 it is in the id).")] = 1.0,
+    sentence_silence: Annotated[float, typer.Option(
+        metavar="SECONDS", help="synth's --sentence-silence, likewise (off 0.32 it is in the "
+                                "id).")] = DEFAULT_SENTENCE_SILENCE,
     merge: Annotated[bool, typer.Option(
         "--merge", help="Write every shard's lines into one results.jsonl.")] = False,
     as_json: StatusJson = False, debug: Debug = False,
 ) -> None:
     """Done / failed / missing items across all shards' manifests of an output folder.
 
-    Give it synth's --input and the --seed, --instruct, --prompt-audio, --voice and
-    --captions the run had: they name the items. A book's folder (mimo-tts book) names its
-    own pieces, with a line per chapter. Exits 0 when every item is done, 10 when some are
-    failed or missing.
+    Give it synth's --input and the --seed, --instruct, --prompt-audio, --voice, --captions,
+    --speed and --sentence-silence the run had: they name the items. A book's folder
+    (mimo-tts book) names its own pieces, with a line per chapter. Exits 0 when every item is
+    done, 10 when some are failed or missing.
     """
     reporter = Reporter(as_json=as_json, debug=debug)
 
     def body() -> int:
         from mimo_tts.batch import status as folder_status
         from mimo_tts.batch.items import Naming
+        from mimo_tts.batch.plan import variant_of
         from mimo_tts.book import status as book_status
+        from mimo_tts.synthesis.options import SynthesisOptions
+
+        # checked as synth checks them (a value out of range: exit 2)
+        variant = variant_of(SynthesisOptions(speed=speed, sentence_silence=sentence_silence))
 
         if not input and book_status.is_book(output_dir):
             report, lines = book_status.report(output_dir, merge), book_status.lines
         else:
             report = folder_status.report(output_dir, task, input or [], merge,
                                           Naming(seed, instruct, prompt_audio, task,
-                                                 voice, captions))
+                                                 voice, captions, variant))
             lines = folder_status.lines
         if as_json:
             reporter.data(report)

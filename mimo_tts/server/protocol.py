@@ -24,7 +24,7 @@ from mimo_tts.errors import DeviceError, InputError, MimoTTSError, UsageError, s
 from mimo_tts.lm.tasks import TASKS
 from mimo_tts.synthesis import aac
 from mimo_tts.synthesis.audio import AAC_FORMATS, FORMATS, LOSSY_FORMATS, lossy_formats
-from mimo_tts.synthesis.markup import MarkupError, script
+from mimo_tts.synthesis.markup import MarkupError, check_voices, script
 from mimo_tts.synthesis.options import DEFAULT_TASK, MAX_SEED, task_for
 from mimo_tts.synthesis.tempo import SPEEDS
 from mimo_tts.synthesis.text import clean_text
@@ -358,15 +358,19 @@ class RequestParser:
                               speed=self.base.speed if speed is None else float(speed))
         except MimoTTSError as exc:
             raise ApiError.of(exc, in_fields(str(exc))) from None
-        try:  # its pause and voice tags, read before it is queued
-            for voice_name in script(text, options).named_voices:
-                if voice_name not in BUILT_IN and voice_name not in self.store.names():
-                    raise MarkupError(f"[voice:{voice_name}]: unknown voice {voice_name!r}; a "
-                                      "tag names a built-in or stored voice "
-                                      "(GET /v1/audio/voices)")
-        except MarkupError as exc:
-            raise ApiError(400, str(exc), "input") from None
+        self.tags(text, options, "input")  # read before it is queued
         return SpeechParams(text, options, fmt, stream_format == "sse", captions, name)
+
+    def tags(self, text: str, options: SynthesisOptions, name: str,
+             hint: str = "GET /v1/audio/voices lists them") -> None:
+        """A text's pause and voice tags, each voice one this server serves: else a 400 on
+        `name` saying which tag (and `hint`: where the served voices are listed)."""
+        try:
+            check_voices(script(text, options).named_voices,
+                         lambda: [n for n, _ in served_voices(self.cfg.voices, self.store)],
+                         hint)
+        except MarkupError as exc:
+            raise ApiError(400, str(exc), name) from None
 
     def bounded(self, text: str, name: str) -> str:
         """`input` or `instructions`, refused past `--max-input-chars`."""

@@ -91,8 +91,10 @@ class WyomingSpeech:
         except MimoTTSError as exc:  # empty, control characters
             raise ApiError.of(exc) from None
         task, prompt_audio, stored = self.parser.voice(voice or "default", None)
-        return text, replace(self.base, task=task, instruct=None, prompt_audio=prompt_audio,
-                             voice=stored)
+        options = replace(self.base, task=task, instruct=None, prompt_audio=prompt_audio,
+                          voice=stored)
+        self.parser.tags(text, options, "text", "describe lists them")  # before a place
+        return text, options
 
     async def speak(self, text: str, voice: str | None, send) -> None:
         """One text: audio-start, audio-chunks as Stage-1 decodes them (its pieces apart by the

@@ -33,6 +33,7 @@ MAX_PAUSE = 60.0  # seconds: the longest one `[pause:]` or `<break>` may ask
 STRENGTHS = {"none": 0.0, "x-weak": 0.1, "weak": 0.25, "medium": 0.5, "strong": 1.0,
              "x-strong": 2.0}
 SSML_TAGS = ("speak", "break", "voice")
+STORE_HINT = "mimo-tts voices add {name} FILE stores one"  # check_voices' hint: the registry
 
 _TAG = re.compile(r"\[\s*(pause|voice)\s*:([^\]\[]*)\]", re.IGNORECASE)
 _TIME = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s)?\s*", re.IGNORECASE)
@@ -81,6 +82,21 @@ def has_markup(text: str) -> bool:
 def default_pauses(count: int, silence: int) -> tuple[int, ...]:
     """The pauses of `count` pieces of plain text: none around them, `silence` between."""
     return (0, *([silence] * max(count - 1, 0)), 0)
+
+
+def check_voices(named, known, hint: str) -> None:
+    """The voices `[voice:]` tags name (`Script.named_voices`) each built-in or in `known()`
+    (the stored or served names, read once when a tag names another), else a one-line
+    `MarkupError` naming it and `hint` (where voices come from; `{name}`: the one named)."""
+    names = None
+    for name in named:
+        if name in BUILT_IN:
+            continue
+        names = list(known()) if names is None else names
+        if name not in names:
+            raise MarkupError(f"[voice:{name}]: unknown voice {name!r}; choose one of "
+                              f"{', '.join(dict.fromkeys([*BUILT_IN, *names]))} "
+                              f"({hint.format(name=name)})")
 
 
 @lru_cache(maxsize=256)

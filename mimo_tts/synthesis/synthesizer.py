@@ -33,7 +33,7 @@ from mimo_tts.synthesis.loader import (
     stage1_mode,
     thread_budgets,
 )
-from mimo_tts.synthesis.markup import script
+from mimo_tts.synthesis.markup import STORE_HINT, check_voices, script
 from mimo_tts.synthesis.options import (
     EngineOptions,
     SynthesisOptions,
@@ -48,6 +48,7 @@ from mimo_tts.synthesis.voices import (
     VoiceStore,
     add_voice,
     file_sha256,
+    served_voices,
     tokenizer_record,
 )
 from mimo_tts.synthesis.worker import STAGE1_BATCH, SpeechWorker
@@ -93,6 +94,7 @@ class MiMoTTS(SpeechCalls):
         self.threads: dict = {}
         self.log = lambda message: None  # from_settings: the loader's log
         self.voices = VoiceStore()  # the registry (MIMO_TTS_VOICES_DIR, else the XDG data home)
+        self.startup_voices: dict = {}  # a server's `--voice NAME=FILE`: name -> prompt audio
 
     @classmethod
     def from_settings(cls, settings: Settings, lengths: Lengths | None = None, log=None,
@@ -170,11 +172,12 @@ class MiMoTTS(SpeechCalls):
         if prompt_audio and TASKS[o.task].prompt_audio == "none":  # refuse before reading it
             raise InputError(f"task {o.task} takes no prompt audio; use tts_sft_with_audio")
         o.check_item(instruct, prompt_audio)
+        found = script(text, o)
+        check_voices(found.named_voices, self.served_voices, STORE_HINT)  # before any codes
         if prompt_audio:
             codes = self.stage1.prompt_codes(prompt_audio)
         else:
             codes = self.voice_codes(o.voice) if o.voice else None
-        found = script(text, o)
         run = (o.task, instruct, codes)
         return [build_prompt(task, piece, self.text, self.empty_ids, instruct=given,
                              prompt_codes=voiced, template=o.template, seed=seed,
@@ -186,10 +189,18 @@ class MiMoTTS(SpeechCalls):
     def tagged(self, voice: str, instruct=None) -> tuple:
         """(task, instruct, prompt codes) of a piece a `[voice:NAME]` tag gives its voice: a
         built-in voice speaks in its task; a stored one is cloned (with the run's instruction,
-        which that task takes)."""
+        which that task takes); a server's start-up voice clones its prompt audio."""
         if voice in BUILT_IN:
             return BUILT_IN[voice][0], None, None
+        if voice in self.startup_voices:
+            return "tts_sft_with_audio", instruct, self.stage1.prompt_codes(
+                self.startup_voices[voice])
         return "tts_sft_with_audio", instruct, self.voice_codes(voice)
+
+    def served_voices(self) -> list[str]:
+        """The names a `[voice:]` tag may give: built-in, a server's start-up voices, stored
+        (`voices.served_voices`, the list every face shows)."""
+        return [name for name, _ in served_voices(self.startup_voices, self.voices)]
 
     def voice_codes(self, name: str) -> torch.Tensor:
         """A stored voice's prompt codes [K, T]. Codes another audio tokenizer encoded are

@@ -117,3 +117,26 @@ def test_a8_status_names_and_keys_items_with_synths_seed(invoke, tmp_path):
     manifest.write_text(manifest.read_text().replace(new, legacy))
     code, report = _statuses(invoke, "--input", lines, "--seed", "3")
     assert (code, report["done"]) == (0, 2), report
+
+
+def test_status_names_items_with_synths_speed_and_sentence_silence(invoke, tmp_path):
+    """Items of a `--speed 1.5` run and of a `--sentence-silence 0.5` run (their ids carry
+    what differs): status given the same flags finds them done, without them (or with another
+    value) missing; a value out of range is a one-line usage error."""
+    from mimo_tts.errors import EXIT_USAGE
+
+    lines = tmp_path / "lines.txt"
+    lines.write_text("First line. And more.\nSecond line.\n")
+    for flags in (["--speed", "1.5"], ["--sentence-silence", "0.5"]):
+        done = invoke("synth", "--model", "tiny", "--input", lines, "--output-dir", "out",
+                      "--max-new-groups", "2", *flags)
+        assert done.exit_code == 0, done.stderr
+        code, report = _statuses(invoke, "--input", lines, *flags)
+        assert (code, report["done"], report["missing"]) == (0, 2, []), report
+    for flags in ([], ["--speed", "2"], ["--speed", "1.5", "--sentence-silence", "0.5"]):
+        code, report = _statuses(invoke, "--input", lines, *flags)
+        assert (code, report["done"], len(report["missing"])) == (10, 0, 2), flags
+    for flags in (["--speed", "5"], ["--sentence-silence", "-1"]):
+        bad = invoke("status", "out", "--input", lines, *flags)
+        assert bad.exit_code == EXIT_USAGE and flags[0] in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1

@@ -433,6 +433,28 @@ def test_pause_tags_in_a_chapter_are_exact_and_the_captions_follow(invoke, tmp_p
     assert abs(starts[2] - ends[1] - 1.0) <= 0.002 and abs(starts[3] - ends[2] - 0.5) <= 0.002
 
 
+def test_voice_tags_per_chapter_and_per_paragraph_name_both_speakers(invoke, tmp_path):
+    """A chapter whose first paragraph opens with `[voice:natural]` (lasting to the next tag)
+    and a later paragraph with its own `[voice:default]`: the chapter's VTT names both
+    speakers, each on its own words (`<v NAME>`, no tag left in the text), the title before
+    any tag unnamed; the next chapter starts again in the run's voice."""
+    book = tmp_path / "voices.md"
+    book.write_text("# Dialogue\n\n[voice:natural] Speak softly now.\n\nStill soft here.\n\n"
+                    "[voice:default] One here.\n\n# Plain\n\nFour here.\n")
+    done = invoke("book", book, "--output-dir", tmp_path / "out", "--no-m4b", *TINY)
+    assert done.exit_code == 0, done.output
+    chapters = tmp_path / "out" / "chapters"
+    first, second = sorted(chapters.glob("*.vtt"))
+    vtt = first.read_text()
+    assert "[voice" not in vtt
+    spoken = [b.splitlines()[-1] for b in vtt.strip().split("\n\n")[1:]]
+    assert spoken == ["Dialogue", "<v natural>Speak softly now.", "<v natural>Still soft here.",
+                      "<v default>One here."]
+    assert "<v " not in second.read_text() and "Four here." in second.read_text()
+    book_vtt = (tmp_path / "out" / "book.vtt").read_text()
+    assert "<v natural>Speak softly now." in book_vtt and "<v default>One here." in book_vtt
+
+
 def _srt_seconds(stamp: str) -> float:
     h, m, rest = stamp.split(":")
     return int(h) * 3600 + int(m) * 60 + float(rest.replace(",", "."))

@@ -190,3 +190,29 @@ def test_voice_tags_speak_each_span_in_its_voice_and_the_vtt_names_them(invoke, 
     unknown = invoke("synth", *TINY, "-t", "[voice:nobody] Hi.", "--output-dir", "never")
     assert unknown.exit_code == EXIT_USAGE and "unknown voice 'nobody'" in unknown.stderr
     assert len(unknown.stderr.strip().splitlines()) == 1 and not (tmp_path / "never").exists()
+
+
+def test_status_finds_items_whose_tags_name_a_stored_voice_done(invoke, store, tmp_path):
+    """Lines whose `[voice:me]` tag names a stored voice (its codes' hash joins their key):
+    `status` with the same input finds them done, and missing once the voice is stored
+    again from other audio (other codes: the next synth would redo them)."""
+    assert invoke("voices", "add", "me", "voice.wav", *TINY).exit_code == 0
+    lines = tmp_path / "lines.txt"
+    lines.write_text("[voice:me] Hello there.\nPlain words. [voice:natural] Soft ones.\n")
+    done = invoke("synth", *TINY, "--input", lines, "--output-dir", "out",
+                  "--max-new-groups", "2")
+    assert done.exit_code == 0, done.stderr
+
+    def status():
+        run = invoke("status", "out", "--input", lines, "--json")
+        return run.exit_code, json.loads(run.stdout)
+
+    code, report = status()
+    assert (code, report["done"], report["missing"]) == (0, 2, []), report
+    rng = np.random.default_rng(1)
+    sf.write(str(tmp_path / "other.wav"), (0.1 * rng.standard_normal(16000)).astype("float32"),
+             16000)
+    assert invoke("voices", "add", "me", "other.wav", *TINY, "--overwrite").exit_code == 0
+    code, report = status()
+    assert (code, report["done"]) == (10, 1), report
+    assert [m["reason"] for m in report["missing"]][0].startswith("other inputs")

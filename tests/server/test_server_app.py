@@ -162,6 +162,45 @@ def test_pauses_in_the_input_are_exact_in_the_stream_and_the_file(client):
     assert bad.status_code == 400 and "<emphasis>" in bad.json()["error"]["message"]
 
 
+def test_voice_tags_speak_in_each_voice_and_the_captions_name_them(client):
+    """`[voice:natural]` and `[voice:clone]` (a `--voice NAME=FILE` start-up voice) in
+    `input`: 200, the sse captions name each span's voice (WebVTT `<v NAME>` once written), the
+    file's captions header the same cues; the tagged span is that text said alone in its
+    voice (same samples in the pcm stream); an unknown voice in a tag is a 400 naming
+    `input`."""
+    from mimo_tts.synthesis.captions import caption_text
+
+    def sse(**fields):
+        with client.stream("POST", "/v1/audio/speech",
+                           json={"model": "tiny", "response_format": "pcm",
+                                 "stream_format": "sse", "seed": 4, **fields}) as response:
+            assert response.status_code == 200, response.read()
+            events = [json.loads(line[6:]) for line in response.iter_lines() if line]
+        pcm = b"".join(base64.b64decode(e["audio"]) for e in events
+                       if e["type"] == "speech.audio.delta")
+        done = [e for e in events if e["type"] == "speech.audio.done"]
+        return np.frombuffer(pcm, "<i2"), done[0].get("captions")
+
+    text = "[voice:natural] Speak softly now. [voice:clone] Hello there."
+    samples, cues = sse(input=text, captions=True)
+    assert [(c["voice"], c["text"]) for c in cues] == [("natural", "Speak softly now."),
+                                                      ("clone", "Hello there.")]
+    assert len(samples) == cues[-1]["end_sample"]
+    vtt = caption_text(cues, "vtt")
+    assert "<v natural>Speak softly now." in vtt and "<v clone>Hello there." in vtt
+    alone, _ = sse(input="Hello there.", voice="clone")
+    assert np.array_equal(samples[cues[1]["start_sample"]:cues[1]["end_sample"]], alone)
+    whole = speech(client, input=text, seed=4, response_format="flac", captions=True)
+    assert whole.status_code == 200, whole.text
+    assert len(sf.read(io.BytesIO(whole.content))[0]) == len(samples)  # decoded whole
+    assert json.loads(whole.headers["x-mimo-captions"]) == cues
+    for tagged in ("[voice:nobody] Hi.", '<speak><voice name="nobody">Hi.</voice></speak>'):
+        bad = speech(client, input=tagged)
+        error = bad.json()["error"]
+        assert bad.status_code == 400 and error["param"] == "input", bad.text
+        assert "'nobody'" in error["message"] and "clone" in error["message"]
+
+
 def test_sse_streams_deltas_before_the_end(client):
     start = time.perf_counter()
     events = []

@@ -120,3 +120,60 @@ def test_library_pauses_are_exact_in_synthesize_and_stream(tts):
         assert not streamed[:pauses[0]].any() and not streamed[len(streamed) - pauses[2]:].any()
     default = tts.synthesize("One here. Two here.", **SHORT, sentence_silence=0.32)
     assert np.array_equal(default.samples, plain.samples)  # the default: today's audio
+
+
+def test_library_voice_tags_speak_each_span_as_its_voice_alone(tts, monkeypatch):
+    """`synthesize` of `[voice:natural] ... [voice:default] ...`: one `Audio` whose spans are
+    each that text synthesised alone in its voice (the same codes, the same prompt), cues
+    naming the voice; an unknown voice raises (a one-line usage error naming it) before
+    the model generates anything."""
+    import numpy as np
+    import torch
+
+    from mimo_tts.errors import EXIT_USAGE, MimoTTSError
+    from mimo_tts.synthesis.options import SynthesisOptions
+    from mimo_tts.synthesis.worker import SpeechJob
+
+    def codes(text, **given):  # each piece's codes: the building blocks `synthesize` runs
+        o = SynthesisOptions(**SHORT, **given)
+        jobs = [SpeechJob(p, o.generation_options(o.seed), o.seed, decode="none")
+                for p in tts.prompts(text, o, o.seed)]
+        list(tts.worker(1).run(jobs))
+        return [job.piece.codes for job in jobs]
+
+    text = "[voice:natural] Speak softly now. [voice:default] Two here."
+    audio = tts.synthesize(text, **SHORT)
+    assert [c.voice for c in audio.cues] == ["natural", "default"]
+    assert [c.text for c in audio.cues] == ["Speak softly now.", "Two here."]
+    spans = [(c.start_sample, c.end_sample) for c in audio.cues]
+    assert len(audio.samples) == spans[-1][1]
+    tagged = codes(text)
+    for (start, end), mine, record, (words, task) in zip(
+            spans, tagged, audio.provenance["pieces"],
+            (("Speak softly now.", "tts_sft_with_natural_instruction"), ("Two here.", "tts_sft")),
+            strict=True):
+        (alone,) = codes(words, task=task)
+        assert torch.equal(mine, alone)
+        said = tts.synthesize(words, task=task, **SHORT)
+        assert record["rendered_prompt"] == said.provenance["pieces"][0]["rendered_prompt"]
+        # decoded in one Stage-1 batch with the other span: equal up to float rounding
+        assert np.allclose(audio.samples[start:end], said.samples, atol=1e-5)
+    assert not torch.equal(tagged[0], codes("Speak softly now.")[0])  # its own voice's task
+
+    calls = []
+    worker = tts.worker
+
+    def counted(*args, **kwargs):  # the real speech worker, counted
+        calls.append(1)
+        return worker(*args, **kwargs)
+
+    monkeypatch.setattr(tts, "worker", counted)
+    for tagged in ("[voice:default] Hi. [voice:nobody] There.",
+                   '<speak>Hi. <voice name="nobody">There.</voice></speak>'):
+        with pytest.raises(MimoTTSError) as raised:
+            tts.synthesize(tagged, **SHORT)
+        assert raised.value.exit_code == EXIT_USAGE and "'nobody'" in str(raised.value)
+        assert len(str(raised.value).splitlines()) == 1
+        with pytest.raises(MimoTTSError):
+            next(iter(tts.stream(tagged, **SHORT)))
+    assert calls == []

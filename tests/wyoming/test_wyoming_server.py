@@ -106,6 +106,25 @@ def test_a_pause_tag_is_its_samples_of_silence(server):
     assert longer == bytes(2 * 12000) + plain + bytes(2 * 24000)
 
 
+def test_voice_tags_speak_each_span_in_its_voice(server):
+    """`[voice:natural] ... [voice:default] ...` in one text: one audio cycle, longer than
+    either span said alone (both spans and the pause between them); an unknown voice in a
+    tag (bracket or SSML) is an error event naming it, and the connection goes on."""
+    spans = ("Speak softly now.", "One here.")
+    alone = [audio_cycles(exchange(server, [Synthesize(text=t)], ("audio-stop", "error")))[0]
+             for t in spans]
+    text = f"[voice:natural] {spans[0]} [voice:default] {spans[1]}"
+    (both,) = audio_cycles(exchange(server, [Synthesize(text=text)], ("audio-stop", "error")))
+    assert len(both) > max(len(a) for a in alone)
+    assert both.endswith(alone[1])  # the default span: the plain text's audio
+    events = exchange(server, [Synthesize(text="[voice:nobody] Hi."),
+                               Synthesize(text='<speak><voice name="nobody">Hi.</voice></speak>'),
+                               Describe()], ("info",))
+    errors = [Error.from_event(e) for e in events if Error.is_type(e.type)]
+    assert len(errors) == 2 and all("unknown voice 'nobody'" in e.text for e in errors)
+    assert Info.is_type(events[-1].type)
+
+
 def test_the_streaming_form_speaks_sentence_by_sentence(server):
     texts = ["The first sen", "tence ends here. The sec", "ond one too! And a tail"]
     events = [SynthesizeStart(voice=SynthesizeVoice(name="default")),
