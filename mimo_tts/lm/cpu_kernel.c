@@ -706,47 +706,45 @@ static void attend_##SFX(const Step *s, int layer, int j, int h, const float *qk
 int step_##SFX(const Step *s) {                                                              \
     int n = s->rows, D = s->dim, F = s->ffn, H = s->heads;                                   \
     long wide = D > F ? D : F;                                                               \
-    float *x = s->work;                      /* residual stream [n, D] */                    \
-    float *qkv = x + (long)n * D;            /* [n, 3D] */                                   \
+    float *qkv = s->work;                    /* [n, 3D] */                                   \
     float *o = qkv + (long)n * 3 * D;        /* [n, D]; reused for down */                   \
     float *gu = o + (long)n * D;             /* [n, 2F] */                                   \
     float *scores = gu + (long)n * 2 * F;    /* [threads, S] */                              \
-    T *h = (T *)(scores + (long)s->threads * s->cache_len);   /* [n, wide] */                \
-    T *att = h + n * wide;                   /* [n, D] */                                    \
-    T *xp = att + (long)n * D;               /* [n, wide]: packed matmul operand */          \
-    for (long i = 0; i < (long)n * D; i++) x[i] = LOAD_##SFX(s->x, i);                       \
+    float *xs = scores + (long)s->threads * s->cache_len;  /* [threads, n, D] residuals */   \
+    T *att = (T *)(xs + (long)s->threads * n * D);         /* [n, D] */                      \
+    T *hs = att + (long)n * D;               /* [threads, n, wide]: normed / SwiGLU rows */  \
+    T *xp = hs + (long)s->threads * n * wide;  /* [n, wide] floats: matmul scratch (last) */ \
     _Pragma("omp parallel num_threads(s->threads)")                                          \
     {                                                                                        \
-        float *sc = scores + (long)omp_get_thread_num() * s->cache_len;                      \
+        /* Each thread keeps its own copy of the residual stream and of the normed rows,   \
+         * computed alike by all: the products start without waiting for one thread's     \
+         * norm; the threads meet only where a product's outputs are read (5 barriers a    \
+         * layer). */                                                                       \
+        int t = omp_get_thread_num();                                                        \
+        float *sc = scores + (long)t * s->cache_len, *x = xs + (long)t * n * D;              \
+        T *h = hs + (long)t * n * wide;                                                      \
+        for (long i = 0; i < (long)n * D; i++) x[i] = LOAD_##SFX(s->x, i);                   \
         int amx = sizeof(T) == 2 && (s->packed ? use_amx_pk(n) : use_amx(n));                \
         if (amx && s->packed) amx_configure_pk(n);                                           \
         else if (amx) amx_configure(n);                                                      \
         for (int l = 0; l < s->layers; l++) {                                                \
             const Layer *L = s->layer + l;                                                   \
-            _Pragma("omp single")                                                            \
             norm_##SFX(x, L->in_norm, h, n, D, s->eps);                                      \
-            gemv_##SFX(n, L->qkv_w, L->qkv_s, L->qkv_b, D, 3 * D, h, qkv, xp, s->packed);               \
+            gemv_##SFX(n, L->qkv_w, L->qkv_s, L->qkv_b, D, 3 * D, h, qkv, xp, s->packed);    \
             _Pragma("omp for schedule(static)")                                              \
             for (int jh = 0; jh < n * H; jh++)                                               \
                 attend_##SFX(s, l, jh / H, jh % H, qkv, att, sc);                            \
-            gemv_##SFX(n, L->o_w, L->o_s, NULL, D, D, att, o, xp, s->packed);                           \
-            _Pragma("omp single")                                                            \
-            {                                                                                \
-                for (long i = 0; i < (long)n * D; i++) x[i] = ROUND_##SFX(x[i] + o[i]);      \
-                norm_##SFX(x, L->post_norm, h, n, D, s->eps);                                \
-            }                                                                                \
-            gemv_##SFX(n, L->gate_up_w, L->gate_up_s, NULL, D, 2 * F, h, gu, xp, s->packed);            \
-            long i0, i1;                                                                     \
-            share((long)n * F, &i0, &i1);                                                    \
-            act_##SFX(gu, h, n, F, i0, i1);                                                  \
-            _Pragma("omp barrier")                                                           \
-            gemv_##SFX(n, L->down_w, L->down_s, NULL, F, D, h, o, xp, s->packed);                       \
-            _Pragma("omp single")                                                            \
+            gemv_##SFX(n, L->o_w, L->o_s, NULL, D, D, att, o, xp, s->packed);                \
+            for (long i = 0; i < (long)n * D; i++) x[i] = ROUND_##SFX(x[i] + o[i]);          \
+            norm_##SFX(x, L->post_norm, h, n, D, s->eps);                                    \
+            gemv_##SFX(n, L->gate_up_w, L->gate_up_s, NULL, D, 2 * F, h, gu, xp, s->packed); \
+            act_##SFX(gu, h, n, F, 0, (long)n * F);                                          \
+            gemv_##SFX(n, L->down_w, L->down_s, NULL, F, D, h, o, xp, s->packed);            \
             for (long i = 0; i < (long)n * D; i++) x[i] = ROUND_##SFX(x[i] + o[i]);          \
         }                                                                                    \
         if (amx) amx_release();                                                              \
+        if (t == 0) norm_##SFX(x, s->final_norm, (T *)s->out, n, D, s->eps);                 \
     }                                                                                        \
-    norm_##SFX(x, s->final_norm, (T *)s->out, n, D, s->eps);                                 \
     return 0;                                                                                \
 }
 
@@ -756,8 +754,9 @@ DEFINE_STEP(float, f32)
 /* Floats of scratch a step needs (Step.work): float32 buffers, then three of the model dtype
  * (sized as floats, so either dtype fits). Python allocates what this says. */
 long step_work_floats(const Step *s) {
-    long n = s->rows, D = s->dim, F = s->ffn, wide = D > F ? D : F;
-    return n * (5 * D + 2 * F) + (long)s->threads * s->cache_len + n * (2 * wide + D);
+    long n = s->rows, D = s->dim, F = s->ffn, wide = D > F ? D : F, t = s->threads;
+    return n * (4 * D + 2 * F) + t * s->cache_len + t * n * D + n * (D + wide)
+           + t * n * wide;
 }
 
 int max_head_dim(void) { return MAX_HEAD_DIM; }
