@@ -1,15 +1,27 @@
 """The fused CPU kernel: Stage-0's decode-step products, and the patch decoder's whole
 one-position step, in C (`CpuKernelStep`, one implementation of mimo_tts.lm.step.DecodeStep).
 
+Packed weights: where the kernel will multiply bfloat16 weights, `load_lm` packs every matrix
+a step streams (`prepare`, `pack_model`) into 16-row blocks with column pairs interleaved
+(`model.unpack_rows` says the layout), in place of the loaded one, on one anonymous mapping
+madvise'd for huge pages. A thread's share of a product is then one linear region, one 512-bit
+load is a column pair of 16 rows, and a tile of R blocks by up to 8 rows keeps its sums in
+registers, so each weight line is read once per step for every row (`pk_*` in the C source:
+AVX512-BF16 `vdpbf16ps`, AVX2 with bfloat16 widened to float32, plain C, AMX tiles on the
+packed blocks). Each output sums its column pairs in one fixed order, whatever the rows,
+tiles or threads: a row's bytes are the same alone, in a batch and on any thread count.
+
 Two entry points of cpu_kernel.c (beside this file):
-- `gemv_*_call`: one product of 1-16 rows by a weight, streaming the weight once for all rows
-  (AVX512-BF16 dot products, or AMX tiles for every row count where the CPU grants them, so
-  a row sums alike alone or in a batch), the bias added and the result rounded to the model
-  dtype. The backbone's fused q/k/v, o_proj, gate/up and down_proj, lm_head, the patch
-  encoder and the channel heads multiply through it; attention, norms and the rest stay PyTorch.
+- `gemv_*_call`: one product of a weight by some rows (1-16, or any number for packed
+  weights: a prefill's), streaming the weight once for all rows (AMX tiles for every row count
+  where the CPU grants them, so a row sums alike alone or in a batch), the bias added and the
+  result rounded to the model dtype. The backbone's fused q/k/v, o_proj, gate/up and
+  down_proj, lm_head, the patch encoder and the channel heads multiply through it; attention,
+  norms and the rest stay PyTorch.
 - `step_*`: the patch decoder (16 small layers, 11 positions per group), every layer of one
-  position in one call with one thread team: in eager PyTorch each layer step is some 40
-  operator calls whose fixed costs add up to a fifth of the step.
+  position in one call with one thread team (each thread with its own copy of the residual
+  stream, so the threads meet only where a product's outputs are read): in eager PyTorch each
+  layer step is some 40 operator calls whose fixed costs add up to a fifth of the step.
 Both round to bfloat16 wherever the PyTorch modules produce a bfloat16 tensor, so they track
 the eager path (float32 models match the reference fixtures); accumulation order differs
 from oneDNN's, so bfloat16 outputs may differ from the eager ones in the last bit.
