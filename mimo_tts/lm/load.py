@@ -55,6 +55,7 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu",
         stacks = load_module_weights(model, path, f"LM checkpoint {path}", ignore=IGNORED,
                                      stacked=stacked, device=device)
         model.fuse_weights(stacks)
+        del stacks  # the model holds them now: packing or quantizing frees each as it goes
         # Derived buffers are still meta here: rebuild them first, then move the weights.
         model.build_buffers(torch.device(device))
         model = model.to(device=device)
