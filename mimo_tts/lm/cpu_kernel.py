@@ -331,14 +331,15 @@ def prepare(model: MiMoAudioLM) -> None:
 def packing(model: MiMoAudioLM) -> str:
     """The sidecar's line on the packed weights: how much, and how much on huge pages."""
     weights = packed_weights(model)
-    huge = huge_page_bytes(weights)
+    huge = min(huge_page_bytes(weights), model.packed_bytes)  # a merged mapping counts more
     return (f"{model.packed_bytes / 2**30:.2f} GiB packed in 16-row blocks "
             f"({len(weights)} matrices), {huge / 2**30:.2f} GiB of it on huge pages")
 
 
 def huge_page_bytes(tensors: Sequence[Tensor]) -> int:
-    """Bytes of these tensors' memory that Linux backs with huge pages now (AnonHugePages of
-    the mappings holding them, /proc/self/smaps; 0 where unknown)."""
+    """Bytes of these tensors' memory that Linux backs with huge pages now: AnonHugePages of
+    the mappings holding them (/proc/self/smaps; 0 where unknown). Linux merges adjacent
+    anonymous mappings, so this may include memory beside them."""
     starts = sorted({t.untyped_storage().data_ptr() for t in tensors})
     total, current = 0, None
     try:
