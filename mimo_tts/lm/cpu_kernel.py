@@ -525,8 +525,9 @@ def prefill_products(model: MiMoAudioLM) -> tuple[Matmul, Choice]:
     weight = model.lm_head.weight
     if model.cpu_kernel == "off" or weight.device.type != "cpu":
         return linear, Choice(False, "PyTorch's products")
-    if getattr(model, "packed_bytes", 0):
-        return linear, Choice(True, "the kernel's products on the packed weights")
+    if getattr(model, "packed_bytes", 0):  # packed where "on" asked or the products won
+        why = "asked for" if model.cpu_kernel == "on" else products_faster().words("GB/s")
+        return linear, Choice(True, f"the kernel's products on the packed weights, {why}")
     if weight.dtype not in (torch.bfloat16, torch.int8) or model.model.norm.weight.dtype != \
             torch.bfloat16:
         return linear, Choice(False, "PyTorch's products (not bfloat16)")
