@@ -4,10 +4,12 @@ The backbone keeps the real width (hidden 4096, 32/8 heads, ffn 11008, vocab 151
 fewer layers (--layers) so it fits in memory; the patch encoder (6 layers) and decoder
 (16 layers, 11 steps per group) are full size (the token embedding, of which a step reads a
 few rows, is one row repeated, to save 1.2 GB). Weights are fused. Each decode step is
-measured both ways, back to back and alternating: "eager" (mimo_tts.lm.step.EagerStep) and
-"kernel" (cpu_kernel.CpuKernelStep: every product of <= 16 rows and the patch decoder's
-positions in the fused C kernel), the latter where `--kernel` (auto: as `load_lm` decides;
-on; off: eager only) lets it run.
+measured both ways, back to back: "eager" (mimo_tts.lm.step.EagerStep on the weights as
+loaded, row-major), then, after the weights are packed as `load_lm` packs them
+(`cpu_kernel.prepare`: 16-row blocks on huge pages, in place), "kernel"
+(cpu_kernel.CpuKernelStep: every product and the patch decoder's positions in the fused C
+kernel), the latter where `--kernel` (auto: as `load_lm` decides; on; off: eager only) lets
+it run.
 
 Reported, all from one run:
 - ms per group step split into backbone (+ lm_head), patch decoder (11 steps) and patch
@@ -15,9 +17,16 @@ Reported, all from one run:
   batch size (default 1, 4, 8) and each step kind;
 - groups/s per batch size and the batch-B / batch-1 throughput ratios;
 - the memory-bandwidth floor of a batch-1 step: the weight bytes one step must read divided
-  by the read bandwidth: the best bytes per second of two large read-only operations (a sum
-  and a bf16 matrix-vector product, each over --bandwidth-mib, far more than the last-level cache),
-  best of several; the tensor copy bandwidth (read + write bytes) is reported for reference.
+  by the read bandwidth: the best bytes per second of three large read-only operations (a sum
+  on ordinary pages, the same sum on huge pages, and a bf16 matrix-vector product, each over
+  --bandwidth-mib, far more than the last-level cache), best of several; the tensor copy
+  bandwidth (read + write bytes) is reported for reference.
+
+With --anchor, the step's product shapes alone (one backbone layer's four, lm_head and the
+patch decoder's four) at 1 and 8 rows: GB/s of weight bytes through the kernel's packed
+products and through AMD's zentorch linear on weights it prepacked (`--anchor zentorch`, where
+it imports; said so where not), in the same run, alternating, each over a pool of matrices far
+larger than the last-level cache.
 
 The CPU is shared with other jobs, so every time is the best of N after a warm-up (others
 only ever slow a run down), each timed call first waits (up to --quiet-wait seconds) for the
@@ -41,8 +50,8 @@ from _common import FULL_SIZE, cpu_ticks
 from mimo_tts.lm import cpu_kernel
 from mimo_tts.lm.config import LMConfig
 from mimo_tts.lm.generate import GenerationOptions, decode_patch, prefill, stream
-from mimo_tts.lm.int8 import matrices, quantize_lm
-from mimo_tts.lm.model import KVCache, MiMoAudioLM
+from mimo_tts.lm.int8 import matrices, quantize_rows
+from mimo_tts.lm.model import KVCache, MiMoAudioLM, unpack_rows
 from mimo_tts.lm.sampling import GREEDY
 from mimo_tts.lm.step import EagerStep
 from mimo_tts.lm.text import SpecialTokens
@@ -130,11 +139,15 @@ class Bandwidth:
     sum over an int64 tensor and its matrix-vector product with a bfloat16 matrix (the
     kernel the eager path uses), each over `mib` MiB, far more than the last-level cache."""
 
-    OPS = ("sum of an int64 tensor", "torch.mv of a bfloat16 matrix")
+    OPS = ("sum of an int64 tensor", "sum of an int64 tensor on huge pages",
+           "torch.mv of a bfloat16 matrix")
 
     def __init__(self, device: str, mib: int):
         self.device = device
         self.src = torch.ones(mib * 2**20 // 8, dtype=torch.int64, device=device)
+        self.huge = self.src  # the kernel's huge-page allocation, where it has one
+        if device == "cpu":
+            self.huge = cpu_kernel.huge_bytes(mib * 2**20).view(torch.int64).fill_(1)
         self.matrix = torch.full((mib * 2**19 // 4096, 4096), 0.5, dtype=torch.bfloat16,
                                  device=device)
         self.vector = torch.ones(4096, dtype=torch.bfloat16, device=device)
@@ -142,7 +155,7 @@ class Bandwidth:
 
     def sample(self, repeats: int = 2) -> None:
         nbytes = self.src.numel() * self.src.element_size()
-        ops = (self.src.sum, lambda: torch.mv(self.matrix, self.vector))
+        ops = (self.src.sum, self.huge.sum, lambda: torch.mv(self.matrix, self.vector))
         for op, fn in zip(self.OPS, ops, strict=True):
             self.read[op] += [nbytes / s for s in timed(fn, repeats, self.device)]
 
@@ -195,19 +208,28 @@ DECODE_STEP = {"eager": "eager", "kernel": "auto", "kernel_int8": "auto"}
 
 class Int8Swap:
     """The model's large matrices in both forms (--quant int8): `use(True)` points the blocks
-    at the int8 ones, `use(False)` back at the model dtype's, so both run from one model."""
+    at the int8 ones, `use(False)` back at the model dtype's (packed or not), so both run
+    from one model."""
 
     def __init__(self, model: MiMoAudioLM):
         self.model = model
         self.dense = [getattr(m, n) for m, n in matrices(model)]
-        quantize_lm(model, "int8")
-        self.int8 = [getattr(m, n) for m, n in matrices(model)]
-        self.use(False)
+        self.int8 = [_like(w, quantize_rows(unpack_rows(w) if w.dim() == 3 else w))
+                     for w in self.dense]
 
     def use(self, int8: bool) -> None:
         for (module, name), t in zip(matrices(self.model), self.int8 if int8 else self.dense,
                                      strict=True):
             setattr(module, name, t)
+
+
+def _like(dense: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The int8 matrix `q` as a parameter where `dense` is one (with its scales)."""
+    if not isinstance(dense, torch.nn.Parameter):
+        return q
+    p = torch.nn.Parameter(q, requires_grad=False)
+    p.scale = q.scale
+    return p
 
 
 @torch.inference_mode()
@@ -279,25 +301,24 @@ def run(args) -> dict:
     load_before = os.getloadavg()
     model = build_model(layers, args.device, getattr(torch, args.dtype), kernel=args.kernel)
     choice = cpu_kernel.choose(model)
-    kinds = ["eager", "kernel"] if choice.active else ["eager"]
-    weights = weight_bytes_per_step(model)  # before Int8Swap points the parts at int8 rows
-    swap = None
-    if args.quant == "int8" and choice.active:
-        swap = Int8Swap(model)
-        kinds.append("kernel_int8")
+    kinds = (["eager"] if args.eager else []) + (["kernel"] if choice.active else [])
+    weights = weight_bytes_per_step(model)
     bandwidth = Bandwidth(args.device, args.bandwidth_mib)
-    parts = {k: {b: {} for b in batches} for k in kinds}
-    steps_s = {k: {b: [] for b in batches} for k in kinds}
-    for b in batches:
-        for _ in range(args.rounds):  # the kinds alternate: noise hits both alike
-            for kind in kinds:
-                bandwidth.sample()
-                if swap is not None:
-                    swap.use(kind == "kernel_int8")
-                for part, times in component_times(model, b, repeats, args.device,
-                                                   kind).items():
-                    parts[kind][b].setdefault(part, []).extend(times)
-                steps_s[kind][b] += step_times(model, b, steps, args.device, kind)
+    parts: dict = {}
+    steps_s: dict = {}
+    packing = "not packed"
+    for kind in kinds:
+        swap = None
+        if kind == "kernel":  # as load_lm leaves it: the streamed matrices packed in place
+            cpu_kernel.prepare(model)
+            packing = cpu_kernel.packing(model) if model.packed_bytes else packing
+            swap = Int8Swap(model) if args.quant == "int8" else None
+        group = [kind] + (["kernel_int8"] if swap is not None else [])
+        for k in group:
+            parts[k] = {b: {} for b in batches}
+            steps_s[k] = {b: [] for b in batches}
+        measure(model, batches, group, swap, bandwidth, parts, steps_s, args, repeats, steps)
+    anchor = product_anchor(model, args) if args.anchor else None
     bandwidth.sample()
     read_bw = bandwidth.best()
     floor = sum(weights.values()) / read_bw
@@ -310,7 +331,7 @@ def run(args) -> dict:
         "timed_calls_without_quiet_cpu": f"{QUIET.noisy} of {QUIET.calls}",
         "backbone_layers": layers,
         "cpu_kernel": {"mode": args.kernel, "active": choice.active, "reason": choice.reason,
-                       **cpu_kernel.features()},
+                       "weights": packing, **cpu_kernel.features()},
         "weight_gib_per_step": {k: round(v / 2**30, 3) for k, v in weights.items()},
         "read_bandwidth_gbps": {
             op: {"best": round(max(v) / 1e9, 2), "median": round(sorted(v)[len(v) // 2] / 1e9, 2)}
@@ -333,11 +354,96 @@ def run(args) -> dict:
         "batch1_over_floor": {k: round(per[1] / floor, 2) for k, per in best.items()},
         **({"kernel_speedup_step": {b: round(best["eager"][b] / s, 2)
                                     for b, s in best["kernel"].items()}}
-           if "kernel" in best else {}),
+           if "kernel" in best and "eager" in best else {}),
         **({"int8_over_bf16_step": {b: round(s / best["kernel"][b], 2)
                                     for b, s in best["kernel_int8"].items()}}
            if "kernel_int8" in best else {}),
+        **({"products_gbps": anchor} if anchor is not None else {}),
     }
+
+
+def measure(model, batches, kinds, swap, bandwidth, parts, steps_s, args, repeats,
+            steps) -> None:
+    """Rounds of each step kind at each batch size (the kinds alternate within a round, so
+    noise hits them alike), the read bandwidth sampled before each."""
+    for b in batches:
+        for _ in range(args.rounds):
+            for kind in kinds:
+                bandwidth.sample()
+                if swap is not None:
+                    swap.use(kind == "kernel_int8")
+                for part, times in component_times(model, b, repeats, args.device,
+                                                   kind).items():
+                    parts[kind][b].setdefault(part, []).extend(times)
+                steps_s[kind][b] += step_times(model, b, steps, args.device, kind)
+    if swap is not None:
+        swap.use(False)
+
+
+def anchor_shapes(model: MiMoAudioLM) -> dict[str, tuple[int, int]]:
+    """[out, in] of the products a step streams: one backbone layer, lm_head, one patch
+    decoder layer (fused as the model fuses them)."""
+    cfg = model.cfg
+    out = {}
+    for prefix, stack in (("", cfg.backbone), ("local_", cfg.patch_decoder)):
+        qkv = (stack.heads + 2 * stack.kv_heads) * stack.head_dim
+        out |= {f"{prefix}qkv": (qkv, stack.dim), f"{prefix}o": (stack.dim, stack.dim),
+                f"{prefix}gate_up": (2 * stack.ffn_dim, stack.dim),
+                f"{prefix}down": (stack.dim, stack.ffn_dim)}
+        if not prefix:
+            out["lm_head"] = (cfg.vocab_size, cfg.hidden)
+    return out
+
+
+def _zentorch():
+    """zentorch's prepack and linear ops, or the reason they cannot run here."""
+    try:
+        import zentorch  # noqa: F401  (registers torch.ops.zentorch)
+    except Exception as exc:  # an ImportError, or its loader refusing this torch
+        return None, f"zentorch does not import: {exc}"
+    ops = torch.ops.zentorch
+    return (ops.zentorch_weight_prepack_for_linear,
+            lambda x, w: ops.zentorch_linear_unary(x, w, None, is_weight_prepacked=True)), ""
+
+
+@torch.inference_mode()
+def product_anchor(model: MiMoAudioLM, args) -> dict:
+    """GB/s of each step product shape through the kernel's packed products and zentorch's
+    prepacked linear, 1 and 8 rows, best of --anchor-rounds alternating rounds over pools of
+    >= --anchor-mib MiB (never cached)."""
+    lib = cpu_kernel.library()
+    zen, why = _zentorch() if args.anchor == "zentorch" else (None, "not asked for")
+    report: dict = {"zentorch": why or "prepacked weights, zentorch_linear_unary"}
+    gen = torch.Generator().manual_seed(1)
+    for name, (rows, cols) in anchor_shapes(model).items():
+        if rows % 16 or cols % 2:
+            continue  # not whole blocks: never packed
+        nbytes = rows * cols * 2
+        pool = max(2, -(-(args.anchor_mib << 20) // nbytes))
+        methods = {}
+        dense = [torch.empty(rows, cols, dtype=torch.bfloat16).uniform_(-0.03, 0.03,
+                                                                         generator=gen)
+                 for _ in range(pool)]
+        arena = cpu_kernel.huge_bytes(pool * nbytes)
+        methods["kernel_packed"] = ([cpu_kernel.pack(lib, w, arena[i * nbytes:(i + 1) * nbytes])
+                                     for i, w in enumerate(dense)], cpu_kernel.packed_linear)
+        if zen is not None:
+            methods["zentorch"] = ([zen[0](w) for w in dense], zen[1])
+        del dense
+        report[name] = {}
+        for m in (1, 8):
+            x = torch.empty(m, cols, dtype=torch.bfloat16).uniform_(-1, 1, generator=gen)
+            best = dict.fromkeys(methods, float("inf"))
+            for _ in range(args.anchor_rounds):
+                for method, (mats, fn) in methods.items():
+                    QUIET()
+                    start = time.perf_counter()
+                    for w in mats:
+                        fn(x, w)
+                    best[method] = min(best[method], time.perf_counter() - start)
+            report[name][m] = {k: round(pool * nbytes / v / 1e9, 1) for k, v in best.items()}
+        del methods, arena
+    return report
 
 
 def _cpu_name() -> str:
@@ -372,7 +478,16 @@ def main() -> None:
     parser.add_argument("--quant", choices=("int8",), default=None,
                         help="also time the kernel step with int8 weights (mimo_tts/lm/int8.py)")
     parser.add_argument("--rounds", type=int, default=2,
-                        help="alternating rounds of eager and kernel measurements")
+                        help="rounds of measurements of each step kind")
+    parser.add_argument("--anchor", choices=("kernel", "zentorch"), default=None,
+                        help="also time the step's product shapes alone: the kernel's (kernel) "
+                             "and beside it zentorch's prepacked linear (zentorch)")
+    parser.add_argument("--anchor-rounds", type=int, default=5,
+                        help="alternating rounds of the product timings (best is kept)")
+    parser.add_argument("--anchor-mib", type=int, default=256,
+                        help="size of each pool of matrices in the product timings")
+    parser.add_argument("--no-eager", dest="eager", action="store_false",
+                        help="skip the eager step (row-major weights, before packing)")
     parser.add_argument("--bandwidth-mib", type=int, default=512,
                         help="size of each bandwidth probe (far above the last-level cache)")
     args = parser.parse_args()

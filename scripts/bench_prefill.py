@@ -1,5 +1,6 @@
 """The prefill's products at full size: PyTorch's bfloat16 GEMM against float32 blocks of the
-weights (`mimo_tts.lm.model.upcast_linear`), back to back in one process; JSON out.
+weights (`mimo_tts.lm.model.upcast_linear`) and the CPU kernel's products on the weights it
+packs at load (`cpu_kernel.pack`), back to back in one process; JSON out.
 
     .venv/bin/python scripts/bench_prefill.py [--rows 64,128,512] [--rounds 3] [--threads N]
 
@@ -55,6 +56,8 @@ def main() -> None:
     weights = {name: (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
                for name, shape in layer_shapes(config).items()}
     flops_per_row = 2 * sum(w.numel() for w in weights.values())
+    lib = cpu_kernel.library()
+    packed = {} if lib is None else {name: cpu_kernel.pack(lib, w) for name, w in weights.items()}
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), "unknown")
     report = {"cpu": cpu, "bf16_flags": [f for f in cpu_flags() if "bf16" in f or "amx" in f],
@@ -63,16 +66,20 @@ def main() -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {name: torch.randn(rows, w.shape[1], generator=gen).to(torch.bfloat16)
                   for name, w in weights.items()}
-        best = {"torch_bf16": float("inf"), "upcast": float("inf")}
+        products = {"torch_bf16": (F.linear, weights), "upcast": (upcast_linear, weights)}
+        if packed:
+            products["kernel_packed"] = (cpu_kernel.packed_linear, packed)
+        best = dict.fromkeys(products, float("inf"))
         for _ in range(args.rounds):
-            best["torch_bf16"] = min(best["torch_bf16"], timed(F.linear, inputs, weights))
-            best["upcast"] = min(best["upcast"], timed(upcast_linear, inputs, weights))
+            for name, (product, mats) in products.items():
+                best[name] = min(best[name], timed(product, inputs, mats))
         report["rows"][rows] = {
-            "torch_bf16_ms": round(best["torch_bf16"] * 1e3, 1),
-            "upcast_ms": round(best["upcast"] * 1e3, 1),
-            "torch_bf16_gflops": round(rows * flops_per_row / best["torch_bf16"] / 1e9, 1),
-            "upcast_gflops": round(rows * flops_per_row / best["upcast"] / 1e9, 1),
-            "speedup": round(best["torch_bf16"] / best["upcast"], 2)}
+            **{f"{name}_ms": round(s * 1e3, 1) for name, s in best.items()},
+            **{f"{name}_gflops": round(rows * flops_per_row / s / 1e9, 1)
+               for name, s in best.items()},
+            "speedup": round(best["torch_bf16"] / best["upcast"], 2),
+            **({"kernel_over_torch": round(best["torch_bf16"] / best["kernel_packed"], 2)}
+               if packed else {})}
     faster, upcast, eager = cpu_kernel.measure_upcast()
     kept = cpu_kernel.upcast_faster()
     report["load_probe"] = {"upcast_faster_now": faster, "upcast_gflops": upcast,

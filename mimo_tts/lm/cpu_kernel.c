@@ -42,6 +42,7 @@ typedef struct {
 
 typedef struct {
     int layers, dim, heads, head_dim, ffn, rows, slot, threads;
+    int packed;                           /* the layers' four matrices are packed (below) */
     float eps;
     const Layer *layer;
     const void *final_norm, *cos, *sin;   /* cos/sin: the rows of this position [head_dim] */
@@ -135,6 +136,8 @@ typedef struct {
 static int amx_state = -1;  /* -1 unknown, 0 unavailable, 1 granted to this process */
 static int amx_from = 1;  /* fewest rows that use the tiles (17: never; set by Python) */
 static inline int use_amx(int n) { return amx_state == 1 && n >= amx_from && n <= 16; }
+/* Packed weights take any number of vectors on the tiles (16 at a time). */
+static inline int use_amx_pk(int n) { return amx_state == 1 && n >= amx_from; }
 
 int amx_enable(void) {
     if (amx_state < 0)  /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA (Linux >= 5.16) */
@@ -198,10 +201,259 @@ static void amx_release(void) { _tile_release(); }
 static int amx_state = 0;
 static int amx_from = 17;
 static inline int use_amx(int n) { (void)n; return 0; }
+static inline int use_amx_pk(int n) { (void)n; return 0; }
 int amx_enable(void) { return 0; }
 static void amx_configure(int n) { (void)n; }
 static void amx_release(void) {}
 #endif
+
+/* ---- packed bfloat16 weights: 16-row blocks, column pairs interleaved -------------------
+ * A packed matrix W [out, in] (out % 16 == 0, in even) is out / 16 blocks one after another;
+ * block b holds, for each column pair p < in / 2, the pairs (W[16b + l, 2p], W[16b + l, 2p + 1])
+ * of its 16 rows l: 64 bytes, one cache line. A thread whose share is blocks [b0, b1) reads
+ * one linear region, and one 512-bit load is a column pair of 16 rows: a dot-product
+ * instruction against the broadcast pair of one vector adds into the 16 row sums at once (no
+ * horizontal sum). A tile of R blocks by m vectors (m * R accumulators in registers) reads
+ * each weight line once for all m vectors. Every output sums its pairs in the order
+ * p = 0, 1, ... in one lane, whatever the vector count, tile or thread count: a row's result
+ * is the same alone, in a batch of any width and on any number of threads. */
+enum { ISA_SCALAR, ISA_AVX2, ISA_AVX512_BF16 };
+static int isa_cap = ISA_AVX512_BF16;   /* the widest path packed products may use (tests) */
+#define PK_CHUNK 128                    /* pairs per pass when vectors take several passes */
+
+typedef void (*TileFn)(const uint32_t *w, long P, const uint32_t *x, long xs, int m, int R,
+                       long p0, long p1, float *y, long ldy, int first);
+
+/* Blocks [b0, b1) of a packed W (P column pairs) against n vectors x (xs pairs apart) into
+ * y [n, ldy] (float sums, no bias): tiles of R blocks by up to `mmax` vectors; with more
+ * vectors than that the pairs go in chunks (partial sums kept in y), each chunk's weight
+ * lines read from cache by every group of vectors. */
+static void pk_blocks(TileFn tile, int mmax, int R, const uint32_t *w, long P, long b0,
+                      long b1, const uint32_t *x, long xs, int n, float *y, long ldy) {
+    long chunk = n <= mmax ? P : PK_CHUNK;
+    for (long b = b0; b < b1; b += R) {
+        int r = b1 - b < R ? (int)(b1 - b) : R;
+        for (long p0 = 0; p0 < P; p0 += chunk) {
+            long p1 = p0 + chunk < P ? p0 + chunk : P;
+            for (int j0 = 0; j0 < n; j0 += mmax) {
+                int m = n - j0 < mmax ? n - j0 : mmax;
+                tile(w + b * P * 16, P, x + (long)j0 * xs, xs, m, r, p0, p1,
+                     y + (long)j0 * ldy + b * 16, ldy, p0 == 0);
+            }
+        }
+    }
+}
+
+/* Any CPU: one block at a time, 16 lanes of float sums. */
+static void pk_tile_c(const uint32_t *w, long P, const uint32_t *x, long xs, int m, int R,
+                      long p0, long p1, float *y, long ldy, int first) {
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < m; j++) {
+            float acc[16];
+            float *yj = y + (long)j * ldy + 16 * r;
+            for (int l = 0; l < 16; l++) acc[l] = first ? 0.f : yj[l];
+            for (long p = p0; p < p1; p++) {
+                const bf16 *wp = (const bf16 *)(w + ((long)r * P + p) * 16);
+                uint32_t pair = x[(long)j * xs + p];
+                float lo = bf2f((bf16)(pair & 0xffff)), hi = bf2f((bf16)(pair >> 16));
+                for (int l = 0; l < 16; l++) {
+                    acc[l] += bf2f(wp[2 * l]) * lo;
+                    acc[l] += bf2f(wp[2 * l + 1]) * hi;
+                }
+            }
+            for (int l = 0; l < 16; l++) yj[l] = acc[l];
+        }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* AVX2: bfloat16 widened to float in registers (a pair's low half shifted up, its high half
+ * masked), two FMAs per pair and 8 rows; R blocks by m <= 4 vectors, m * 2R accumulators. */
+static inline __attribute__((always_inline)) void pk_tile256_at(
+        const uint32_t *w, long P, const uint32_t *x, long xs, const int m, const int R,
+        long p0, long p1, float *y, long ldy, int first) {
+    __m256 acc[4][2][2];
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    for (int j = 0; j < m; j++)
+        for (int r = 0; r < R; r++)
+            for (int h = 0; h < 2; h++)
+                acc[j][r][h] = first ? _mm256_setzero_ps()
+                                     : _mm256_loadu_ps(y + (long)j * ldy + 16 * r + 8 * h);
+    for (long p = p0; p < p1; p++) {
+        __m256 lo[2][2], hi[2][2];
+        for (int r = 0; r < R; r++)
+            for (int h = 0; h < 2; h++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(w + ((long)r * P + p) * 16 + 8 * h));
+                lo[r][h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                hi[r][h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+            }
+        for (int j = 0; j < m; j++) {
+            uint32_t pair = x[(long)j * xs + p];
+            __m256 xl = _mm256_set1_ps(bf2f((bf16)(pair & 0xffff)));
+            __m256 xh = _mm256_set1_ps(bf2f((bf16)(pair >> 16)));
+            for (int r = 0; r < R; r++)
+                for (int h = 0; h < 2; h++) {
+                    acc[j][r][h] = _mm256_fmadd_ps(lo[r][h], xl, acc[j][r][h]);
+                    acc[j][r][h] = _mm256_fmadd_ps(hi[r][h], xh, acc[j][r][h]);
+                }
+        }
+    }
+    for (int j = 0; j < m; j++)
+        for (int r = 0; r < R; r++)
+            for (int h = 0; h < 2; h++)
+                _mm256_storeu_ps(y + (long)j * ldy + 16 * r + 8 * h, acc[j][r][h]);
+}
+
+static void pk_tile256(const uint32_t *w, long P, const uint32_t *x, long xs, int m, int R,
+                       long p0, long p1, float *y, long ldy, int first) {
+#define PK256(M, RR) case (M) * 8 + (RR): \
+    pk_tile256_at(w, P, x, xs, M, RR, p0, p1, y, ldy, first); break;
+    switch (m * 8 + R) {
+    PK256(1, 1) PK256(1, 2) PK256(2, 1) PK256(3, 1) PK256(4, 1)
+    default: pk_tile_c(w, P, x, xs, m, R, p0, p1, y, ldy, first);
+    }
+#undef PK256
+}
+#endif
+
+#if defined(__AVX512BF16__)
+/* AVX512-BF16: R blocks by m <= 8 vectors, m * R zmm accumulators (8 x 3 = 24 at most). */
+static inline __attribute__((always_inline)) void pk_tile512_at(
+        const uint32_t *w, long P, const uint32_t *x, long xs, const int m, const int R,
+        long p0, long p1, float *y, long ldy, int first) {
+    __m512 acc[8][4];
+    for (int j = 0; j < m; j++)
+        for (int r = 0; r < R; r++)
+            acc[j][r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + (long)j * ldy + 16 * r);
+    for (long p = p0; p < p1; p++) {
+        __m512bh wv[4];
+        for (int r = 0; r < R; r++) wv[r] = LDBH(w + ((long)r * P + p) * 16);
+        for (int j = 0; j < m; j++) {
+            __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x[(long)j * xs + p]);
+            for (int r = 0; r < R; r++) acc[j][r] = _mm512_dpbf16_ps(acc[j][r], wv[r], xb);
+        }
+    }
+    for (int j = 0; j < m; j++)
+        for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (long)j * ldy + 16 * r, acc[j][r]);
+}
+
+static void pk_tile512(const uint32_t *w, long P, const uint32_t *x, long xs, int m, int R,
+                       long p0, long p1, float *y, long ldy, int first) {
+#define PK512(M, RR) case (M) * 8 + (RR): \
+    pk_tile512_at(w, P, x, xs, M, RR, p0, p1, y, ldy, first); break;
+#define PK512_R(M) PK512(M, 1) PK512(M, 2) PK512(M, 3) PK512(M, 4)
+    switch (m * 8 + R) {
+    PK512_R(1) PK512_R(2) PK512_R(3) PK512_R(4) PK512_R(5) PK512_R(6)
+    PK512(7, 1) PK512(7, 2) PK512(7, 3) PK512(8, 1) PK512(8, 2) PK512(8, 3)
+    default: pk_tile_c(w, P, x, xs, m, R, p0, p1, y, ldy, first);
+    }
+#undef PK512_R
+#undef PK512
+}
+#endif
+
+#if HAVE_AMX
+/* AMX on packed weights: C (tile 0) [m vectors, 16 rows] += A (tile 1) [m vectors, 32
+ * columns] of x as it lies . B (tile 2) [16 pairs, 16 rows]: 1 KiB of a block, contiguous.
+ * Tiles hold min(n, 16) vectors (`amx_configure_pk`); a last group of fewer vectors reads a
+ * zero-padded copy (`xpad`, 16 rows) and keeps its rows of the result. */
+static void amx_configure_pk(int n) {
+    TileConfig c;
+    int m = n < 16 ? n : 16;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[0] = (uint8_t)m, c.colsb[0] = 64;
+    c.rows[1] = (uint8_t)m, c.colsb[1] = 64;
+    c.rows[2] = 16, c.colsb[2] = 64;
+    _tile_loadconfig(&c);
+}
+
+static void pk_amx(const uint32_t *w, long P, long b0, long b1, const bf16 *x, long in, int n,
+                   const bf16 *xpad, float *y, long ldy) {
+    float tile[16 * 16];
+    int rows = n < 16 ? n : 16;
+    for (long b = b0; b < b1; b++) {
+        const uint32_t *wb = w + b * P * 16;
+        for (int j0 = 0; j0 < n; j0 += 16) {
+            int m = n - j0 < 16 ? n - j0 : 16;
+            const bf16 *a = m == rows ? x + (long)j0 * in : xpad;
+            _tile_zero(0);
+            for (long p = 0; p < P; p += 16) {
+                if (p + 128 < P)  /* 8 KiB ahead into L2: the tile loads alone stall */
+                    for (int k = 0; k < 16; k++)
+                        _mm_prefetch((const char *)(wb + (p + 128 + k) * 16), _MM_HINT_T1);
+                _tile_loadd(1, a + 2 * p, in * 2);
+                _tile_loadd(2, wb + p * 16, 64);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            if (m == rows) {
+                _tile_stored(0, y + (long)j0 * ldy + b * 16, ldy * 4);
+            } else {
+                _tile_stored(0, tile, 64);
+                for (int j = 0; j < m; j++)
+                    memcpy(y + (long)(j0 + j) * ldy + b * 16, tile + 16 * j, 64);
+            }
+        }
+    }
+}
+#else
+static void amx_configure_pk(int n) { (void)n; }
+#endif
+
+/* y[j * ldy + r] = W[r] . x[j] + b[r] for this thread's share of a packed W's rows, rounded
+ * to bfloat16 when `round`; called by every thread of the team. `xpad`: scratch of 16 * in
+ * bfloat16 (AMX with more than 16 vectors). The threads share no output: no barrier. */
+static void pk_gemv(int n, const void *w, const bf16 *b, long in, long out, const bf16 *x,
+                    float *y, long ldy, bf16 *xpad, int round) {
+    long r0, r1, P = in / 2;
+    share(out, &r0, &r1);
+#if HAVE_AMX
+    int amx = use_amx_pk(n) && in % 32 == 0;
+    if (amx && n > 16 && n % 16) {
+        #pragma omp single
+        {
+            memset(xpad, 0, (size_t)16 * in * sizeof(bf16));
+            memcpy(xpad, x + (long)(n - n % 16) * in, (size_t)(n % 16) * in * sizeof(bf16));
+        }
+    }
+#else
+    (void)xpad;
+#endif
+    if (r1 <= r0) return;
+    const uint32_t *wp = (const uint32_t *)w, *xp = (const uint32_t *)x;
+#if HAVE_AMX
+    if (amx)
+        pk_amx(wp, P, r0 / 16, r1 / 16, x, in, n, xpad, y, ldy);
+    else
+#endif
+#if defined(__AVX512BF16__)
+    if (isa_cap >= ISA_AVX512_BF16)
+        pk_blocks(pk_tile512, 8, n >= 7 ? 3 : 4, wp, P, r0 / 16, r1 / 16, xp, P, n, y, ldy);
+    else
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    if (isa_cap >= ISA_AVX2)
+        pk_blocks(pk_tile256, 4, n == 1 ? 2 : 1, wp, P, r0 / 16, r1 / 16, xp, P, n, y, ldy);
+    else
+#endif
+        pk_blocks(pk_tile_c, 4, 1, wp, P, r0 / 16, r1 / 16, xp, P, n, y, ldy);
+    for (int j = 0; j < n; j++) {
+        float *yj = y + (long)j * ldy;
+        long r = r0;
+#if defined(__AVX512BF16__)
+        for (; r + 16 <= r1; r += 16) {
+            __m512 v = _mm512_loadu_ps(yj + r);
+            if (b) v = _mm512_add_ps(v, _mm512_cvtpbh_ps(
+                (__m256bh)_mm256_loadu_si256((const __m256i *)(b + r))));
+            _mm512_storeu_ps(yj + r, round ? _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)) : v);
+        }
+#endif
+        for (; r < r1; r++) {
+            float v = yj[r] + bias_at(b, r);
+            yj[r] = round ? bf2f(f2bf(v)) : v;
+        }
+    }
+}
 
 /* ---- int8 weights with one float scale per row (weight-only quantization) --------------
  * y[j * ldy + r] = scale[r] * (W[r] . x[j]) + b[r], rounded to bfloat16 when `bf` (then the
@@ -286,8 +538,13 @@ static void rows_i8(const int8_t *w, const float *scale, const void *b, int bf, 
 /* Called by every thread of the team; ends in a barrier. `xp` scratch holds n * in floats.
  * `scale`: W is int8 with these row scales (NULL: W is bfloat16). */
 static void gemv_bf16(int n, const void *w, const float *scale, const void *b, long in,
-                      long out, const bf16 *x, float *y, bf16 *xp) {
+                      long out, const bf16 *x, float *y, bf16 *xp, int packed) {
     long r0, r1;
+    if (packed && !scale) {
+        pk_gemv(n, w, (const bf16 *)b, in, out, x, y, out, xp, 1);
+        #pragma omp barrier
+        return;
+    }
     share(out, &r0, &r1);
     if (scale) {
         float *xf = (float *)xp;
@@ -311,9 +568,9 @@ static void gemv_bf16(int n, const void *w, const float *scale, const void *b, l
 }
 
 static void gemv_f32(int n, const void *w, const float *scale, const void *b, long in,
-                     long out, const float *x, float *y, float *xp) {
+                     long out, const float *x, float *y, float *xp, int packed) {
     long r0, r1;
-    (void)xp;
+    (void)xp, (void)packed;  /* float32 weights are never packed */
     share(out, &r0, &r1);
     if (scale) {
         rows_i8((const int8_t *)w, scale, b, 0, in, r0, r1, x, n, y, out);
@@ -449,46 +706,45 @@ static void attend_##SFX(const Step *s, int layer, int j, int h, const float *qk
 int step_##SFX(const Step *s) {                                                              \
     int n = s->rows, D = s->dim, F = s->ffn, H = s->heads;                                   \
     long wide = D > F ? D : F;                                                               \
-    float *x = s->work;                      /* residual stream [n, D] */                    \
-    float *qkv = x + (long)n * D;            /* [n, 3D] */                                   \
+    float *qkv = s->work;                    /* [n, 3D] */                                   \
     float *o = qkv + (long)n * 3 * D;        /* [n, D]; reused for down */                   \
     float *gu = o + (long)n * D;             /* [n, 2F] */                                   \
     float *scores = gu + (long)n * 2 * F;    /* [threads, S] */                              \
-    T *h = (T *)(scores + (long)s->threads * s->cache_len);   /* [n, wide] */                \
-    T *att = h + n * wide;                   /* [n, D] */                                    \
-    T *xp = att + (long)n * D;               /* [n, wide]: packed matmul operand */          \
-    for (long i = 0; i < (long)n * D; i++) x[i] = LOAD_##SFX(s->x, i);                       \
+    float *xs = scores + (long)s->threads * s->cache_len;  /* [threads, n, D] residuals */   \
+    T *att = (T *)(xs + (long)s->threads * n * D);         /* [n, D] */                      \
+    T *hs = att + (long)n * D;               /* [threads, n, wide]: normed / SwiGLU rows */  \
+    T *xp = hs + (long)s->threads * n * wide;  /* [n, wide] floats: matmul scratch (last) */ \
     _Pragma("omp parallel num_threads(s->threads)")                                          \
     {                                                                                        \
-        float *sc = scores + (long)omp_get_thread_num() * s->cache_len;                      \
-        int amx = sizeof(T) == 2 && use_amx(n);                                              \
-        if (amx) amx_configure(n);                                                           \
+        /* Each thread keeps its own copy of the residual stream and of the normed rows,   \
+         * computed alike by all: the products start without waiting for one thread's     \
+         * norm; the threads meet only where a product's outputs are read (5 barriers a    \
+         * layer). */                                                                       \
+        int t = omp_get_thread_num();                                                        \
+        float *sc = scores + (long)t * s->cache_len, *x = xs + (long)t * n * D;              \
+        T *h = hs + (long)t * n * wide;                                                      \
+        for (long i = 0; i < (long)n * D; i++) x[i] = LOAD_##SFX(s->x, i);                   \
+        int amx = sizeof(T) == 2 && (s->packed ? use_amx_pk(n) : use_amx(n));                \
+        if (amx && s->packed) amx_configure_pk(n);                                           \
+        else if (amx) amx_configure(n);                                                      \
         for (int l = 0; l < s->layers; l++) {                                                \
             const Layer *L = s->layer + l;                                                   \
-            _Pragma("omp single")                                                            \
             norm_##SFX(x, L->in_norm, h, n, D, s->eps);                                      \
-            gemv_##SFX(n, L->qkv_w, L->qkv_s, L->qkv_b, D, 3 * D, h, qkv, xp);               \
+            gemv_##SFX(n, L->qkv_w, L->qkv_s, L->qkv_b, D, 3 * D, h, qkv, xp, s->packed);    \
             _Pragma("omp for schedule(static)")                                              \
             for (int jh = 0; jh < n * H; jh++)                                               \
                 attend_##SFX(s, l, jh / H, jh % H, qkv, att, sc);                            \
-            gemv_##SFX(n, L->o_w, L->o_s, NULL, D, D, att, o, xp);                           \
-            _Pragma("omp single")                                                            \
-            {                                                                                \
-                for (long i = 0; i < (long)n * D; i++) x[i] = ROUND_##SFX(x[i] + o[i]);      \
-                norm_##SFX(x, L->post_norm, h, n, D, s->eps);                                \
-            }                                                                                \
-            gemv_##SFX(n, L->gate_up_w, L->gate_up_s, NULL, D, 2 * F, h, gu, xp);            \
-            long i0, i1;                                                                     \
-            share((long)n * F, &i0, &i1);                                                    \
-            act_##SFX(gu, h, n, F, i0, i1);                                                  \
-            _Pragma("omp barrier")                                                           \
-            gemv_##SFX(n, L->down_w, L->down_s, NULL, F, D, h, o, xp);                       \
-            _Pragma("omp single")                                                            \
+            gemv_##SFX(n, L->o_w, L->o_s, NULL, D, D, att, o, xp, s->packed);                \
+            for (long i = 0; i < (long)n * D; i++) x[i] = ROUND_##SFX(x[i] + o[i]);          \
+            norm_##SFX(x, L->post_norm, h, n, D, s->eps);                                    \
+            gemv_##SFX(n, L->gate_up_w, L->gate_up_s, NULL, D, 2 * F, h, gu, xp, s->packed); \
+            act_##SFX(gu, h, n, F, 0, (long)n * F);                                          \
+            gemv_##SFX(n, L->down_w, L->down_s, NULL, F, D, h, o, xp, s->packed);            \
             for (long i = 0; i < (long)n * D; i++) x[i] = ROUND_##SFX(x[i] + o[i]);          \
         }                                                                                    \
         if (amx) amx_release();                                                              \
+        if (t == 0) norm_##SFX(x, s->final_norm, (T *)s->out, n, D, s->eps);                 \
     }                                                                                        \
-    norm_##SFX(x, s->final_norm, (T *)s->out, n, D, s->eps);                                 \
     return 0;                                                                                \
 }
 
@@ -498,8 +754,9 @@ DEFINE_STEP(float, f32)
 /* Floats of scratch a step needs (Step.work): float32 buffers, then three of the model dtype
  * (sized as floats, so either dtype fits). Python allocates what this says. */
 long step_work_floats(const Step *s) {
-    long n = s->rows, D = s->dim, F = s->ffn, wide = D > F ? D : F;
-    return n * (5 * D + 2 * F) + (long)s->threads * s->cache_len + n * (2 * wide + D);
+    long n = s->rows, D = s->dim, F = s->ffn, wide = D > F ? D : F, t = s->threads;
+    return n * (4 * D + 2 * F) + t * s->cache_len + t * n * D + n * (D + wide)
+           + t * n * wide;
 }
 
 int max_head_dim(void) { return MAX_HEAD_DIM; }
@@ -516,6 +773,7 @@ typedef struct {
     float *work;             /* gemv_work_floats() floats */
     long in, out;
     int rows, threads;
+    int packed;              /* W is packed (16-row blocks, above), bfloat16 */
 } Gemv;
 
 long gemv_work_floats(const Gemv *g) { return (long)g->rows * (g->out + g->in); }
@@ -525,11 +783,35 @@ int gemv_bf16_call(const Gemv *g) {
     float *y = g->work;
     bf16 *xp = (bf16 *)(y + (long)n * g->out), *out = (bf16 *)g->y;
     long total = (long)n * g->out;
+    if (g->packed && !g->scale) {
+        _Pragma("omp parallel num_threads(g->threads)")
+        {
+            int amx = use_amx_pk(n) && g->in % 32 == 0;
+            if (amx) amx_configure_pk(n);
+            pk_gemv(n, g->w, (const bf16 *)g->b, g->in, g->out, (const bf16 *)g->x, y, g->out,
+                    xp, 0);
+            if (amx) amx_release();
+            long r0, r1;  /* this thread's rows: converted without waiting for the others */
+            share(g->out, &r0, &r1);
+            for (int j = 0; j < n; j++) {
+                long r = r0;
+                const float *yj = y + (long)j * g->out;
+                bf16 *oj = out + (long)j * g->out;
+#if defined(__AVX512BF16__)
+                for (; r + 16 <= r1; r += 16)
+                    _mm256_storeu_si256((__m256i *)(oj + r),
+                                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(yj + r)));
+#endif
+                for (; r < r1; r++) oj[r] = f2bf(yj[r]);
+            }
+        }
+        return 0;
+    }
     _Pragma("omp parallel num_threads(g->threads)")
     {
         int amx = use_amx(n);
         if (amx) amx_configure(n);
-        gemv_bf16(n, g->w, g->scale, g->b, g->in, g->out, (const bf16 *)g->x, y, xp);
+        gemv_bf16(n, g->w, g->scale, g->b, g->in, g->out, (const bf16 *)g->x, y, xp, 0);
         if (amx) amx_release();
         long i0, i1;
         share(total, &i0, &i1);
@@ -547,15 +829,48 @@ int gemv_bf16_call(const Gemv *g) {
 int gemv_f32_call(const Gemv *g) {
     _Pragma("omp parallel num_threads(g->threads)")
     gemv_f32(g->rows, g->w, g->scale, g->b, g->in, g->out, (const float *)g->x,
-             (float *)g->y, NULL);
+             (float *)g->y, NULL, 0);
     return 0;
 }
 
-/* 1: AVX512-BF16 dot products compiled in; 2: AMX tiles compiled in and granted. */
+/* 1: AVX512-BF16 dot products compiled in; 2: AMX tiles compiled in and granted; 4: AVX2
+ * with FMA compiled in. */
 int features(void) {
     int bits = 0;
 #if defined(__AVX512BF16__)
     bits |= 1;
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+    bits |= 4;
+#endif
     return bits | (amx_state == 1 ? 2 : 0);
+}
+
+/* The widest path packed products may take below AMX: 2 AVX512-BF16, 1 AVX2, 0 plain C
+ * (where compiled in; tests run each path of other CPUs with it). */
+void set_isa_cap(int isa) { isa_cap = isa; }
+int isa_in_use(void) {
+#if defined(__AVX512BF16__)
+    if (isa_cap >= ISA_AVX512_BF16) return ISA_AVX512_BF16;
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    if (isa_cap >= ISA_AVX2) return ISA_AVX2;
+#endif
+    return ISA_SCALAR;
+}
+
+/* ---- packing: W [out, in] bfloat16 (rows of `pairs` 32-bit column pairs) into 16-row blocks
+ * (above), blocks [b0, b1) of it, on `threads` threads. */
+int pack_bf16(const uint32_t *w, uint32_t *packed, long pairs, long b0, long b1, int threads) {
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (long b = b0; b < b1; b++) {
+        const uint32_t *src = w + b * 16 * pairs;
+        uint32_t *dst = packed + b * 16 * pairs;
+        for (long p0 = 0; p0 < pairs; p0 += 64) {  /* 16 rows x 256 bytes in, 4 KiB out */
+            long p1 = p0 + 64 < pairs ? p0 + 64 : pairs;
+            for (long p = p0; p < p1; p++)
+                for (int l = 0; l < 16; l++) dst[p * 16 + l] = src[l * pairs + p];
+        }
+    }
+    return 0;
 }

@@ -1,15 +1,27 @@
 """The fused CPU kernel: Stage-0's decode-step products, and the patch decoder's whole
 one-position step, in C (`CpuKernelStep`, one implementation of mimo_tts.lm.step.DecodeStep).
 
+Packed weights: where the kernel will multiply bfloat16 weights, `load_lm` packs every matrix
+a step streams (`prepare`, `pack_model`) into 16-row blocks with column pairs interleaved
+(`model.unpack_rows` says the layout), in place of the loaded one, on one anonymous mapping
+madvise'd for huge pages. A thread's share of a product is then one linear region, one 512-bit
+load is a column pair of 16 rows, and a tile of R blocks by up to 8 rows keeps its sums in
+registers, so each weight line is read once per step for every row (`pk_*` in the C source:
+AVX512-BF16 `vdpbf16ps`, AVX2 with bfloat16 widened to float32, plain C, AMX tiles on the
+packed blocks). Each output sums its column pairs in one fixed order, whatever the rows,
+tiles or threads: a row's bytes are the same alone, in a batch and on any thread count.
+
 Two entry points of cpu_kernel.c (beside this file):
-- `gemv_*_call`: one product of 1-16 rows by a weight, streaming the weight once for all rows
-  (AVX512-BF16 dot products, or AMX tiles for every row count where the CPU grants them, so
-  a row sums alike alone or in a batch), the bias added and the result rounded to the model
-  dtype. The backbone's fused q/k/v, o_proj, gate/up and down_proj, lm_head, the patch
-  encoder and the channel heads multiply through it; attention, norms and the rest stay PyTorch.
+- `gemv_*_call`: one product of a weight by some rows (1-16, or any number for packed
+  weights: a prefill's), streaming the weight once for all rows (AMX tiles for every row count
+  where the CPU grants them, so a row sums alike alone or in a batch), the bias added and the
+  result rounded to the model dtype. The backbone's fused q/k/v, o_proj, gate/up and
+  down_proj, lm_head, the patch encoder and the channel heads multiply through it; attention,
+  norms and the rest stay PyTorch.
 - `step_*`: the patch decoder (16 small layers, 11 positions per group), every layer of one
-  position in one call with one thread team: in eager PyTorch each layer step is some 40
-  operator calls whose fixed costs add up to a fifth of the step.
+  position in one call with one thread team (each thread with its own copy of the residual
+  stream, so the threads meet only where a product's outputs are read): in eager PyTorch each
+  layer step is some 40 operator calls whose fixed costs add up to a fifth of the step.
 Both round to bfloat16 wherever the PyTorch modules produce a bfloat16 tensor, so they track
 the eager path (float32 models match the reference fixtures); accumulation order differs
 from oneDNN's, so bfloat16 outputs may differ from the eager ones in the last bit.
@@ -28,15 +40,26 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
+import re
 import time
 from collections.abc import Sequence
 from importlib.resources import files
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from mimo_tts.errors import UsageError
-from mimo_tts.lm.model import KVCache, Matmul, MiMoAudioLM, linear, upcast_linear
+from mimo_tts.lm.model import (
+    PACK_ROWS,
+    KVCache,
+    Matmul,
+    MiMoAudioLM,
+    linear,
+    unpack_rows,
+    upcast_linear,
+)
 from mimo_tts.lm.step import EagerStep
 from mimo_tts.runtime.devices import KERNEL_MODES, Choice
 from mimo_tts.runtime.kernels import build
@@ -56,7 +79,8 @@ class _Layer(ctypes.Structure):
 
 class _Step(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int) for name in
-                ("layers", "dim", "heads", "head_dim", "ffn", "rows", "slot", "threads")] + [
+                ("layers", "dim", "heads", "head_dim", "ffn", "rows", "slot", "threads",
+                 "packed")] + [
         ("eps", ctypes.c_float), ("layer", ctypes.POINTER(_Layer)),
         ("final_norm", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
         ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
@@ -68,7 +92,7 @@ class _Step(ctypes.Structure):
 class _Gemv(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in ("w", "b", "x", "scale", "y", "work")] + [
         ("inputs", ctypes.c_long), ("outputs", ctypes.c_long),
-        ("rows", ctypes.c_int), ("threads", ctypes.c_int),
+        ("rows", ctypes.c_int), ("threads", ctypes.c_int), ("packed", ctypes.c_int),
     ]
 
 
@@ -83,13 +107,32 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     for name in ("gemv_bf16_call", "gemv_f32_call", "gemv_work_floats"):
         getattr(lib, name).argtypes = [ctypes.POINTER(_Gemv)]
     lib.step_work_floats.restype = lib.gemv_work_floats.restype = ctypes.c_long
+    lib.pack_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+                              ctypes.c_long, ctypes.c_int]
     # AMX tiles for every row count where the CPU grants them: a row's sums then do not
     # depend on how many rows share a product (the dot products sum in another order), so a
     # job in a batch equals its single run. From 2 rows the tiles are also the faster path;
     # one row costs some 5% more than the dot products (measured on an AMX Xeon).
-    if lib.amx_enable():
+    if lib.amx_enable() and _tiles_agree(lib):
         lib.set_amx_min_rows(1)
     return lib, ""
+
+
+def _tiles_agree(lib: ctypes.CDLL) -> bool:
+    """Whether the AMX tiles' products on packed weights agree with the dot products' (both
+    rounded once to bfloat16) on a small matrix, for 1 and 17 rows: a check at first use,
+    before any model relies on the tiles (where they disagree, the dot products run)."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 512, generator=gen).bfloat16()
+    x = torch.randn(17, 512, generator=gen).bfloat16()
+    packed = pack(lib, weight)
+    results = []
+    for rows in (1, 17):  # 1: the tiles; 17: never
+        lib.set_amx_min_rows(rows)
+        results.append(_gemv(lib, x, packed, None, 1).float())
+    lib.set_amx_min_rows(MAX_ROWS + 1)
+    scale = results[1].abs().amax().item()
+    return bool((results[0] - results[1]).abs().amax().item() <= 2 ** -7 * scale)
 
 
 def library() -> ctypes.CDLL | None:
@@ -97,13 +140,27 @@ def library() -> ctypes.CDLL | None:
     return _build()[0]
 
 
-def features() -> dict[str, bool | int]:
+ISAS = ("plain C", "AVX2", "AVX512-BF16")  # set_isa's levels, by number
+
+
+def features() -> dict[str, bool | int | str]:
     """What the compiled kernel uses on this machine (all False when it cannot be built);
-    amx_min_rows: the fewest rows a product runs on AMX tiles (1 where granted, 17: never)."""
+    amx_min_rows: the fewest rows a product runs on AMX tiles (1 where granted, 17: never);
+    packed_isa: the path of packed products below AMX (`set_isa`)."""
     lib = library()
     bits = 0 if lib is None else lib.features()
     return {"built": lib is not None, "avx512_bf16": bool(bits & 1), "amx": bool(bits & 2),
-            "amx_min_rows": lib.amx_min_rows() if lib is not None else MAX_ROWS + 1}
+            "avx2": bool(bits & 4),
+            "amx_min_rows": lib.amx_min_rows() if lib is not None else MAX_ROWS + 1,
+            "packed_isa": ISAS[lib.isa_in_use()] if lib is not None else ""}
+
+
+def set_isa(level: int) -> None:
+    """The widest path packed products take below AMX: 2 AVX512-BF16, 1 AVX2 (bfloat16
+    widened to float32), 0 plain C, where compiled in (tests run the paths of other CPUs)."""
+    lib = library()
+    if lib is not None:
+        lib.set_isa_cap(level)
 
 
 def set_amx_min_rows(rows: int) -> None:
@@ -117,28 +174,29 @@ def set_amx_min_rows(rows: int) -> None:
 
 @functools.cache
 def products_faster() -> Decision:
-    """Whether the kernel's one-row bfloat16 products run the backbone on this machine
-    (`measure_products`, measured once per machine and kept: `runtime.measured`)."""
-    return decide("lm_kernel_products", "bfloat16 [1, 4096] x [8192, 4096]", measure_products)
+    """Whether the kernel's one-row bfloat16 products (packed weights) run the backbone on
+    this machine (`measure_products`, measured once per machine and kept: `runtime.measured`)."""
+    return decide("lm_kernel_products", "bfloat16 [1, 4096] x packed [8192, 4096]",
+                  measure_products)
 
 
 def measure_products() -> tuple[bool, float, float]:
-    """Whether the kernel's one-row bfloat16 product streams a weight faster than PyTorch's
-    here: (faster, kernel GB/s, PyTorch GB/s), best of 3 alternating rounds over two 64 MiB
-    matrices (together past the last-level cache)."""
+    """Whether the kernel's one-row bfloat16 product on packed weights streams a weight faster
+    than PyTorch's here: (faster, kernel GB/s, PyTorch GB/s), best of 3 alternating rounds
+    over two 64 MiB matrices (together past the last-level cache; both on ordinary pages)."""
     lib = library()
     mats = [torch.full((8192, 4096), 0.01, dtype=torch.bfloat16) for _ in range(2)]
+    packed = [pack(lib, m) for m in mats]
     x = torch.full((1, 4096), 0.5, dtype=torch.bfloat16)
     threads = torch.get_num_threads()
     best = {"kernel": float("inf"), "torch": float("inf")}
     for _ in range(3):
-        for name, mat in (("kernel", mats[0]), ("torch", mats[1]), ("torch", mats[0]),
-                          ("kernel", mats[1])):
+        for name, i in (("kernel", 0), ("torch", 1), ("torch", 0), ("kernel", 1)):
             start = time.perf_counter()
             if name == "kernel":
-                _gemv(lib, x, mat, None, threads)
+                _gemv(lib, x, packed[i], None, threads)
             else:
-                torch.mv(mat, x[0])
+                torch.mv(mats[i], x[0])
             best[name] = min(best[name], time.perf_counter() - start)
     nbytes = mats[0].numel() * 2
     return (best["kernel"] < best["torch"], round(nbytes / best["kernel"] / 1e9, 1),
@@ -152,11 +210,15 @@ def _ptr(t: Tensor | None) -> int | None:
 def _gemv(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Tensor | None,
           threads: int) -> Tensor:
     """x [rows, in] (contiguous) . weight[out, in]^T + bias -> [rows, out] in x's dtype;
-    an int8 weight brings its row scales (mimo_tts/lm/int8.py)."""
-    rows, out = x.shape[0], weight.shape[0]
+    an int8 weight brings its row scales (mimo_tts/lm/int8.py); a packed one (3-D) is
+    [out / 16, in / 2, 32] (`pack`)."""
+    packed = weight.dim() == 3
+    rows = x.shape[0]
+    out, inputs = ((weight.shape[0] * PACK_ROWS, weight.shape[1] * 2) if packed
+                   else weight.shape)
     y = torch.empty(rows, out, dtype=x.dtype)
     call = _Gemv(_ptr(weight), _ptr(bias), _ptr(x), _ptr(getattr(weight, "scale", None)),
-                 _ptr(y), None, weight.shape[1], out, rows, threads)
+                 _ptr(y), None, inputs, out, rows, threads, int(packed))
     bf16 = x.dtype == torch.bfloat16
     if bf16:
         work = torch.empty(lib.gemv_work_floats(ctypes.byref(call)), dtype=torch.float32)
@@ -165,15 +227,185 @@ def _gemv(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Tensor | None,
     return y
 
 
+HUGE_PAGE = 2 << 20
+
+
+def huge_bytes(nbytes: int) -> Tensor:
+    """`nbytes` uninitialised uint8 on their own anonymous mapping, aligned to 2 MiB and
+    madvise'd MADV_HUGEPAGE, so Linux backs them with huge pages where it can (THP "madvise"
+    mode): a weight streamed from them reads faster than from 4 KiB pages. Pages are taken
+    as they are first written. The tensor keeps the mapping alive. Below one huge page, or
+    where the platform has no such call: torch.empty."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None or nbytes < HUGE_PAGE:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(advice)
+    view = ctypes.c_char.from_buffer(buf)
+    offset = -ctypes.addressof(view) % HUGE_PAGE
+    del view  # releases its export of the buffer; the tensor holds its own
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+
+
+def packable(weight: Tensor | None) -> bool:
+    """A bfloat16 CPU matrix of whole 16-row blocks and column pairs (every matrix a decode
+    step streams, at the published sizes and the fixtures')."""
+    return (weight is not None and weight.dim() == 2 and weight.device.type == "cpu"
+            and weight.dtype == torch.bfloat16 and weight.shape[0] % PACK_ROWS == 0
+            and weight.shape[1] % 2 == 0 and weight.shape[1] > 0)
+
+
+def pack(lib: ctypes.CDLL, weight: Tensor, out: Tensor | None = None) -> Tensor:
+    """weight [out, in] bfloat16 -> packed [out / 16, in / 2, 32] (`model.unpack_rows` says the
+    layout), into `out` (bytes, e.g. a slice of `huge_bytes`) or a new tensor; written by the
+    kernel's threads."""
+    rows, cols = weight.shape
+    shape = (rows // PACK_ROWS, cols // 2, 2 * PACK_ROWS)
+    out = (torch.empty(shape, dtype=weight.dtype) if out is None
+           else out.view(weight.dtype).view(shape))
+    source = weight.detach().contiguous()
+    lib.pack_bf16(source.data_ptr(), out.data_ptr(), cols // 2, 0, shape[0],
+                  torch.get_num_threads())
+    return out
+
+
+def _mapped_file_pages(t: Tensor) -> tuple[int, int] | None:
+    """(start, length) of the whole pages of `t` that lie in a file mapping (a zero-copy
+    safetensors load), or None where its memory is anonymous (PyTorch's own allocations)."""
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
+            for line in maps:
+                m = re.match(r"([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s*(\S*)", line)
+                if m and int(m[1], 16) <= start < int(m[2], 16):
+                    if not m[3].startswith("/"):
+                        return None
+                    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+                    last = min(end, int(m[2], 16)) // mmap.PAGESIZE * mmap.PAGESIZE
+                    return (first, last - first) if last > first else None
+    except OSError:
+        return None
+    return None
+
+
+def _release_file_pages(t: Tensor) -> None:
+    """Drop the resident file pages of a mapped weight that was just packed: they would stay
+    in the process's memory beside the packed copy until the whole file is unmapped (clean
+    pages of a private mapping: MADV_DONTNEED gives them back; a later read would refault)."""
+    pages = _mapped_file_pages(t)
+    if pages is not None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(pages[0]), ctypes.c_size_t(pages[1]),
+                     mmap.MADV_DONTNEED)
+
+
+def pack_model(model: MiMoAudioLM) -> int:
+    """Pack every matrix a decode step streams (`MiMoAudioLM.streamed_matrices`) in place, one
+    at a time: the packed copy (huge pages) replaces the original and its checkpoint-named
+    parts become row views of it, so there are never two resident copies beyond the matrix
+    in hand. -> bytes packed. Only bfloat16 matrices of whole blocks (`packable`); int8 ones
+    (--lm-quant) stay as they are."""
+    lib = library()
+    todo = [(owner, name, parts) for owner, name, parts in model.streamed_matrices()
+            if lib is not None and packable(getattr(owner, name))]
+    sizes = [-(-getattr(o, n).numel() * 2 // mmap.PAGESIZE) * mmap.PAGESIZE for o, n, _ in todo]
+    arena, offset, total = huge_bytes(sum(sizes)), 0, 0  # one mapping, filled as packed
+    with torch.no_grad():
+        for (owner, name, parts), size in zip(todo, sizes, strict=True):
+            weight = getattr(owner, name)
+            packed = pack(lib, weight, arena[offset:offset + size][:weight.numel() * 2])
+            offset += size
+            if isinstance(weight, nn.Parameter):
+                packed = nn.Parameter(packed, requires_grad=False)
+            setattr(owner, name, packed)
+            _view_parts(packed, parts)
+            _release_file_pages(weight)
+            total += weight.numel() * weight.element_size()
+            del weight
+    return total
+
+
+def _view_parts(packed: Tensor, parts: Sequence[nn.Module]) -> None:
+    """Point the checkpoint-named parts of a fused matrix at their blocks of the packed one
+    (their rows are whole blocks), so none keeps the unpacked matrix alive."""
+    start = 0
+    for part in parts:
+        blocks = part.weight.shape[0] // PACK_ROWS
+        part.weight = nn.Parameter(packed[start:start + blocks], requires_grad=False)
+        start += blocks
+
+
+def prepare(model: MiMoAudioLM) -> None:
+    """At load, after the mode is set: pack the streamed matrices (`pack_model`) where the
+    kernel will multiply by them, i.e. `choose` makes it active on bfloat16 weights and its
+    products either are asked for ("on") or measured faster than PyTorch's (`products_faster`);
+    `packing(model)` reports what was packed."""
+    if (model.lm_head.weight.dtype == torch.bfloat16 and choose(model).active
+            and (model.cpu_kernel == "on" or products_faster().faster)):
+        model.packed_bytes = pack_model(model)
+
+
+def packing(model: MiMoAudioLM) -> str:
+    """The sidecar's line on the packed weights: how much, and how much on huge pages."""
+    weights = packed_weights(model)
+    huge = min(huge_page_bytes(weights), model.packed_bytes)  # a merged mapping counts more
+    return (f"{model.packed_bytes / 2**30:.2f} GiB packed in 16-row blocks "
+            f"({len(weights)} matrices), {huge / 2**30:.2f} GiB of it on huge pages")
+
+
+def huge_page_bytes(tensors: Sequence[Tensor]) -> int:
+    """Bytes of these tensors' memory that Linux backs with huge pages now: AnonHugePages of
+    the mappings holding them (/proc/self/smaps; 0 where unknown). Linux merges adjacent
+    anonymous mappings, so this may include memory beside them."""
+    starts = sorted({t.untyped_storage().data_ptr() for t in tensors})
+    total, current = 0, None
+    try:
+        with open("/proc/self/smaps", encoding="ascii", errors="replace") as smaps:
+            for line in smaps:
+                head = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+                if head:
+                    lo, hi = int(head[1], 16), int(head[2], 16)
+                    current = any(lo <= s < hi for s in starts)
+                elif current and line.startswith("AnonHugePages:"):
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return total
+
+
+def packed_weights(model: MiMoAudioLM) -> list[Tensor]:
+    """The model's packed matrices (after `pack_model`), each once."""
+    return [getattr(owner, name) for owner, name, _ in model.streamed_matrices()
+            if getattr(owner, name).dim() == 3]
+
+
+def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [..., in] @ W.T (+ bias) for a packed W [out / 16, in / 2, 32], any number of rows:
+    the kernel's products where it runs (bfloat16 on CPU), else W unpacked for F.linear (a
+    model converted or moved after packing: correct, slow)."""
+    out, inputs = weight.shape[0] * PACK_ROWS, weight.shape[1] * 2
+    rows = x.numel() // inputs
+    lib = library()
+    if (lib is not None and rows > 0 and x.device.type == "cpu" and weight.device.type == "cpu"
+            and x.dtype == weight.dtype == torch.bfloat16 and weight.is_contiguous()
+            and (bias is None or (bias.is_contiguous() and bias.dtype == x.dtype))):
+        flat = x.reshape(rows, inputs).contiguous()
+        return _gemv(lib, flat, weight, bias, torch.get_num_threads()).view(*x.shape[:-1], out)
+    return F.linear(x, unpack_rows(weight).to(x.dtype), None if bias is None else
+                    bias.to(x.dtype))
+
+
 class Products:
-    """`matmul` (mimo_tts.lm.model.Matmul) through the kernel for 1-16 rows of a contiguous
-    CPU weight: int8 ones (with scales) always, those of the kernel's dtypes when `dense`;
-    anything else goes to `linear`."""
+    """`matmul` (mimo_tts.lm.model.Matmul) through the kernel: packed weights for any number
+    of rows; else 1-16 rows of a contiguous CPU weight: int8 ones (with scales) always, those
+    of the kernel's dtypes when `dense`; anything else goes to `linear`."""
 
     def __init__(self, lib: ctypes.CDLL, dense: bool = True):
         self.lib, self.dense = lib, dense
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        if weight.dim() == 3:
+            return packed_linear(x, weight, bias)
         rows = x.numel() // weight.shape[1] if weight.shape[1] else 0
         int8 = weight.dtype == torch.int8 and hasattr(weight, "scale")
         if not (0 < rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype in DTYPES
@@ -199,6 +431,12 @@ class LocalStepKernel:
         self.dtype = stack.norm.weight.dtype
         self.fn = lib.step_bf16 if self.dtype == torch.bfloat16 else lib.step_f32
         self.tensors = self._tensors()
+        matrices = ("qkv_w", "o_w", "gate_up_w", "down_w")
+        dims = {parts[LAYER_FIELDS.index(m)].dim() for parts in self.tensors[:-1]
+                for m in matrices}
+        if len(dims) > 1:
+            raise RuntimeError("the patch decoder's matrices are partly packed")
+        self.packed = int(dims == {3})
         layers = (_Layer * cfg.layers)()
         for layer, parts in zip(layers, self.tensors[:-1], strict=True):
             for name, tensor in zip(LAYER_FIELDS, parts, strict=True):
@@ -225,7 +463,7 @@ class LocalStepKernel:
         out = torch.empty_like(x)
         rope = self.stack.rope_cos[position], self.stack.rope_sin[position]
         step = _Step(cfg.layers, cfg.dim, cfg.heads, cfg.head_dim, cfg.ffn_dim, n, slot,
-                     torch.get_num_threads(), cfg.eps, self.layers,
+                     torch.get_num_threads(), self.packed, cfg.eps, self.layers,
                      _ptr(self.stack.norm.weight), _ptr(rope[0]), _ptr(rope[1]),
                      _ptr(cache.k), _ptr(cache.v), cache.k.shape[1], cache.length,
                      _ptr(x), _ptr(out), None)
@@ -280,12 +518,16 @@ def measure_upcast() -> tuple[bool, float, float]:
 
 
 def prefill_products(model: MiMoAudioLM) -> tuple[Matmul, Choice]:
-    """How a prefill multiplies (its many rows never go to the kernel, which takes <= 16):
-    `upcast_linear` for bfloat16 weights on a CPU where it measured faster, else `linear`;
-    "off" (the kernel mode) keeps PyTorch's products everywhere."""
+    """How a prefill multiplies: packed weights (`prepare`) through the kernel, whatever the
+    rows (`linear` sends them there); otherwise its many rows never go to the kernel, which
+    takes <= 16: `upcast_linear` for bfloat16 weights on a CPU where it measured faster, else
+    `linear`; "off" (the kernel mode) keeps PyTorch's products everywhere."""
     weight = model.lm_head.weight
     if model.cpu_kernel == "off" or weight.device.type != "cpu":
         return linear, Choice(False, "PyTorch's products")
+    if getattr(model, "packed_bytes", 0):  # packed where "on" asked or the products won
+        why = "asked for" if model.cpu_kernel == "on" else products_faster().words("GB/s")
+        return linear, Choice(True, f"the kernel's products on the packed weights, {why}")
     if weight.dtype not in (torch.bfloat16, torch.int8) or model.model.norm.weight.dtype != \
             torch.bfloat16:
         return linear, Choice(False, "PyTorch's products (not bfloat16)")

@@ -8,7 +8,7 @@ import torch
 
 from mimo_tts.errors import CheckpointError, DeviceError, UsageError
 from mimo_tts.lm.config import LMConfig
-from mimo_tts.lm.cpu_kernel import check_mode
+from mimo_tts.lm.cpu_kernel import check_mode, prepare
 from mimo_tts.lm.int8 import QUANTS, quantize_lm
 from mimo_tts.lm.model import MiMoAudioLM
 from mimo_tts.runtime.devices import torch_dtype
@@ -30,8 +30,9 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu",
     with q/k/v, gate/up and the channel heads fused as they load (no extra memory). On CPU the
     decode steps run through the fused C kernel (mimo_tts/lm/cpu_kernel.py) as `cpu_kernel`
     says: "auto", "on" or "off" (the run's `Placement.cpu_kernel`);
-    `cpu_kernel.choose(model)` tells whether it does, and why (not). `quant="int8"`: int8
-    weight-only matrices (mimo_tts/lm/int8.py), CPU only, opt-in."""
+    `cpu_kernel.choose(model)` tells whether it does, and why (not); where it does on bfloat16
+    weights, the matrices a step streams are packed for it (`cpu_kernel.prepare`).
+    `quant="int8"`: int8 weight-only matrices (mimo_tts/lm/int8.py), CPU only, opt-in."""
     mode = check_mode(cpu_kernel)
     if quant is not None and quant not in QUANTS:
         raise UsageError(f"LM quantization must be one of {', '.join(QUANTS)}, got {quant!r}")
@@ -54,6 +55,7 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu",
         stacks = load_module_weights(model, path, f"LM checkpoint {path}", ignore=IGNORED,
                                      stacked=stacked, device=device)
         model.fuse_weights(stacks)
+        del stacks  # the model holds them now: packing or quantizing frees each as it goes
         # Derived buffers are still meta here: rebuild them first, then move the weights.
         model.build_buffers(torch.device(device))
         model = model.to(device=device)
@@ -62,4 +64,5 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu",
     except (RuntimeError, AssertionError) as exc:  # bad index, OOM, CUDA unavailable
         raise DeviceError(f"cannot place the LM on {device}: {exc}") from None
     model.cpu_kernel = mode
+    prepare(model)  # the kernel's packed layout, where it will multiply
     return model.eval().requires_grad_(False)

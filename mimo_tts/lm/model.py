@@ -64,8 +64,13 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     A decode step multiplies 1-8 rows by each weight. On CPU, F.linear sends that to a GEMM
     that streams bf16 weights well below the memory bandwidth; `mv`/`mm` with the weight as
     the left operand reach it ("Stage-0" in docs/performance.md, scripts/bench_lm.py).
-    An int8 weight (mimo_tts/lm/int8.py) is dequantized to x's dtype first.
+    An int8 weight (mimo_tts/lm/int8.py) is dequantized to x's dtype first; a packed one
+    (3-D, `unpack_rows`) goes to the CPU kernel (mimo_tts/lm/cpu_kernel.py), which reads it.
     """
+    if weight.dim() == 3:
+        from mimo_tts.lm.cpu_kernel import packed_linear
+
+        return packed_linear(x, weight, bias)
     if weight.dtype == torch.int8:
         from mimo_tts.lm.int8 import dequantize
 
@@ -81,6 +86,19 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     else:
         out = torch.addmm(bias.unsqueeze(1), weight, flat.T).T
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+# Rows per block of a packed weight (`unpack_rows`).
+PACK_ROWS = 16
+
+
+def unpack_rows(packed: Tensor) -> Tensor:
+    """A packed weight [out / 16, in / 2, 32] as a new [out, in] tensor. Packed (by the CPU
+    kernel, mimo_tts/lm/cpu_kernel.py, at load), block b holds for each column pair p the
+    pairs (w[16b + l, 2p], w[16b + l, 2p + 1]) of its 16 rows l, one after another."""
+    blocks, pairs, _ = packed.shape
+    return packed.reshape(blocks, pairs, PACK_ROWS, 2).transpose(1, 2).reshape(
+        blocks * PACK_ROWS, 2 * pairs)
 
 
 # Weight rows converted to float32 at a time by `upcast_linear`: bounds the copy (8 MiB of a
@@ -116,7 +134,7 @@ def upcast_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
     other dtypes go to `linear`; an int8 weight is dequantized to bfloat16 first, as there."""
     rows = x.numel() // weight.shape[1]
     if (x.device.type != "cpu" or x.dtype != torch.bfloat16 or rows <= SMALL_ROWS
-            or weight.dtype not in (torch.bfloat16, torch.int8)):
+            or weight.dtype not in (torch.bfloat16, torch.int8) or weight.dim() == 3):
         return linear(x, weight, bias)
     flat = x.reshape(rows, weight.shape[1]).float()
     out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
@@ -408,6 +426,8 @@ class MiMoAudioLM(nn.Module):
         # asks mimo_tts.lm.cpu_kernel.choose(model) whether, and why (not), it runs.
         self.cpu_kernel = "off"
         self.quant: str | None = None  # "int8" after mimo_tts.lm.quant.quantize_lm
+        # Bytes of streamed matrices the CPU kernel packed at load (cpu_kernel.pack_model).
+        self.packed_bytes = 0
 
     def build_buffers(self, device) -> None:
         """(Re)build derived, non-checkpoint tensors on a real device after loading."""
@@ -435,6 +455,22 @@ class MiMoAudioLM(nn.Module):
             groups[tuple(f"{n}.weight" for n in names)] = (
                 module, tuple(f"{n}.bias" for n in names) if biased else None)
         return groups
+
+    def streamed_matrices(self) -> list[tuple[nn.Module, str, tuple[nn.Module, ...]]]:
+        """(owner, attribute, the Linear parts that are row views of it) of every matrix a
+        decode step streams: the three stacks' fused q/k/v, o_proj, fused gate/up and
+        down_proj, lm_head and the downcasts (the channel heads, read by row ranges, stay)."""
+        out: list[tuple[nn.Module, str, tuple[nn.Module, ...]]] = []
+        for stack in (self.model, self.input_local_transformer, self.local_transformer):
+            for layer in stack.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                out += [(attn, "qkv_weight", tuple(getattr(attn, n) for n in attn.PARTS)),
+                        (attn.o_proj, "weight", ()),
+                        (mlp, "gate_up_weight", tuple(getattr(mlp, n) for n in mlp.PARTS)),
+                        (mlp.down_proj, "weight", ())]
+        extra = (self.lm_head, self.speech_group_downcast, self.hidden_states_downcast,
+                 self.speech_embeddings_to_local)
+        return out + [(m, "weight", ()) for m in extra if m is not None]
 
     def fuse_weights(self, stacks: dict[tuple[str, ...], Tensor] | None = None) -> None:
         """Fuse q/k/v, gate/up and the channel heads in place, on the weights' final device.

@@ -23,11 +23,14 @@ class NativeEngine:
         return BatchRun(lambda: ContinuousBatcher(self.model, self.special, rows, source), guard)
 
     def describe(self) -> dict:
-        """The sidecar's record: bfloat16 sums round differently in the CPU kernel."""
+        """The sidecar's record: bfloat16 sums round differently in the CPU kernel, whose
+        packed weights (where it packed them at load) say how much is on huge pages."""
         choice, prefill = cpu_kernel.choose(self.model), cpu_kernel.prefill_products(self.model)[1]
         return {"name": self.name, "cpu_kernel": choice.active,
                 "cpu_kernel_reason": choice.reason, "prefill_products": prefill.reason,
-                **({} if self.model.quant is None else {"lm_quant": self.model.quant})}
+                **({} if self.model.quant is None else {"lm_quant": self.model.quant}),
+                **({"lm_weights": cpu_kernel.packing(self.model)}
+                   if self.model.packed_bytes else {})}
 
     def close(self) -> None:
         """Nothing to free beyond the model itself."""
