@@ -41,9 +41,16 @@ def test_streamed_requests_decoded_together_equal_their_solo_runs(client):
     solo = [_pcm(client, request) for request in REQUESTS]
     rounds = client.get("/health").json()
     assert rounds["max_stage1_jobs"] == 1  # one request at a time: every round held one push
-    with concurrent.futures.ThreadPoolExecutor(len(REQUESTS)) as pool:
-        together = list(pool.map(lambda request: _pcm(client, request), REQUESTS))
-    state = client.get("/health").json()
+    # Whether a burst's pushes meet in one Stage-1 round depends on timing (a loaded machine
+    # can serve them one after another): send it again until they have met, at most 5 times;
+    # every burst must equal the solo runs.
+    for _ in range(5):
+        with concurrent.futures.ThreadPoolExecutor(len(REQUESTS)) as pool:
+            together = list(pool.map(lambda request: _pcm(client, request), REQUESTS))
+        assert together == solo
+        state = client.get("/health").json()
+        if state["max_stage1_jobs"] > 1:
+            break
     assert state["max_stage1_jobs"] > 1 and state["max_batch_rows"] > 1
     assert len({len(b) for b in solo}) > 1  # different lengths
     assert together == solo
