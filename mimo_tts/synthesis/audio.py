@@ -188,7 +188,26 @@ def encode_audio(audio, sample_rate: int, fmt: str) -> bytes:
     buffer = _io.BytesIO()
     sf.write(buffer, samples, sample_rate, format=container, subtype=subtype)
     data = buffer.getvalue()
-    return fixed_ogg_serial(data) if container == "OGG" else data
+    if container == "OGG":
+        return fixed_ogg_serial(data)
+    return fixed_peak_time(data) if subtype == "FLOAT" else data
+
+
+def fixed_peak_time(data: bytes) -> bytes:
+    """A float WAV file with its PEAK chunk's time stamp set to 0.
+
+    libsndfile writes float WAV files with a PEAK chunk (each channel's peak and where it is)
+    stamped with the second the file was written, so the same samples would give different
+    bytes a second later; the peaks stay, the stamp goes."""
+    out = bytearray(data)
+    at = 12  # past "RIFF", the size and "WAVE"
+    while at + 8 <= len(out):
+        size = int.from_bytes(out[at + 4:at + 8], "little")
+        if out[at:at + 4] == b"PEAK" and size >= 8:
+            out[at + 12:at + 16] = bytes(4)  # after the chunk's id, size and version
+            break
+        at += 8 + size + (size & 1)  # chunks are padded to an even size
+    return bytes(out)
 
 
 OGG_SERIAL = 0x6D696D6F  # "mimo": the one logical stream of every Ogg file the package writes

@@ -145,3 +145,29 @@ def test_aac_without_pyav_is_a_one_line_usage_error(audio, invoke, tmp_path, mon
         assert line == f"Error: --format {fmt} needs PyAV: {aac.EXTRA}"
         with pytest.raises(UsageError, match="needs PyAV"):
             audio.save(tmp_path / f"lib.{fmt}")
+
+
+def test_float_wav_bytes_do_not_follow_the_clock():
+    """libsndfile stamps a float WAV's PEAK chunk with the second it was written: the package
+    zeroes the stamp (the same samples written a second apart are the same bytes; CI once saw
+    `decode` differ from `synth` by that one field) and keeps the chunk's peak and its place."""
+    import io
+    import struct
+
+    import numpy as np
+    import soundfile as sf
+
+    from mimo_tts.synthesis.audio import encode_audio
+
+    samples = (0.3 * np.sin(np.arange(24000) / 7)).astype(np.float32)
+    samples[1234] = -0.75
+    raw = io.BytesIO()
+    sf.write(raw, samples, 24000, format="WAV", subtype="FLOAT")
+    theirs, ours = raw.getvalue(), encode_audio(samples, 24000, "wav-float")
+    at = ours.index(b"PEAK")
+    assert theirs.index(b"PEAK") == at and len(theirs) == len(ours)
+    version, stamp, peak, where = struct.unpack("<IIfI", ours[at + 8:at + 24])
+    assert struct.unpack("<I", theirs[at + 12:at + 16])[0] > 0  # libsndfile's own: the time
+    assert (version, stamp, peak, where) == (1, 0, 0.75, 1234)
+    assert ours[:at + 12] == theirs[:at + 12] and ours[at + 16:] == theirs[at + 16:]
+    np.testing.assert_array_equal(sf.read(io.BytesIO(ours), dtype="float32")[0], samples)
