@@ -119,6 +119,8 @@ def run_inputs(settings: Settings, refs) -> dict:
             "past the look-ahead"]  # the first push's groups count after it (issue 24)
     if settings.engine.engine != DEFAULT_ENGINE:  # likewise
         inputs["engine"] = settings.engine.engine
+    if settings.engine.lm_quant:  # other products, other codes: unquantized keeps its keys
+        inputs["lm_quant"] = settings.engine.lm_quant
     if o.voice:  # the stored voice's codes, by their hash
         inputs["voice"] = _voice_stamp(o.voice)
     if o.captions:  # a piece per sentence: other audio

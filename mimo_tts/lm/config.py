@@ -28,7 +28,9 @@ TASK_STOP_TOKENS: dict[str, tuple[str, ...]] = {
     "text_chat": ("eos", "im_end"),
     "in_context_learning_s2s": ("eos", "eostm"),
 }
-LM_QUANTS = ("int8",)  # opt-in weight-only quantizations of the LM (mimo_tts/lm/int8.py)
+# Opt-in quantizations of the LM, never the default: "int8" weight-only (mimo_tts/lm/int8.py);
+# "w8a8" int8 weights by int8 activations in the CPU kernel (mimo_tts/lm/cpu_kernel.py).
+LM_QUANTS = ("int8", "w8a8")
 FLOAT32_TINY = 2.0**-126  # the smallest normal float32 (torch.finfo(torch.float32).tiny)
 
 

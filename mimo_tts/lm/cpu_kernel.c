@@ -455,6 +455,197 @@ static void pk_gemv(int n, const void *w, const bf16 *b, long in, long out, cons
     }
 }
 
+/* ---- packed int8 weights by int8 activations (--lm-quant w8a8) ---------------------------
+ * A packed int8 W [out, in] (out % 16 == 0, in % 4 == 0) is laid out as the bfloat16 one with
+ * column quads for pairs: block b holds, for each quad q < in / 4, the 4 bytes
+ * W[16b + l, 4q .. 4q + 3] of its 16 rows l: 64 bytes, one cache line (`pack_bf16` on 32-bit
+ * units writes it). W[r] = s[r] * Wq[r] (symmetric, per row); beside the scales s [out] lie the
+ * row sums z[r] = sum of Wq[r] (int32 [out]): the `rowdata` of such a weight is s then z.
+ * Each vector x[j] is quantized when the product starts (`quant_rows`, once, on one thread):
+ * a[j] = clamp(nearbyint(x / sa[j]) + za[j], 0, 255) as unsigned bytes, sa[j] its range / 255
+ * and za[j] the byte that 0 maps to. Then
+ *   y[j, r] = fma((float)(sum_k a[j, k] Wq[r, k] - za[j] z[r]), sa[j] * s[r], b[r]):
+ * the sum is exact in int32 (|a| <= 255, |Wq| <= 127: in < 66 000 columns), so a row's result
+ * does not depend on the tiles, the vector count, the threads or the instruction set. */
+typedef struct { float scale; int32_t zero; } QuantRow;
+
+/* x [n, in] bfloat16 -> a [n, in] bytes and one QuantRow per vector. */
+static void quant_rows(int n, long in, const bf16 *x, uint8_t *a, QuantRow *q) {
+    for (int j = 0; j < n; j++) {
+        const bf16 *xj = x + (long)j * in;
+        float lo = 0.f, hi = 0.f;  /* the range always holds 0, so 0 has an exact byte */
+        for (long k = 0; k < in; k++) {
+            float v = bf2f(xj[k]);
+            lo = v < lo ? v : lo;
+            hi = v > hi ? v : hi;
+        }
+        float scale = (hi - lo) / 255.f;
+        if (!(scale > 0.f)) scale = 1.f;  /* all zeros (or not finite: garbage either way) */
+        float inv = 1.f / scale;
+        int32_t zero = (int32_t)nearbyintf(-lo * inv);
+        zero = zero < 0 ? 0 : zero > 255 ? 255 : zero;
+        for (long k = 0; k < in; k++) {
+            float v = nearbyintf(bf2f(xj[k]) * inv) + (float)zero;
+            a[(long)j * in + k] = (uint8_t)(v >= 0.f ? (v <= 255.f ? v : 255.f) : 0.f);
+        }
+        q[j].scale = scale, q[j].zero = zero;
+    }
+}
+
+typedef void (*TileI8)(const uint32_t *w, long Q, const uint32_t *a, long as, int m, int R,
+                       long q0, long q1, int32_t *acc, long lda, int first);
+
+/* Any CPU: one block at a time. */
+static void pq_tile_c(const uint32_t *w, long Q, const uint32_t *a, long as, int m, int R,
+                      long q0, long q1, int32_t *acc, long lda, int first) {
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < m; j++) {
+            int32_t s[16];
+            int32_t *out = acc + (long)j * lda + 16 * r;
+            for (int l = 0; l < 16; l++) s[l] = first ? 0 : out[l];
+            for (long q = q0; q < q1; q++) {
+                const int8_t *wq = (const int8_t *)(w + ((long)r * Q + q) * 16);
+                const uint8_t *aq = (const uint8_t *)(a + (long)j * as + q);
+                for (int l = 0; l < 16; l++)
+                    for (int i = 0; i < 4; i++) s[l] += (int32_t)aq[i] * wq[4 * l + i];
+            }
+            for (int l = 0; l < 16; l++) out[l] = s[l];
+        }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* AVX2 (no VNNI): 4 rows' quads widened to 16-bit, multiplied by the vector's quad and
+ * summed in pairs (vpmaddwd): each 8-lane accumulator holds 4 rows' two half sums, added
+ * together at the end. R = 1 block by m <= 2 vectors: 8 accumulators. */
+static inline __attribute__((always_inline)) void pq_tile256_at(
+        const uint32_t *w, const uint32_t *a, long as, const int m, long q0, long q1,
+        int32_t *acc, long lda, int first) {
+    __m256i s[2][4];
+    for (int j = 0; j < m; j++)
+        for (int h = 0; h < 4; h++) s[j][h] = _mm256_setzero_si256();
+    for (long q = q0; q < q1; q++) {
+        __m256i wv[4];
+        for (int h = 0; h < 4; h++)
+            wv[h] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + q * 16 + 4 * h)));
+        for (int j = 0; j < m; j++) {
+            __m256i av = _mm256_cvtepu8_epi16(_mm_set1_epi32((int)a[(long)j * as + q]));
+            for (int h = 0; h < 4; h++) s[j][h] = _mm256_add_epi32(s[j][h], _mm256_madd_epi16(wv[h], av));
+        }
+    }
+    for (int j = 0; j < m; j++) {
+        int32_t *out = acc + (long)j * lda;
+        for (int h = 0; h < 2; h++) {  /* rows 8h .. 8h + 7: pairs of lanes added */
+            __m256i sum = _mm256_hadd_epi32(s[j][2 * h], s[j][2 * h + 1]);
+            sum = _mm256_permute4x64_epi64(sum, 0xd8);  /* rows in order */
+            if (!first) sum = _mm256_add_epi32(sum, _mm256_loadu_si256((const __m256i *)(out + 8 * h)));
+            _mm256_storeu_si256((__m256i *)(out + 8 * h), sum);
+        }
+    }
+}
+
+static void pq_tile256(const uint32_t *w, long Q, const uint32_t *a, long as, int m, int R,
+                       long q0, long q1, int32_t *acc, long lda, int first) {
+    for (int r = 0; r < R; r++) {
+        const uint32_t *wr = w + (long)r * Q * 16;
+        if (m == 2) pq_tile256_at(wr, a, as, 2, q0, q1, acc + 16 * r, lda, first);
+        else if (m == 1) pq_tile256_at(wr, a, as, 1, q0, q1, acc + 16 * r, lda, first);
+        else pq_tile_c(wr, Q, a, as, m, 1, q0, q1, acc + 16 * r, lda, first);
+    }
+}
+#endif
+
+#if defined(__AVX512VNNI__)
+/* AVX512-VNNI: one vpdpbusd adds a vector's quad times a block's 16 row quads into 16 sums;
+ * R blocks by m <= 8 vectors, m * R accumulators (8 x 3 = 24 at most). */
+static inline __attribute__((always_inline)) void pq_tile512_at(
+        const uint32_t *w, long Q, const uint32_t *a, long as, const int m, const int R,
+        long q0, long q1, int32_t *acc, long lda, int first) {
+    __m512i s[8][4];
+    for (int j = 0; j < m; j++)
+        for (int r = 0; r < R; r++)
+            s[j][r] = first ? _mm512_setzero_si512()
+                            : _mm512_loadu_si512(acc + (long)j * lda + 16 * r);
+    for (long q = q0; q < q1; q++) {
+        __m512i wv[4];
+        for (int r = 0; r < R; r++) wv[r] = _mm512_loadu_si512(w + ((long)r * Q + q) * 16);
+        for (int j = 0; j < m; j++) {
+            __m512i av = _mm512_set1_epi32((int)a[(long)j * as + q]);
+            for (int r = 0; r < R; r++) s[j][r] = _mm512_dpbusd_epi32(s[j][r], av, wv[r]);
+        }
+    }
+    for (int j = 0; j < m; j++)
+        for (int r = 0; r < R; r++) _mm512_storeu_si512(acc + (long)j * lda + 16 * r, s[j][r]);
+}
+
+static void pq_tile512(const uint32_t *w, long Q, const uint32_t *a, long as, int m, int R,
+                       long q0, long q1, int32_t *acc, long lda, int first) {
+#define PQ512(M, RR) case (M) * 8 + (RR): \
+    pq_tile512_at(w, Q, a, as, M, RR, q0, q1, acc, lda, first); break;
+#define PQ512_R(M) PQ512(M, 1) PQ512(M, 2) PQ512(M, 3) PQ512(M, 4)
+    switch (m * 8 + R) {
+    PQ512_R(1) PQ512_R(2) PQ512_R(3) PQ512_R(4) PQ512_R(5) PQ512_R(6)
+    PQ512(7, 1) PQ512(7, 2) PQ512(7, 3) PQ512(8, 1) PQ512(8, 2) PQ512(8, 3)
+    default: pq_tile_c(w, Q, a, as, m, R, q0, q1, acc, lda, first);
+    }
+#undef PQ512_R
+#undef PQ512
+}
+#endif
+
+/* Blocks [b0, b1) against n byte vectors a (as quads apart) into acc [n, lda] (int32 sums);
+ * with more vectors than a tile holds, the quads go in chunks (sums kept in acc). */
+static void pq_blocks(TileI8 tile, int mmax, int R, const uint32_t *w, long Q, long b0, long b1,
+                      const uint32_t *a, long as, int n, int32_t *acc, long lda) {
+    long chunk = n <= mmax ? Q : PK_CHUNK;
+    for (long b = b0; b < b1; b += R) {
+        int r = b1 - b < R ? (int)(b1 - b) : R;
+        for (long q0 = 0; q0 < Q; q0 += chunk) {
+            long q1 = q0 + chunk < Q ? q0 + chunk : Q;
+            for (int j0 = 0; j0 < n; j0 += mmax) {
+                int m = n - j0 < mmax ? n - j0 : mmax;
+                tile(w + b * Q * 16, Q, a + (long)j0 * as, as, m, r, q0, q1,
+                     acc + (long)j0 * lda + b * 16, lda, q0 == 0);
+            }
+        }
+    }
+}
+
+/* y[j * ldy + r] = the w8a8 product (above) + b[r] for this thread's share of W's rows,
+ * rounded to bfloat16 when `round`, from the quantized vectors `a`/`q` (`quant_rows`). y is
+ * float; its memory holds the int32 sums first. No barrier. */
+static void pq_gemv(int n, const void *w, const float *rowdata, const bf16 *b, long in, long out,
+                    const uint8_t *a, const QuantRow *q, float *y, long ldy, int round) {
+    long r0, r1, Q = in / 4;
+    share(out, &r0, &r1);
+    if (r1 <= r0) return;
+    const uint32_t *wp = (const uint32_t *)w, *ap = (const uint32_t *)a;
+    int32_t *acc = (int32_t *)y;
+#if defined(__AVX512VNNI__)
+    if (isa_cap >= ISA_AVX512_BF16)
+        pq_blocks(pq_tile512, 8, n >= 7 ? 3 : 4, wp, Q, r0 / 16, r1 / 16, ap, Q, n, acc, ldy);
+    else
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    if (isa_cap >= ISA_AVX2)
+        pq_blocks(pq_tile256, 2, 1, wp, Q, r0 / 16, r1 / 16, ap, Q, n, acc, ldy);
+    else
+#endif
+        pq_blocks(pq_tile_c, 4, 1, wp, Q, r0 / 16, r1 / 16, ap, Q, n, acc, ldy);
+    const float *s = rowdata;
+    const int32_t *z = (const int32_t *)(rowdata + out);
+    for (int j = 0; j < n; j++) {
+        int32_t *aj = acc + (long)j * ldy;
+        float *yj = y + (long)j * ldy;
+        for (long r = r0; r < r1; r++) {
+            float v = fmaf((float)(aj[r] - q[j].zero * z[r]), q[j].scale * s[r], bias_at(b, r));
+            yj[r] = round ? bf2f(f2bf(v)) : v;
+        }
+    }
+}
+
+/* Bytes of scratch the quantized vectors take: n * in bytes, then n QuantRows (aligned). */
+static long quant_bytes(int n, long in) { return ((long)n * in + 63) / 64 * 64 + (long)n * 8; }
+
 /* ---- int8 weights with one float scale per row (weight-only quantization) --------------
  * y[j * ldy + r] = scale[r] * (W[r] . x[j]) + b[r], rounded to bfloat16 when `bf` (then the
  * bias is bfloat16, else float); x is float. Each (row, vector) pair keeps one 16-lane
@@ -540,6 +731,15 @@ static void rows_i8(const int8_t *w, const float *scale, const void *b, int bf, 
 static void gemv_bf16(int n, const void *w, const float *scale, const void *b, long in,
                       long out, const bf16 *x, float *y, bf16 *xp, int packed) {
     long r0, r1;
+    if (packed == 2) {  /* w8a8: `scale` is the weight's rowdata */
+        uint8_t *a = (uint8_t *)xp;
+        QuantRow *q = (QuantRow *)(a + quant_bytes(n, in) - (long)n * 8);
+        #pragma omp single
+        quant_rows(n, in, x, a, q);
+        pq_gemv(n, w, scale, (const bf16 *)b, in, out, a, q, y, out, 1);
+        #pragma omp barrier
+        return;
+    }
     if (packed && !scale) {
         pk_gemv(n, w, (const bf16 *)b, in, out, x, y, out, xp, 1);
         #pragma omp barrier
@@ -724,7 +924,8 @@ int step_##SFX(const Step *s) {                                                 
         float *sc = scores + (long)t * s->cache_len, *x = xs + (long)t * n * D;              \
         T *h = hs + (long)t * n * wide;                                                      \
         for (long i = 0; i < (long)n * D; i++) x[i] = LOAD_##SFX(s->x, i);                   \
-        int amx = sizeof(T) == 2 && (s->packed ? use_amx_pk(n) : use_amx(n));                \
+        int amx = sizeof(T) == 2 && (s->packed == 1 ? use_amx_pk(n)                         \
+                                     : s->packed == 0 && use_amx(n));                        \
         if (amx && s->packed) amx_configure_pk(n);                                           \
         else if (amx) amx_configure(n);                                                      \
         for (int l = 0; l < s->layers; l++) {                                                \
@@ -773,17 +974,52 @@ typedef struct {
     float *work;             /* gemv_work_floats() floats */
     long in, out;
     int rows, threads;
-    int packed;              /* W is packed (16-row blocks, above), bfloat16 */
+    int packed;              /* W is packed (16-row blocks, above): 1 bfloat16, 2 int8 (w8a8;
+                                `scale` is then its rowdata) */
 } Gemv;
 
-long gemv_work_floats(const Gemv *g) { return (long)g->rows * (g->out + g->in); }
+long gemv_work_floats(const Gemv *g) {
+    long xq = (quant_bytes(g->rows, g->in) + 3) / 4;  /* w8a8's quantized vectors */
+    long x = (long)g->rows * g->in;
+    return (long)g->rows * g->out + (x > xq ? x : xq);
+}
+
+/* This thread's share of the rows of y [n, out] (float) rounded into o (bfloat16): converted
+ * without waiting for the other threads, whose rows they are not. */
+static void to_bf16_rows(int n, const float *y, bf16 *o, long out) {
+    long r0, r1;
+    share(out, &r0, &r1);
+    for (int j = 0; j < n; j++) {
+        long r = r0;
+        const float *yj = y + (long)j * out;
+        bf16 *oj = o + (long)j * out;
+#if defined(__AVX512BF16__)
+        for (; r + 16 <= r1; r += 16)
+            _mm256_storeu_si256((__m256i *)(oj + r),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(yj + r)));
+#endif
+        for (; r < r1; r++) oj[r] = f2bf(yj[r]);
+    }
+}
 
 int gemv_bf16_call(const Gemv *g) {
     int n = g->rows;
     float *y = g->work;
     bf16 *xp = (bf16 *)(y + (long)n * g->out), *out = (bf16 *)g->y;
     long total = (long)n * g->out;
-    if (g->packed && !g->scale) {
+    if (g->packed == 2) {
+        uint8_t *a = (uint8_t *)xp;
+        QuantRow *q = (QuantRow *)(a + quant_bytes(n, g->in) - (long)n * 8);
+        _Pragma("omp parallel num_threads(g->threads)")
+        {
+            #pragma omp single
+            quant_rows(n, g->in, (const bf16 *)g->x, a, q);
+            pq_gemv(n, g->w, g->scale, (const bf16 *)g->b, g->in, g->out, a, q, y, g->out, 0);
+            to_bf16_rows(n, y, out, g->out);
+        }
+        return 0;
+    }
+    if (g->packed == 1) {
         _Pragma("omp parallel num_threads(g->threads)")
         {
             int amx = use_amx_pk(n) && g->in % 32 == 0;
@@ -791,19 +1027,7 @@ int gemv_bf16_call(const Gemv *g) {
             pk_gemv(n, g->w, (const bf16 *)g->b, g->in, g->out, (const bf16 *)g->x, y, g->out,
                     xp, 0);
             if (amx) amx_release();
-            long r0, r1;  /* this thread's rows: converted without waiting for the others */
-            share(g->out, &r0, &r1);
-            for (int j = 0; j < n; j++) {
-                long r = r0;
-                const float *yj = y + (long)j * g->out;
-                bf16 *oj = out + (long)j * g->out;
-#if defined(__AVX512BF16__)
-                for (; r + 16 <= r1; r += 16)
-                    _mm256_storeu_si256((__m256i *)(oj + r),
-                                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(yj + r)));
-#endif
-                for (; r < r1; r++) oj[r] = f2bf(yj[r]);
-            }
+            to_bf16_rows(n, y, out, g->out);
         }
         return 0;
     }

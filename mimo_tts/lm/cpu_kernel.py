@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mimo_tts.errors import UsageError
+from mimo_tts.lm import int8
 from mimo_tts.lm.model import (
     PACK_ROWS,
     KVCache,
@@ -211,14 +212,14 @@ def _gemv(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Tensor | None,
           threads: int) -> Tensor:
     """x [rows, in] (contiguous) . weight[out, in]^T + bias -> [rows, out] in x's dtype;
     an int8 weight brings its row scales (mimo_tts/lm/int8.py); a packed one (3-D) is
-    [out / 16, in / 2, 32] (`pack`)."""
-    packed = weight.dim() == 3
+    [out / 16, in / 2, 32] bfloat16 (`pack`) or [out / 16, in / 4, 64] int8 with its rowdata
+    as `.scale` (`pack_w8a8`: x's rows are quantized to bytes in the kernel)."""
+    packed = 0 if weight.dim() != 3 else 2 if weight.dtype == torch.int8 else 1
     rows = x.shape[0]
-    out, inputs = ((weight.shape[0] * PACK_ROWS, weight.shape[1] * 2) if packed
-                   else weight.shape)
+    out, inputs = packed_shape(weight) if packed else weight.shape
     y = torch.empty(rows, out, dtype=x.dtype)
     call = _Gemv(_ptr(weight), _ptr(bias), _ptr(x), _ptr(getattr(weight, "scale", None)),
-                 _ptr(y), None, inputs, out, rows, threads, int(packed))
+                 _ptr(y), None, inputs, out, rows, threads, packed)
     bf16 = x.dtype == torch.bfloat16
     if bf16:
         work = torch.empty(lib.gemv_work_floats(ctypes.byref(call)), dtype=torch.float32)
@@ -253,6 +254,46 @@ def packable(weight: Tensor | None) -> bool:
     return (weight is not None and weight.dim() == 2 and weight.device.type == "cpu"
             and weight.dtype == torch.bfloat16 and weight.shape[0] % PACK_ROWS == 0
             and weight.shape[1] % 2 == 0 and weight.shape[1] > 0)
+
+
+def packed_shape(weight: Tensor) -> tuple[int, int]:
+    """(out, in) of a packed weight: bfloat16 [out / 16, in / 2, 32] or int8 [out / 16,
+    in / 4, 64]."""
+    return weight.shape[0] * PACK_ROWS, weight.shape[1] * weight.shape[2] // PACK_ROWS
+
+
+def packable_w8a8(weight: Tensor | None) -> bool:
+    """A bfloat16 CPU matrix of whole 16-row blocks and column quads (`pack_w8a8`)."""
+    return packable(weight) and weight.shape[1] % 4 == 0
+
+
+def pack_w8a8(lib: ctypes.CDLL, weight: Tensor, out: Tensor | None = None) -> Tensor:
+    """weight [out, in] -> int8 [out / 16, in / 4, 64] packed for the kernel's w8a8 products
+    (cpu_kernel.c says the layout), into `out` (bytes) or a new tensor, carrying its rowdata
+    as `.scale`: float32 [2 * out], the row scales (int8.quantize_rows: symmetric, max |w| /
+    127) then the rows' sums of the int8 values as int32 bits."""
+    rows, cols = weight.shape
+    shape = (rows // PACK_ROWS, cols // 4, 4 * PACK_ROWS)
+    out = (torch.empty(shape, dtype=torch.int8) if out is None
+           else out.view(torch.int8).view(shape))
+    rowdata = torch.empty(2 * rows, dtype=torch.float32)
+    for start in range(0, rows, int8.CHUNK):  # bounds the float32 copy (lm_head: 2.5 GB whole)
+        q = int8.quantize_rows(weight.detach()[start:start + int8.CHUNK])
+        end = start + q.shape[0]
+        lib.pack_bf16(q.data_ptr(), out[start // PACK_ROWS:end // PACK_ROWS].data_ptr(),
+                      cols // 4, 0, q.shape[0] // PACK_ROWS, torch.get_num_threads())
+        rowdata[start:end] = q.scale
+        rowdata[rows + start:rows + end] = q.sum(dim=1, dtype=torch.int32).view(torch.float32)
+    out.scale = rowdata
+    return out
+
+
+def unpack_w8a8(packed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """A `pack_w8a8` weight as [out, in] in `dtype`: its int8 values times the row scales."""
+    blocks, quads, _ = packed.shape
+    values = packed.reshape(blocks, quads, PACK_ROWS, 4).transpose(1, 2).reshape(
+        blocks * PACK_ROWS, 4 * quads)
+    return (values.float() * packed.scale[:blocks * PACK_ROWS, None]).to(dtype)
 
 
 def pack(lib: ctypes.CDLL, weight: Tensor, out: Tensor | None = None) -> Tensor:
@@ -299,28 +340,34 @@ def _release_file_pages(t: Tensor) -> None:
                      mmap.MADV_DONTNEED)
 
 
-def pack_model(model: MiMoAudioLM) -> int:
+def pack_model(model: MiMoAudioLM, w8a8: bool = False) -> int:
     """Pack every matrix a decode step streams (`MiMoAudioLM.streamed_matrices`) in place, one
     at a time: the packed copy (huge pages) replaces the original and its checkpoint-named
     parts become row views of it, so there are never two resident copies beyond the matrix
     in hand. -> bytes packed. Only bfloat16 matrices of whole blocks (`packable`); int8 ones
-    (--lm-quant) stay as they are."""
+    (--lm-quant int8) stay as they are. `w8a8`: packed as int8 (`pack_w8a8`), half the
+    bytes."""
     lib = library()
+    fits, packer, width = (packable_w8a8, pack_w8a8, 1) if w8a8 else (packable, pack, 2)
     todo = [(owner, name, parts) for owner, name, parts in model.streamed_matrices()
-            if lib is not None and packable(getattr(owner, name))]
-    sizes = [-(-getattr(o, n).numel() * 2 // mmap.PAGESIZE) * mmap.PAGESIZE for o, n, _ in todo]
+            if lib is not None and fits(getattr(owner, name))]
+    sizes = [-(-getattr(o, n).numel() * width // mmap.PAGESIZE) * mmap.PAGESIZE
+             for o, n, _ in todo]
     arena, offset, total = huge_bytes(sum(sizes)), 0, 0  # one mapping, filled as packed
     with torch.no_grad():
         for (owner, name, parts), size in zip(todo, sizes, strict=True):
             weight = getattr(owner, name)
-            packed = pack(lib, weight, arena[offset:offset + size][:weight.numel() * 2])
+            packed = packer(lib, weight, arena[offset:offset + size][:weight.numel() * width])
             offset += size
             if isinstance(weight, nn.Parameter):
+                scale = getattr(packed, "scale", None)
                 packed = nn.Parameter(packed, requires_grad=False)
+                if scale is not None:
+                    packed.scale = scale
             setattr(owner, name, packed)
             _view_parts(packed, parts)
             _release_file_pages(weight)
-            total += weight.numel() * weight.element_size()
+            total += packed.numel() * packed.element_size()
             del weight
     return total
 
@@ -340,16 +387,37 @@ def prepare(model: MiMoAudioLM) -> None:
     kernel will multiply by them, i.e. `choose` makes it active on bfloat16 weights and its
     products either are asked for ("on") or measured faster than PyTorch's (`products_faster`);
     `packing(model)` reports what was packed."""
-    if (model.lm_head.weight.dtype == torch.bfloat16 and choose(model).active
+    if getattr(model, "quant", None) == "w8a8":
+        why = w8a8_refusal(model)
+        if why:
+            raise UsageError(f"--lm-quant w8a8: {why}")
+        model.packed_bytes = pack_model(model, w8a8=True)
+    elif (model.lm_head.weight.dtype == torch.bfloat16 and choose(model).active
             and (model.cpu_kernel == "on" or products_faster().faster)):
         model.packed_bytes = pack_model(model)
+
+
+def w8a8_refusal(model: MiMoAudioLM) -> str:
+    """Why the w8a8 profile cannot run on `model` as placed ("" where it can): it needs the
+    kernel (built, not "off"), bfloat16 weights on the CPU."""
+    weight = model.lm_head.weight
+    if weight.device.type != "cpu":
+        return f"runs on CPU only, the LM is placed on {weight.device}"
+    if weight.dtype != torch.bfloat16:
+        return (f"needs bfloat16 weights, the LM is {str(weight.dtype).removeprefix('torch.')}"
+                " (--dtype bfloat16)")
+    if model.cpu_kernel == "off":
+        return "runs in the CPU kernel, which is off"
+    lib, why = _build()
+    return "" if lib is not None else f"the CPU kernel cannot be built: {why}"
 
 
 def packing(model: MiMoAudioLM) -> str:
     """The sidecar's line on the packed weights: how much, and how much on huge pages."""
     weights = packed_weights(model)
     huge = min(huge_page_bytes(weights), model.packed_bytes)  # a merged mapping counts more
-    return (f"{model.packed_bytes / 2**30:.2f} GiB packed in 16-row blocks "
+    kind = " of int8 (w8a8)" if weights and weights[0].dtype == torch.int8 else ""
+    return (f"{model.packed_bytes / 2**30:.2f} GiB{kind} packed in 16-row blocks "
             f"({len(weights)} matrices), {huge / 2**30:.2f} GiB of it on huge pages")
 
 
@@ -383,16 +451,18 @@ def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
     """x [..., in] @ W.T (+ bias) for a packed W [out / 16, in / 2, 32], any number of rows:
     the kernel's products where it runs (bfloat16 on CPU), else W unpacked for F.linear (a
     model converted or moved after packing: correct, slow)."""
-    out, inputs = weight.shape[0] * PACK_ROWS, weight.shape[1] * 2
+    out, inputs = packed_shape(weight)
     rows = x.numel() // inputs
     lib = library()
     if (lib is not None and rows > 0 and x.device.type == "cpu" and weight.device.type == "cpu"
-            and x.dtype == weight.dtype == torch.bfloat16 and weight.is_contiguous()
+            and x.dtype == torch.bfloat16 and weight.dtype in (torch.bfloat16, torch.int8)
+            and weight.is_contiguous()
             and (bias is None or (bias.is_contiguous() and bias.dtype == x.dtype))):
         flat = x.reshape(rows, inputs).contiguous()
         return _gemv(lib, flat, weight, bias, torch.get_num_threads()).view(*x.shape[:-1], out)
-    return F.linear(x, unpack_rows(weight).to(x.dtype), None if bias is None else
-                    bias.to(x.dtype))
+    dense = (unpack_w8a8(weight, x.dtype) if weight.dtype == torch.int8
+             else unpack_rows(weight).to(x.dtype))
+    return F.linear(x, dense, None if bias is None else bias.to(x.dtype))
 
 
 class Products:
@@ -436,7 +506,8 @@ class LocalStepKernel:
                 for m in matrices}
         if len(dims) > 1:
             raise RuntimeError("the patch decoder's matrices are partly packed")
-        self.packed = int(dims == {3})
+        self.packed = 0 if dims != {3} else 2 if stack.layers[0].mlp.down_proj.weight.dtype \
+            == torch.int8 else 1
         layers = (_Layer * cfg.layers)()
         for layer, parts in zip(layers, self.tensors[:-1], strict=True):
             for name, tensor in zip(LAYER_FIELDS, parts, strict=True):

@@ -32,7 +32,9 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu",
     says: "auto", "on" or "off" (the run's `Placement.cpu_kernel`);
     `cpu_kernel.choose(model)` tells whether it does, and why (not); where it does on bfloat16
     weights, the matrices a step streams are packed for it (`cpu_kernel.prepare`).
-    `quant="int8"`: int8 weight-only matrices (mimo_tts/lm/int8.py), CPU only, opt-in."""
+    `quant="int8"`: int8 weight-only matrices (mimo_tts/lm/int8.py); `quant="w8a8"`: the
+    streamed matrices packed as int8 for the kernel's int8-by-int8 products (bfloat16 weights;
+    `cpu_kernel.pack_w8a8`). Both CPU only, opt-in."""
     mode = check_mode(cpu_kernel)
     if quant is not None and quant not in QUANTS:
         raise UsageError(f"LM quantization must be one of {', '.join(QUANTS)}, got {quant!r}")
@@ -43,6 +45,9 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu",
     except UsageError:
         raise CheckpointError(f"unsupported LM dtype {dtype}: use float32, bfloat16 or "
                               "float16") from None
+    if quant == "w8a8" and dtype != torch.bfloat16:
+        raise UsageError(f"--lm-quant w8a8 needs bfloat16 weights, the LM is asked in "
+                         f"{str(dtype).removeprefix('torch.')} (--dtype bfloat16)")
     cfg = load_config(path)
     with torch.device("meta"):
         model = MiMoAudioLM(cfg)
@@ -59,8 +64,9 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu",
         # Derived buffers are still meta here: rebuild them first, then move the weights.
         model.build_buffers(torch.device(device))
         model = model.to(device=device)
-        if quant is not None:
+        if quant == "int8":
             quantize_lm(model, quant)
+        model.quant = quant  # "w8a8": quantized as packed, below
     except (RuntimeError, AssertionError) as exc:  # bad index, OOM, CUDA unavailable
         raise DeviceError(f"cannot place the LM on {device}: {exc}") from None
     model.cpu_kernel = mode

@@ -183,6 +183,13 @@ def place(settings: Settings, given: OptionValues,
                                   checkpoint_dtypes=dtypes)
     if error:
         raise error
+    quant = settings.engine.lm_quant
+    if quant and placement.lm_device.value != "cpu":
+        raise UsageError(f"--lm-quant {quant} runs on CPU only, the LM is placed on "
+                         f"{placement.lm_device.value}")
+    if quant == "w8a8" and placement.lm_dtype.value != "bfloat16":
+        raise UsageError(f"--lm-quant w8a8 needs bfloat16 weights, the LM is asked in "
+                         f"{placement.lm_dtype.value} (--dtype bfloat16)")
     sources.update({name: choice.source for name, choice in vars(placement).items()})
     download, sources["allow_download"] = _pick("allow_download", given, profile)
     sources.update({"model": lm[1], "tokenizer": tok[1]})

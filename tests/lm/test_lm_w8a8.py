@@ -1,0 +1,178 @@
+"""The opt-in w8a8 profile (`--lm-quant w8a8`, mimo_tts/lm/cpu_kernel.py `pack_w8a8`): int8
+weights packed in 16-row blocks times each row's activations quantized to bytes in the kernel.
+Its products equal the exact integer arithmetic they stand for, so a row's bytes are the same
+alone or in a batch of any width, on any thread count and on every instruction-set path; a
+whole w8a8 model stays near float32 and never runs unasked."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mimo_tts.errors import UsageError
+from mimo_tts.lm import cpu_kernel
+from mimo_tts.lm.generate import generate
+from mimo_tts.lm.load import load_lm
+from mimo_tts.lm.native import NativeEngine
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+LEVELS = {"avx512": 2, "avx2": 1, "c": 0}
+
+
+def _paths() -> list[str]:
+    isa = cpu_kernel.features()
+    return (["avx512"] if isa["avx512_bf16"] else []) + (["avx2"] if isa["avx2"] else []) + ["c"]
+
+
+@pytest.fixture(params=_paths())
+def path(request):
+    cpu_kernel.set_isa(LEVELS[request.param])
+    yield request.param
+    cpu_kernel.set_isa(2)
+
+
+def _operands(out=96, width=320, rows=17, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, width, generator=gen).bfloat16(),
+            torch.randn(out, width, generator=gen).bfloat16(),
+            torch.randn(out, generator=gen).bfloat16())
+
+
+def _integer_reference(x, packed, bias):
+    """The w8a8 product as the kernel defines it, in float64 integer sums: each row of x
+    quantized to bytes over a range holding 0, the weight's int8 values by them, the row
+    and weight scales applied once (float32), the bias added, rounded to bfloat16."""
+    out = packed.shape[0] * 16
+    xf = x.float()
+    lo = torch.clamp(xf.amin(1), max=0.0)
+    hi = torch.clamp(xf.amax(1), min=0.0)
+    scale = (hi - lo) / 255
+    inv = 1 / scale
+    zero = torch.round(-lo * inv).clamp(0, 255)
+    a = (torch.round(xf * inv[:, None]) + zero[:, None]).clamp(0, 255).double()
+    w = torch.round(cpu_kernel.unpack_w8a8(packed) / packed.scale[:out, None]).double()
+    sums = a @ w.T - zero[:, None].double() * w.sum(1)[None]
+    return (sums.float() * (scale[:, None] * packed.scale[None, :out]) + bias.float()).bfloat16()
+
+
+def test_packing_keeps_the_int8_rows_their_scales_and_sums():
+    _, weight, _ = _operands()
+    packed = cpu_kernel.pack_w8a8(cpu_kernel.library(), weight)
+    assert packed.dtype == torch.int8 and packed.shape == (6, 80, 64)
+    assert cpu_kernel.packed_shape(packed) == (96, 320)
+    scale, sums = packed.scale[:96], packed.scale[96:].view(torch.int32)
+    values = torch.round(cpu_kernel.unpack_w8a8(packed) / scale[:, None])
+    assert values.abs().max() == 127 and torch.equal(sums, values.sum(1).int())
+    assert ((cpu_kernel.unpack_w8a8(packed) - weight.float()).abs()
+            <= scale[:, None] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_products_equal_the_integer_arithmetic_on_every_path(path, bias):
+    x, weight, b = _operands()
+    b = b if bias else None
+    packed = cpu_kernel.pack_w8a8(cpu_kernel.library(), weight)
+    want = _integer_reference(x, packed, torch.zeros(96) if b is None else b)
+    got = cpu_kernel.packed_linear(x, packed, b)
+    # the kernel fuses the scale and the bias into one rounding (fma): one bfloat16 step
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+    exact = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    assert (got.float() - exact).abs().amax() < 0.03 * exact.abs().amax()
+
+
+def test_a_row_is_the_same_bytes_at_every_width_thread_count_and_path():
+    x, weight, b = _operands(rows=40)
+    packed = cpu_kernel.pack_w8a8(cpu_kernel.library(), weight)
+    alone = torch.cat([cpu_kernel.packed_linear(x[r:r + 1], packed, b) for r in range(40)])
+    before = torch.get_num_threads()
+    try:
+        for level in sorted({LEVELS[p] for p in _paths()}):
+            cpu_kernel.set_isa(level)
+            for n in (*range(1, 18), 40):
+                assert torch.equal(cpu_kernel.packed_linear(x[:n], packed, b), alone[:n]), \
+                    (level, n)
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                assert torch.equal(cpu_kernel.packed_linear(x, packed, b), alone), threads
+            torch.set_num_threads(before)
+    finally:
+        cpu_kernel.set_isa(2)
+        torch.set_num_threads(before)
+
+
+def test_a_row_of_zeros_gives_the_bias():
+    _, weight, b = _operands()
+    packed = cpu_kernel.pack_w8a8(cpu_kernel.library(), weight)
+    assert torch.equal(cpu_kernel.packed_linear(torch.zeros(2, 320).bfloat16(), packed, b),
+                       b.expand(2, 96))
+
+
+@pytest.fixture(scope="module")
+def w8a8_lm(lm_dir):
+    return load_lm(lm_dir, dtype=torch.bfloat16, quant="w8a8")
+
+
+def test_load_packs_the_streamed_matrices_as_int8(w8a8_lm):
+    packed = [getattr(o, n) for o, n, _ in w8a8_lm.streamed_matrices()
+              if getattr(o, n).dim() == 3]
+    assert packed and all(w.dtype == torch.int8 and w.scale.numel() == 2 * w.shape[0] * 16
+                          for w in packed)
+    assert w8a8_lm.quant == "w8a8"
+    assert w8a8_lm.packed_bytes == sum(w.numel() for w in packed)
+    described = NativeEngine(w8a8_lm, None).describe()
+    assert described["lm_quant"] == "w8a8" and "of int8 (w8a8)" in described["lm_weights"]
+    step = cpu_kernel.LocalStepKernel(w8a8_lm.local_transformer, cpu_kernel.library())
+    assert step.packed == 2
+
+
+def test_w8a8_is_opt_in_and_refused_where_it_cannot_run(lm, lm_dir):
+    assert lm.quant is None
+    with pytest.raises(UsageError, match="needs bfloat16"):
+        load_lm(lm_dir, quant="w8a8")
+    with pytest.raises(UsageError, match="CPU only"):
+        load_lm(lm_dir, device="cuda", dtype=torch.bfloat16, quant="w8a8")
+    with pytest.raises(UsageError, match="kernel, which is off"):
+        load_lm(lm_dir, dtype=torch.bfloat16, quant="w8a8", cpu_kernel="off")
+
+
+def test_w8a8_generation_tracks_float32_and_batches_equal_single_runs(
+        lm_dir, w8a8_lm, special, case_tensors, greedy_options):
+    """The first group's logits stay near float32's (the drift a user accepts, reported at
+    full size by scripts/lm_quant_drift.py); a batch of two prompts gives each the bytes of its
+    own run, through the kernel step and the eager one alike (the products are exact integer
+    sums, so the paths cannot differ)."""
+    prompt = case_tensors("lm_generate")["gen_tts_en_free_greedy.input_ids"]
+    other = prompt[:, : prompt.shape[1] - 8]
+    options = greedy_options(max_new_groups=3, keep_logits=True)
+    exact = generate(load_lm(lm_dir), [prompt], options, special)[0]
+    runs = {mode: generate(w8a8_lm, [prompt, other],
+                           greedy_options(max_new_groups=3, keep_logits=True, decode_step=mode),
+                           special) for mode in ("auto", "eager")}
+    single = [generate(w8a8_lm, [p], options, special)[0] for p in (prompt, other)]
+    for mode, batch in runs.items():
+        for got, want in zip(batch, single, strict=True):
+            assert torch.equal(got.new_ids, want.new_ids), mode
+    scale = exact.step_logits[0].abs().amax()
+    assert (single[0].step_logits[0].float() - exact.step_logits[0]).abs().amax() < 0.1 * scale
+
+
+def test_the_cli_runs_w8a8_and_keeps_it_apart_from_unquantized_results(mimo, tmp_path):
+    """`synth --lm-quant w8a8` records the profile in the sidecar and in the resume key: the
+    unquantized run of the same text in the same folder neither skips as done nor replaces
+    the w8a8 file (exit 5 without --overwrite); a float32 model is refused before loading."""
+    run = ("synth", "--model", "tiny", "--max-new-groups", "4", "-t", "Hello there.",
+           "--output-dir", "out")
+    done = mimo(*run, "--dtype", "bfloat16", "--lm-quant", "w8a8")
+    assert done.returncode == 0, done.stderr
+    sidecar = next((tmp_path / "out" / "tts_sft").glob("*.json"))
+    wav = sidecar.with_suffix(".wav").read_bytes()
+    assert '"lm_quant": "w8a8"' in sidecar.read_text()
+    again = mimo(*run, "--dtype", "bfloat16")
+    assert again.returncode == 5 and b"exists from other inputs" in again.stderr
+    assert sidecar.with_suffix(".wav").read_bytes() == wav
+    refused = mimo(*run, "--lm-quant", "w8a8")
+    assert refused.returncode == 2 and b"needs bfloat16" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
