@@ -202,29 +202,41 @@ def audio_prompt(model: MiMoAudioLM, groups: int, seed: int,
 
 
 STEPS = {"eager": EagerStep, "kernel": cpu_kernel.CpuKernelStep,
-         "kernel_int8": cpu_kernel.CpuKernelStep}
-DECODE_STEP = {"eager": "eager", "kernel": "auto", "kernel_int8": "auto"}
+         "kernel_int8": cpu_kernel.CpuKernelStep, "kernel_w8a8": cpu_kernel.CpuKernelStep}
+DECODE_STEP = {"eager": "eager", "kernel": "auto", "kernel_int8": "auto", "kernel_w8a8": "auto"}
 
 
-class Int8Swap:
-    """The model's large matrices in both forms (--quant int8): `use(True)` points the blocks
-    at the int8 ones, `use(False)` back at the model dtype's (packed or not), so both run
-    from one model."""
+class QuantSwap:
+    """The model's matrices in two forms (--quant): `use(True)` points the blocks at the
+    quantized ones, `use(False)` back at the model dtype's (packed or not), so both run from
+    one model. int8: the weight-only matrices (mimo_tts/lm/int8.py `matrices`), row-major;
+    w8a8: every streamed matrix packed as `load_lm(quant="w8a8")` packs it."""
 
-    def __init__(self, model: MiMoAudioLM):
-        self.model = model
-        self.dense = [getattr(m, n) for m, n in matrices(model)]
-        self.int8 = [_like(w, quantize_rows(unpack_rows(w) if w.dim() == 3 else w))
-                     for w in self.dense]
+    def __init__(self, model: MiMoAudioLM, quant: str):
+        lib = cpu_kernel.library()
+        if quant == "int8":
+            self.slots = matrices(model)
+        else:
+            self.slots = [(o, n) for o, n, _ in model.streamed_matrices()
+                          if cpu_kernel.packable_w8a8(_dense(getattr(o, n)))]
+        self.dense = [getattr(m, n) for m, n in self.slots]
+        self.quantized = [_like(w, quantize_rows(_dense(w)) if quant == "int8"
+                                else cpu_kernel.pack_w8a8(lib, _dense(w),  # huge pages
+                                                         cpu_kernel.huge_bytes(w.numel())))
+                          for w in self.dense]
 
-    def use(self, int8: bool) -> None:
-        for (module, name), t in zip(matrices(self.model), self.int8 if int8 else self.dense,
+    def use(self, quantized: bool) -> None:
+        for (module, name), t in zip(self.slots, self.quantized if quantized else self.dense,
                                      strict=True):
             setattr(module, name, t)
 
 
+def _dense(w: torch.Tensor) -> torch.Tensor:
+    return unpack_rows(w) if w.dim() == 3 else w
+
+
 def _like(dense: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """The int8 matrix `q` as a parameter where `dense` is one (with its scales)."""
+    """The quantized matrix `q` as a parameter where `dense` is one (with its scales)."""
     if not isinstance(dense, torch.nn.Parameter):
         return q
     p = torch.nn.Parameter(q, requires_grad=False)
@@ -312,8 +324,8 @@ def run(args) -> dict:
         if kind == "kernel":  # as load_lm leaves it: the streamed matrices packed in place
             cpu_kernel.prepare(model)
             packing = cpu_kernel.packing(model) if model.packed_bytes else packing
-            swap = Int8Swap(model) if args.quant == "int8" else None
-        group = [kind] + (["kernel_int8"] if swap is not None else [])
+            swap = QuantSwap(model, args.quant) if args.quant else None
+        group = [kind] + ([f"kernel_{args.quant}"] if swap is not None else [])
         for k in group:
             parts[k] = {b: {} for b in batches}
             steps_s[k] = {b: [] for b in batches}
@@ -355,9 +367,9 @@ def run(args) -> dict:
         **({"kernel_speedup_step": {b: round(best["eager"][b] / s, 2)
                                     for b, s in best["kernel"].items()}}
            if "kernel" in best and "eager" in best else {}),
-        **({"int8_over_bf16_step": {b: round(s / best["kernel"][b], 2)
-                                    for b, s in best["kernel_int8"].items()}}
-           if "kernel_int8" in best else {}),
+        **({f"{args.quant}_over_bf16_step": {b: round(s / best["kernel"][b], 2)
+                                             for b, s in best[f"kernel_{args.quant}"].items()}}
+           if f"kernel_{args.quant}" in best else {}),
         **({"products_gbps": anchor} if anchor is not None else {}),
     }
 
@@ -371,7 +383,7 @@ def measure(model, batches, kinds, swap, bandwidth, parts, steps_s, args, repeat
             for kind in kinds:
                 bandwidth.sample()
                 if swap is not None:
-                    swap.use(kind == "kernel_int8")
+                    swap.use(kind.startswith("kernel_"))
                 for part, times in component_times(model, b, repeats, args.device,
                                                    kind).items():
                     parts[kind][b].setdefault(part, []).extend(times)
@@ -475,8 +487,9 @@ def main() -> None:
     parser.add_argument("--kernel", choices=("auto", "on", "off"), default="auto",
                         help="the fused CPU kernel step beside the eager one: where load_lm "
                              "would use it (auto), always (on), or never (off)")
-    parser.add_argument("--quant", choices=("int8",), default=None,
-                        help="also time the kernel step with int8 weights (mimo_tts/lm/int8.py)")
+    parser.add_argument("--quant", choices=("int8", "w8a8"), default=None,
+                        help="also time the kernel step with quantized weights: int8 "
+                             "(weight-only, mimo_tts/lm/int8.py) or w8a8 (--lm-quant w8a8)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="rounds of measurements of each step kind")
     parser.add_argument("--anchor", choices=("kernel", "zentorch"), default=None,

@@ -58,6 +58,8 @@ def main() -> None:
     flops_per_row = 2 * sum(w.numel() for w in weights.values())
     lib = cpu_kernel.library()
     packed = {} if lib is None else {name: cpu_kernel.pack(lib, w) for name, w in weights.items()}
+    w8a8 = {} if lib is None else {name: cpu_kernel.pack_w8a8(lib, w)
+                                   for name, w in weights.items()}
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), "unknown")
     report = {"cpu": cpu, "bf16_flags": [f for f in cpu_flags() if "bf16" in f or "amx" in f],
@@ -69,6 +71,7 @@ def main() -> None:
         products = {"torch_bf16": (F.linear, weights), "upcast": (upcast_linear, weights)}
         if packed:
             products["kernel_packed"] = (cpu_kernel.packed_linear, packed)
+            products["kernel_w8a8"] = (cpu_kernel.packed_linear, w8a8)  # int8 ops, not FLOPs
         best = dict.fromkeys(products, float("inf"))
         for _ in range(args.rounds):
             for name, (product, mats) in products.items():
@@ -78,7 +81,8 @@ def main() -> None:
             **{f"{name}_gflops": round(rows * flops_per_row / s / 1e9, 1)
                for name, s in best.items()},
             "speedup": round(best["torch_bf16"] / best["upcast"], 2),
-            **({"kernel_over_torch": round(best["torch_bf16"] / best["kernel_packed"], 2)}
+            **({"kernel_over_torch": round(best["torch_bf16"] / best["kernel_packed"], 2),
+                "w8a8_over_kernel": round(best["kernel_packed"] / best["kernel_w8a8"], 2)}
                if packed else {})}
     faster, upcast, eager = cpu_kernel.measure_upcast()
     kept = cpu_kernel.upcast_faster()
