@@ -267,6 +267,21 @@ def compare_checkouts(runs: dict, names: list[str]) -> dict | None:
             for name, rows in out.items()} or None
 
 
+def compare_quant(runs: dict, quant: str) -> dict:
+    """Per run with a `~quant` twin: the twin's figure over the unquantized one's (rtf,
+    s_per_group, first audio, peak RSS)."""
+    out = {}
+    for key, run in runs.items():
+        twin = runs.get(key.replace("#", f"~{quant}#", 1) if "#" in key else f"{key}~{quant}")
+        if "~" in key or twin is None:
+            continue
+        out[key] = {k: round(twin[k] / run[k], 3) for k in ("rtf", "s_per_group",
+                                                            "first_audio_s", "peak_rss_gib")
+                    if isinstance(run.get(k), int | float) and run.get(k)
+                    and isinstance(twin.get(k), int | float)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default=".bench/full-size")
@@ -283,6 +298,10 @@ def main() -> None:
                     help="run every run under each checkout (its package first on the child's "
                          "PYTHONPATH), back to back, order alternating by round; "
                          "`vs_checkouts` holds the first's times over each other's")
+    ap.add_argument("--lm-quant", default=None, help="pass --lm-quant to synth")
+    ap.add_argument("--also-unquantized", action="store_true",
+                    help="with --lm-quant: run each run also without it, back to back (keys "
+                         "without and with `~QUANT`); `quant_vs_unquantized` holds the ratios")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args()
     dirs = checkpoint_dirs(args.preset)
@@ -312,18 +331,25 @@ def main() -> None:
                 "batch": ["--input", str(items), "--batch-size", str(batch)]}
         names = args.runs.split(",")
         envs = checkout_envs(args.checkouts)
+        quant = ["--lm-quant", args.lm_quant] if args.lm_quant else []
+        variants = ({"": [], f"~{args.lm_quant}": quant} if quant and args.also_unquantized
+                    else {"": quant})
         for round_ in range(args.rounds):  # every other round in the reverse order
             order = list(envs) if round_ % 2 == 0 else list(envs)[::-1]
             for name in names if round_ % 2 == 0 else names[::-1]:
                 for checkout in order:
-                    key = f"batch{batch}" if name == "batch" else name
-                    key += f"@{checkout}" if checkout else ""
-                    key += f"#{round_ + 1}" if round_ else ""
-                    print(f"bench_e2e: {key} ...", file=sys.stderr, flush=True)
-                    run = run_synth(common + argv[name], Path(tmp) / name, envs[checkout])
-                    report["runs"][key] = summarise(run, weights)
+                    for variant, flags in variants.items():
+                        key = f"batch{batch}" if name == "batch" else name
+                        key += variant + (f"@{checkout}" if checkout else "")
+                        key += f"#{round_ + 1}" if round_ else ""
+                        print(f"bench_e2e: {key} ...", file=sys.stderr, flush=True)
+                        run = run_synth(common + flags + argv[name],
+                                        Path(tmp) / (name + variant), envs[checkout])
+                        report["runs"][key] = summarise(run, weights)
     report["stream_vs_before"] = compare_streams(report["runs"])
     report["vs_checkouts"] = compare_checkouts(report["runs"], list(envs))
+    if len(variants) > 1:
+        report["quant_vs_unquantized"] = compare_quant(report["runs"], args.lm_quant)
     report["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     text = json.dumps(report, indent=2, ensure_ascii=False)
     print(text)

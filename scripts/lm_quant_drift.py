@@ -3,7 +3,8 @@
 Each quantization (--quant: int8 weight-only, mimo_tts/lm/int8.py; w8a8, int8 weights by int8
 activations in the CPU kernel, `--lm-quant w8a8`) against the same model unquantized, on two
 models: tiny-a (the reference fixture checkpoint: float32 and bfloat16 for int8, bfloat16 for
-w8a8, which needs it) and the real width with random weights (scripts/bench_lm.py's model,
+w8a8, which needs it; beside them, to read them by, tiny-a's own drift in bfloat16 from
+float32) and the real width with random weights (scripts/bench_lm.py's model,
 --layers backbone layers, bfloat16). On the same prompts the two are compared on:
 - the text logits after the prompt: max |error|, as is and relative to max |logit|, and
   whether the greedy token agrees;
@@ -12,9 +13,10 @@ w8a8, which needs it) and the real width with random weights (scripts/bench_lm.p
   agree;
 - a free greedy generation of --groups groups: the groups produced before the first one that
   differs, and the share of identical groups (random weights sit near ties: reported only);
-- the audio of those generations (every group's codes decoded by the tokenizer: tiny-a's, or
-  the full-size random one under .bench/full-size where it was made): the waveforms' relative
-  RMS distance and its signal-to-distance ratio in dB (identical codes: identical audio).
+- the audio of a second greedy generation with the text channel forced to <|empty|> (every
+  group audio), decoded by the tokenizer (tiny-a's, or the full-size random one under
+  .bench/full-size where it was made): the share of equal codes, the waveforms' relative RMS
+  distance and its signal-to-distance ratio in dB (identical codes: identical audio).
 Both models run the CPU kernel where `auto` picks it.
 
     .venv/bin/python scripts/lm_quant_drift.py [--quant int8,w8a8] [--layers 2] [--groups 8]
@@ -27,6 +29,8 @@ import json
 import math
 import os
 import sys
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -60,10 +64,19 @@ def measure(model, prompts, special, groups: int) -> list[dict]:
         record = [[] for _ in range(model.cfg.audio_channels)]
         local_in = model.hidden_states_downcast(state.hidden)
         codes = decode_patch(model, local_in, GREEDY, None, step, record)
+        spoken = replace(options(groups), text_logits_processor=partial(_speak, special))
         out.append({"text": step.text_logits(state.hidden)[0],
                     "first_step": record[0][0][0], "codes": codes[0],
-                    "ids": generate(model, [prompt], options(groups), special)[0].new_ids})
+                    "ids": generate(model, [prompt], options(groups), special)[0].new_ids,
+                    "audio_ids": generate(model, [prompt], spoken, special)[0].new_ids})
     return out
+
+
+def _speak(special, step, logits):
+    """Every group an audio group (the text channel forced to <|empty|>): the audio run."""
+    logits = logits.clone()
+    logits[:, special.empty] = 1e4
+    return logits
 
 
 @torch.inference_mode()
@@ -108,8 +121,12 @@ def table(ref: list[dict], quant: list[dict], frames: int, tokenizer=None,
             "identical_groups": f"{sum(same)} of {len(same)}",
         }
         if tokenizer is not None:
-            row.update(audio_distance(audio_of(a["ids"], tokenizer, empty, frames),
-                                      audio_of(b["ids"], tokenizer, empty, frames)))
+            same_audio = torch.equal(a["audio_ids"], b["audio_ids"])
+            row.update(audio_distance(audio_of(a["audio_ids"], tokenizer, empty, frames),
+                                      audio_of(b["audio_ids"], tokenizer, empty, frames)),
+                       audio_codes_identical=same_audio,
+                       audio_codes_agreement=round((a["audio_ids"][1:] == b["audio_ids"][1:])
+                                                   .float().mean().item(), 3))
         rows.append(row)
     snr = [r["audio_snr_db"] for r in rows if r.get("audio_snr_db") is not None]
     return {
@@ -125,7 +142,9 @@ def table(ref: list[dict], quant: list[dict], frames: int, tokenizer=None,
     }
 
 
-def tiny_a(dtype: str, groups: int, quant: str) -> dict:
+def tiny_a(dtype: str, groups: int, quant: str | None, ref_dtype: str | None = None) -> dict:
+    """tiny-a in `dtype` quantized by `quant` against it unquantized; quant None: `dtype`
+    against `ref_dtype` (the drift of bfloat16 itself, to read the others by)."""
     from safetensors.torch import load_file
 
     lm_dir = TINY_A / "lm"
@@ -136,7 +155,7 @@ def tiny_a(dtype: str, groups: int, quant: str) -> dict:
         tensors = load_file(TINY_A / "cases" / f"{group}.safetensors")
         prompts += [tensors[f"{c['name']}.input_ids"] for c in cases["groups"][group]["cases"]
                     if f"{c['name']}.input_ids" in tensors]
-    ref_model = load_lm(lm_dir, dtype=dtype)
+    ref_model = load_lm(lm_dir, dtype=ref_dtype or dtype)
     ref = measure(ref_model, prompts, special, groups)
     measured = measure(load_lm(lm_dir, dtype=dtype, quant=quant), prompts, special, groups)
     tokenizer = load_audio_tokenizer(TINY_A / "tokenizer")
@@ -175,7 +194,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     quants = args.quant.split(",")
-    report: dict = {"cpu": _cpu_name(), "threads": torch.get_num_threads()}
+    report: dict = {"cpu": _cpu_name(), "threads": torch.get_num_threads(),
+                    "tiny_a_bfloat16_unquantized_vs_float32": tiny_a("bfloat16", args.groups,
+                                                                      None, "float32")}
     for quant in quants:
         for dtype in ("float32", "bfloat16") if quant == "int8" else ("bfloat16",):
             report[f"tiny_a_{dtype}_{quant}"] = tiny_a(dtype, args.groups, quant)
