@@ -214,7 +214,3 @@ class CodecConfig:
     @property
     def vocoder_head_dim(self) -> int:
         return self.vocoder_dim // self.vocoder_attention_heads
-
-    @property
-    def n_freqs(self) -> int:
-        return self.nfft // 2 + 1

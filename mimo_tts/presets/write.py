@@ -104,6 +104,3 @@ def write_full_size_preset(directory, seed: int = 0) -> tuple[Path, Path]:
     audio tokenizer 1.3 B in float32 with EMA buffers (about 21 GB, written tensor by tensor)."""
     return write_random_checkpoint(directory, FULL_LM, FULL_CODEC, seed, vocab_size=FULL_VOCAB,
                                    lm_dtype=torch.bfloat16, shards=FULL_SHARDS)
-
-
-PRESETS = {"tiny": write_tiny_preset}
