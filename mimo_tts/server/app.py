@@ -3,15 +3,14 @@
 
 `POST /v1/audio/speech` (the fields of `protocol.py`), `GET /v1/models`, `GET /health`,
 `GET /metrics` (Prometheus, `metrics.py`), `/v1/audio/voices` (`voices.py`): the routes are
-`routes.py`'s, on FastAPI and uvicorn (the optional `serve` extra).
-The status of a request is decided when its first audio bytes are ready, so every failure
-before them is an OpenAI-style JSON error in the request's words; `pcm` and `wav` stream as
-Stage-1 decodes them (a WAV header of unknown length), the other formats come whole, decoded
-one-shot as `synth` does. Loopback by default, an optional
-bearer token, bounded input, requests in progress and waiting (503 with Retry-After past both),
-a per-request timeout
-that bounds every send too (a client that stops reading loses its place); a client that goes
-away cancels its jobs. Binding, signals and the bounded shutdown are `server/lifecycle.py`'s.
+`routes.py`'s, on FastAPI and uvicorn (the optional `serve` extra). The status of a request
+is decided when its first audio bytes are ready, so every failure before them is an
+OpenAI-style JSON error in the request's words; `pcm` and `wav` stream as Stage-1 decodes them
+(a WAV header of unknown length), the other formats come whole, decoded one-shot as `synth`
+does. Loopback by default, an optional bearer token, bounded input, requests in progress and
+waiting (503 with Retry-After past both), a per-request timeout that bounds every send too (a
+client that stops reading loses its place); a client that goes away cancels its jobs. Binding,
+signals and the bounded shutdown are `server/lifecycle.py`'s.
 """
 
 import asyncio
@@ -231,7 +230,7 @@ class Speech:
         for i in range(len(self.session.jobs)):
             if pauses[i] and fmt in STREAMED:
                 self.tally.samples += pauses[i]
-                yield header + pcm16(_zeros(pauses[i]))
+                yield header + bytes(2 * pauses[i])  # PCM16 silence
                 header = b""
             while (event := await self.next_event(i, request))[0] == "audio":
                 self.tally.samples += int(event[1].shape[-1])
@@ -244,7 +243,7 @@ class Speech:
             self.usage["output_tokens"] += event[1]["groups"]
         if pauses[-1] and fmt in STREAMED:
             self.tally.samples += pauses[-1]
-            yield header + pcm16(_zeros(pauses[-1]))
+            yield header + bytes(2 * pauses[-1])
         if fmt not in STREAMED:
             from starlette.concurrency import run_in_threadpool
 
@@ -319,12 +318,6 @@ class _Aborts:
             await self.app(scope, receive, send)
         except StreamAborted:
             pass
-
-
-def _zeros(n: int):
-    import numpy as np
-
-    return np.zeros(n, dtype=np.float32)
 
 
 def require_extra() -> None:
