@@ -329,5 +329,3 @@ class CheckpointNames:
     lm: tuple[str, str]
     tokenizer: tuple[str, str]
     allow_download: bool = False
-
-

@@ -270,5 +270,3 @@ def _same_file(path: str, sha256: str | None) -> bool:
         return sha256 is not None and file_sha256(path) == sha256
     except OSError:
         return False
-
-
