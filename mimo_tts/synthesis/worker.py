@@ -10,9 +10,9 @@ not depend on what it ran beside). Stage-1 is one decoder schedule in rounds: th
 next push and the next push of every other streamed job queued by then (up to `stage1_batch`)
 go through the codec together (`codec.push_streams`); a job's codes decoded whole (`decode=
 "whole"`) are decoded once its row ends, in one `Stage1.decode` call with the other jobs of its
-`group` (an item's pieces). Stage-1 runs in a thread of its own, or
-in turns with Stage-0 (`stage1="turns"`: its work runs in the Stage-0 thread after each step,
-with every CPU thread, as small CPUs want it: `synthesis/loader.stage1_mode`).
+`group` (an item's pieces). Stage-1 runs in a thread of its own, or in turns with Stage-0
+(`stage1="turns"`: its work runs in the Stage-0 thread after each step, with every CPU thread,
+as small CPUs want it: `synthesis/loader.stage1_mode`).
 
 Two ways to drive it: `run(jobs)` in the caller's thread, yielding events (the offline faces),
 or `start()` a Stage-0 thread, then `submit`/`cancel` from any thread with each job's `deliver`
