@@ -34,7 +34,7 @@ from mimo_tts.synthesis.options import SynthesisOptions
 from mimo_tts.synthesis.pieces import Piece
 from mimo_tts.synthesis.preflight import lengths_for
 from mimo_tts.synthesis.settings import Settings
-from mimo_tts.synthesis.voices import VoiceStore
+from mimo_tts.synthesis.voices import VoiceStore, tokenizer_record
 
 # Per-item timings that are work (the rest describe the streaming overlap within them).
 BUSY_TIMINGS = ("prompt_s", "generate_s", "decode_s")
@@ -285,8 +285,6 @@ def _item_timings(result: ItemResult, jobs: list, stream: bool) -> None:
 def reencodes(voice: str, tok_ref) -> bool:
     """Whether a stored voice's codes come from another audio tokenizer, so that it is
     re-encoded from its source (the memory preflight then counts the encoder)."""
-    from mimo_tts.synthesis.voices import tokenizer_record
-
     try:
         record = VoiceStore().record(voice)
     except MimoTTSError:  # unknown or unreadable: the item fails with that error

@@ -18,7 +18,6 @@ import base64
 import functools
 import hmac
 import json
-from typing import TYPE_CHECKING
 
 from mimo_tts.errors import MimoTTSError, UsageError
 from mimo_tts.server.guard import Guard
@@ -51,11 +50,9 @@ from mimo_tts.synthesis.audio import (
 )
 from mimo_tts.synthesis.captions import cues
 from mimo_tts.synthesis.markup import script
+from mimo_tts.synthesis.options import SynthesisOptions
+from mimo_tts.synthesis.settings import OptionValues
 from mimo_tts.synthesis.voices import served_voices
-
-if TYPE_CHECKING:
-    from mimo_tts.synthesis.options import SynthesisOptions
-    from mimo_tts.synthesis.settings import OptionValues
 
 EXTRA_HINT = "mimo-tts serve needs the serve extra: pip install 'mimo-tts[serve]'"
 RETRY_AFTER_S = 1
@@ -69,7 +66,7 @@ class StreamAborted(Exception):
 class SpeechServer:
     """The HTTP face over one loaded `MiMoTTS` and its `SpeechWorker`."""
 
-    def __init__(self, tts, cfg: ServeConfig, base: "SynthesisOptions", model: str, log=None,
+    def __init__(self, tts, cfg: ServeConfig, base: SynthesisOptions, model: str, log=None,
                  requests=None):
         """`log`: the server's messages; `requests`: the request log's lines (None: none)."""
         self.tts, self.cfg, self.model = tts, cfg, model  # model: the public name
@@ -331,7 +328,7 @@ def require_extra() -> None:
         raise UsageError(EXTRA_HINT) from None
 
 
-def main(cfg: ServeConfig, options: "OptionValues", config: str | None, reporter) -> int:
+def main(cfg: ServeConfig, options: OptionValues, config: str | None, reporter) -> int:
     """`mimo-tts serve` (after `require_extra`): check the voices, bind, load once, serve until
     a signal."""
     with loaded(cfg, options, config, reporter) as (settings, sock, tts):

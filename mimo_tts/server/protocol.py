@@ -16,7 +16,6 @@ import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from mimo_tts.errors import DeviceError, InputError, MimoTTSError, UsageError, short_repr
@@ -28,16 +27,14 @@ from mimo_tts.synthesis.audio import (
     LOSSY_FORMATS,
     check_prompt_file,
     lossy_formats,
+    read_audio,
 )
 from mimo_tts.synthesis.markup import MarkupError, check_voices, script
-from mimo_tts.synthesis.options import DEFAULT_TASK, MAX_SEED, task_for
+from mimo_tts.synthesis.options import DEFAULT_TASK, MAX_SEED, SynthesisOptions, task_for
 from mimo_tts.synthesis.tempo import SPEEDS
 from mimo_tts.synthesis.text import clean_text
 from mimo_tts.synthesis.voices import BUILT_IN, VoiceStore, served_voices
 from mimo_tts.synthesis.worker import STAGE1_BATCH
-
-if TYPE_CHECKING:
-    from mimo_tts.synthesis.options import SynthesisOptions
 
 FIELDS = ("model", "input", "voice", "instructions", "response_format", "stream_format", "seed",
           "speed", "captions")
@@ -198,8 +195,6 @@ def parse_voices(values: list[str]) -> dict:
 def read_voices(voices: dict) -> None:
     """Each voice's prompt audio decoded once before the model loads (readable, with finite
     samples), a refusal naming the voice and the file."""
-    from mimo_tts.synthesis.audio import read_audio
-
     for name, path in voices.items():
         _voice_step(name, path, lambda p=path: read_audio(p))
 
