@@ -16,9 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from mimo_tts.errors import InputError, OutputError
-from mimo_tts.lm.config import AUDIO_CHANNELS
 from mimo_tts.runtime.paths import atomic_write
-from mimo_tts.synthesis.audio import FORMATS, SAMPLE_RATE, encode_audio, pcm16
+from mimo_tts.synthesis.audio import FORMATS, MAX_PAUSE_FRAMES, SAMPLE_RATE, encode_audio, pcm16
 from mimo_tts.synthesis.captions import caption_text
 from mimo_tts.synthesis.markup import MAX_PAUSE
 
@@ -57,8 +56,6 @@ def save_codes(path: str | Path, pieces: list, metadata: dict) -> Path:
     return atomic_write(path, lambda f: f.write(data))
 
 
-CODE_CHANNELS = AUDIO_CHANNELS  # codebooks the LM emits and `decode` takes
-MAX_PAUSE_FRAMES = 250  # 10 s of silence between pieces
 MAX_PAUSE_SAMPLES = round(MAX_PAUSE * SAMPLE_RATE)  # one [pause:] or <break>: 60 s
 
 
@@ -72,6 +69,8 @@ def load_codes(path: str | Path) -> tuple[list, dict]:
     file, so the other files of a `decode` run still go on.
     """
     from safetensors import SafetensorError, safe_open
+
+    from mimo_tts.synthesis.stage1 import codes_tensor
 
     path = Path(path)
     if not path.is_file():
@@ -87,12 +86,7 @@ def load_codes(path: str | Path) -> tuple[list, dict]:
         raise InputError(f"unreadable codes file {path}: {exc}") from None
     if not pieces:
         raise InputError(f"{path}: no 'codes' tensor found")
-    for key, piece in zip(keys, pieces, strict=True):
-        if piece.is_floating_point() or piece.is_complex() or piece.dtype == _bool_dtype():
-            raise InputError(f"{path}: {key} holds {piece.dtype} values; codes are integers")
-        if piece.dim() != 2 or piece.shape[0] != CODE_CHANNELS or piece.shape[1] < 1:
-            raise InputError(f"{path}: {key} has shape {list(piece.shape)}; codes are "
-                             f"[{CODE_CHANNELS}, T] with T >= 1")
+    pieces = [codes_tensor(p, f"{path}: {key}") for key, p in zip(keys, pieces, strict=True)]
     metadata = metadata if isinstance(metadata, dict) else {}
     pause = metadata.get("pause_frames", 0)
     if isinstance(pause, bool) or not isinstance(pause, int) or \
@@ -107,13 +101,7 @@ def load_codes(path: str | Path) -> tuple[list, dict]:
         raise InputError(f"{path}: metadata pause_samples must be {len(pieces) + 1} integers "
                          f"in [0, {MAX_PAUSE_SAMPLES}] (silence before each piece and after "
                          f"the last), got {str(samples)[:40]!r}")
-    return [p.long() for p in pieces], metadata
-
-
-def _bool_dtype():
-    import torch
-
-    return torch.bool
+    return pieces, metadata
 
 
 # --- stdout -----------------------------------------------------------------------------------

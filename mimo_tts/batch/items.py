@@ -18,14 +18,13 @@ from pathlib import Path
 
 from mimo_tts.errors import InputError, short_repr
 from mimo_tts.lm.tasks import TASKS
-from mimo_tts.synthesis.options import MAX_SEED, SynthesisOptions
+from mimo_tts.synthesis.options import DEFAULT_TASK, MAX_SEED
 from mimo_tts.synthesis.text import clean_text
 
 JSONL_FIELDS = {"id", "text", "instruct", "prompt_audio", "seed", "task"}
 _RESERVED = {"con", "prn", "aux", "nul", *(f"com{i}" for i in range(10)),
              *(f"lpt{i}" for i in range(10))}
 _UNSAFE = re.compile(r"[^\w.\-]+")
-DEFAULT_TASK = SynthesisOptions.task
 MAX_ID_BYTES = 120  # UTF-8 bytes of a file stem: with suffixes and temp prefixes < NAME_MAX 255
 
 

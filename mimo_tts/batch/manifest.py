@@ -12,16 +12,11 @@ from pathlib import Path
 
 from mimo_tts.batch.files import audio_suffix, iter_jsonl
 from mimo_tts.errors import OutputError
-from mimo_tts.runtime.paths import (
-    atomic_write,
-    open_no_follow,
-)
+from mimo_tts.runtime.paths import atomic_write, open_no_follow
 
 LOCK_NAME = ".mimo-tts.lock"
 
-
 MANIFEST_NAME = "results.jsonl"
-
 
 SHARED_LOCK_WAIT_S = 2.0  # a shard waits this long for another shard's temp-file clean-up
 

@@ -17,13 +17,7 @@ from mimo_tts.batch.items import Item, Naming, has_surrogates, piped, read_items
 from mimo_tts.batch.results import ItemResult
 from mimo_tts.batch.runner import BatchRunner
 from mimo_tts.batch.shards import Shard, resolve_shard
-from mimo_tts.batch.sinks import (
-    DirectorySink,
-    FileSink,
-    RawPcmSink,
-    StdoutSink,
-    TaskDirectories,
-)
+from mimo_tts.batch.sinks import DirectorySink, FileSink, RawPcmSink, StdoutSink, TaskDirectories
 from mimo_tts.errors import UsageError
 from mimo_tts.lm.tasks import TASKS
 from mimo_tts.synthesis.markup import (

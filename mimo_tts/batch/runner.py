@@ -3,15 +3,13 @@
 `BatchRunner` loads `MiMoTTS` once on first need and yields one result per item, in input
 order: written, skipped (the sink holds it done with the same inputs: the resume key,
 `resume.py`) or failed with its exit code (a failed item never stops the batch). Every item's
-text pieces are jobs of the speech worker (`synthesis/worker.py`) with `--batch-size` rows
-(vLLM: at least its max_num_seqs): a row that stops takes the next piece, whatever item it
-belongs to, and each piece samples from its own seeded generator, so an item's output is its
-single run's. With `--stream` one piece runs at a time and Stage-1 decodes it as it comes
-(the sink's `on_chunk` gets the audio); otherwise an item's pieces are decoded together once
-they are generated. An item goes to the sink as data (`finish_item`: join, check, resample,
-its sidecar record) once it and every item before it are done; the sink decides where the
-bytes go and never calls back into the runner. `codes` (Stage-0 alone) and `finish_item` are
-also what the Ray pipeline's actors run (`batch/ray.py`).
+text pieces are jobs of the speech worker (`synthesis/worker.py`, so an item's output is its
+single run's) with `--batch-size` rows (vLLM: at least its max_num_seqs); with `--stream` one
+piece runs at a time and the sink's `on_chunk` gets its audio as Stage-1 decodes it. An item
+goes to the sink as data (`finish_item`: join, check, resample, its sidecar record) once it
+and every item before it are done; the sink decides where the bytes go and never calls back
+into the runner. `codes` (Stage-0 alone) and `finish_item` are also what the Ray pipeline's
+actors run (`batch/ray.py`).
 """
 
 from __future__ import annotations
@@ -28,12 +26,7 @@ from mimo_tts.batch.resume import item_key, item_options, run_inputs, sidecar_re
 from mimo_tts.errors import InputError, MimoTTSError
 from mimo_tts.lm.engine import engine_spec
 from mimo_tts.lm.tasks import TASKS, validate_inputs
-from mimo_tts.synthesis.audio import (
-    PAUSE_FRAMES,
-    SAMPLE_RATE,
-    check_prompt_audio,
-    resample,
-)
+from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE, check_prompt_audio, resample
 from mimo_tts.synthesis.captions import at_rate, cues, piece_samples
 from mimo_tts.synthesis.loader import resolve_checkpoints
 from mimo_tts.synthesis.markup import script
@@ -41,7 +34,7 @@ from mimo_tts.synthesis.options import SynthesisOptions
 from mimo_tts.synthesis.pieces import Piece
 from mimo_tts.synthesis.preflight import lengths_for
 from mimo_tts.synthesis.settings import Settings
-from mimo_tts.synthesis.voices import VoiceStore
+from mimo_tts.synthesis.voices import VoiceStore, tokenizer_record
 
 # Per-item timings that are work (the rest describe the streaming overlap within them).
 BUSY_TIMINGS = ("prompt_s", "generate_s", "decode_s")
@@ -292,8 +285,6 @@ def _item_timings(result: ItemResult, jobs: list, stream: bool) -> None:
 def reencodes(voice: str, tok_ref) -> bool:
     """Whether a stored voice's codes come from another audio tokenizer, so that it is
     re-encoded from its source (the memory preflight then counts the encoder)."""
-    from mimo_tts.synthesis.voices import tokenizer_record
-
     try:
         record = VoiceStore().record(voice)
     except MimoTTSError:  # unknown or unreadable: the item fails with that error

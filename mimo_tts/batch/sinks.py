@@ -70,10 +70,17 @@ class Sink:
     on_chunk = None  # streamed audio chunks [S_i] float32 24 kHz, or None
 
     def __enter__(self):
-        return self
+        return self.open()
 
     def __exit__(self, *exc) -> None:
-        return None
+        self.close()
+
+    def open(self):
+        """Take what the sink writes into (a folder, its locks); `with` opens and closes it."""
+        return self
+
+    def close(self) -> None:
+        """Let go of what `open` took."""
 
     def check(self, result) -> None:
         """Before an item runs: mark it skipped, or raise when its target is taken."""
@@ -143,7 +150,7 @@ class FileSink(Sink):
         self.save_codes, self.overwrite, self.audio_only = save_codes, overwrite, audio_only
         self.captions = captions  # the caption formats this run writes (--captions)
 
-    def __enter__(self) -> FileSink:
+    def open(self) -> FileSink:
         if not is_special_file(self.path):
             _make_folder(self.path.parent, "directory")
             clean_temp_files(self.path.parent,
@@ -323,12 +330,6 @@ class DirectorySink(FileSink):
         while self._locks:
             self._locks.pop().close()
 
-    def __enter__(self) -> DirectorySink:
-        return self.open()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def targets(self, result) -> tuple[Path, Path, Path]:
         item_id = result.item.id
         return self.audio_path(item_id), self.sidecar_path(item_id), self.codes_path(item_id)
@@ -396,12 +397,6 @@ class TaskDirectories(Sink):
         for sink in self.sinks.values():
             sink.close()
 
-    def __enter__(self) -> TaskDirectories:
-        return self.open()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def of(self, result) -> DirectorySink:
         return self.sinks[result.item.task or self.task]
 
@@ -413,5 +408,3 @@ class TaskDirectories(Sink):
 
     def finished(self, result, task: str) -> None:
         self.of(result).finished(result, task)
-
-

@@ -6,8 +6,8 @@ shards. An item is done as the next `synth` judges it: a line says `ok`, its sid
 that key and its audio has the recorded size; with `--input`, also its resume key from its
 line (`resume.item_key`: the item's text, seed, instruct, prompt audio and task, with the rest
 of the settings as its sidecar records them). An item with no line, or done for other inputs,
-is missing. `--merge` writes one `results.jsonl` with
-a line per item (under the folder's lock: refused while a run writes). No torch here.
+is missing. `--merge` writes one `results.jsonl` with a line per item (under the folder's lock:
+refused while a run writes). No torch here.
 """
 
 from __future__ import annotations

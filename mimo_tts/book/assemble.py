@@ -29,13 +29,7 @@ from mimo_tts.batch.files import companion_paths
 from mimo_tts.batch.items import Item
 from mimo_tts.batch.manifest import done_record, flock
 from mimo_tts.batch.resume import item_key
-from mimo_tts.book.plan import (
-    ITEMS_NAME,
-    BookPlan,
-    chapter_captions,
-    chapter_name,
-    chapter_number,
-)
+from mimo_tts.book.plan import ITEMS_NAME, BookPlan, chapter_captions, chapter_name, chapter_number
 from mimo_tts.codec.config import CodecConfig
 from mimo_tts.errors import OutputError
 from mimo_tts.runtime.paths import atomic_write, clean_temp_files, open_no_follow

@@ -164,13 +164,9 @@ def _all(root, name: str) -> list:
     return [e for e in root.iter() if _local(e.tag) == name]
 
 
-def _read(archive: _Archive, name: str) -> bytes:
-    return archive.read(name)
-
-
 def _xml(archive: _Archive, name: str):
     try:
-        return ET.fromstring(_read(archive, name))
+        return ET.fromstring(archive.read(name))
     except ET.ParseError as exc:
         raise _Corrupt(f"{name} is not well-formed XML ({exc})") from None
 
@@ -239,18 +235,17 @@ class _Package:
             if item is nav or path in covers or COVER_NAME.search(f"{item.get('id')} {path}"
                                                                  .lower()):
                 continue
-            document = _Document.parse(_read(self.archive, path))
+            document = _Document.parse(self.archive.read(path))
             if document.cover:
                 continue
             title = titles.get(path) or document.heading
             if title is None and titles and sections:  # a chapter split over files
-                for text, heading in document.paragraphs:
-                    sections[-1].add(text, heading)
-                continue
-            section = Section(title or document.title)
+                section = sections[-1]
+            else:
+                section = Section(title or document.title)
+                sections.append(section)
             for text, heading in document.paragraphs:
                 section.add(text, heading)
-            sections.append(section)
         return self.metadata("title"), self.metadata("creator"), sections
 
     def nav_item(self):
@@ -264,7 +259,7 @@ class _Package:
         covers: set[str] = set()
         if nav is not None:
             base = self.href(nav)
-            links = _Document.parse(_read(self.archive, base)).links
+            links = _Document.parse(self.archive.read(base)).links
             for kind, href, text in links:
                 target = self.resolve(base, href)
                 if kind == "toc" and text:

@@ -117,13 +117,9 @@ def main_callback(
 
 # In this order in the help: the run, its preflight, then the other commands.
 app.command(cls=Command, epilog=EXAMPLES)(synth.synth)
-app.command(cls=Command)(synth.devices)
-app.command(cls=Command)(book.book)
-app.command(cls=Command)(tools.status)
-app.command(cls=Command)(decode.decode)
-app.command(cls=Command)(tools.download)
-app.command(cls=Command)(tools.selftest)
-app.command(cls=Command)(tools.serve)
+for _command in (synth.devices, book.book, tools.status, decode.decode, tools.download,
+                 tools.selftest, tools.serve):
+    app.command(cls=Command)(_command)
 voices_app = typer.Typer(name="voices", no_args_is_help=True, cls=App, help=voices.HELP)
 for _name, _command in voices.COMMANDS.items():
     voices_app.command(_name, cls=Command)(_command)

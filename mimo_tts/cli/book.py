@@ -146,7 +146,7 @@ def _synthesize(reporter: Reporter, bplan, runner, sink) -> list:
     left = Counter(bplan.chapter_of(item).number for item in items)
     lines = not reporter.err.is_terminal  # off a terminal (a log): a line per chapter
     results, start = [], time.perf_counter()
-    with reporter.bar(len(items), "reading", eta=True) as advance:
+    with reporter.bar(len(items), "reading") as advance:
         for result in runner.run(items, sink):
             results.append(result)
             if reporter.as_json or result.status == "error":

@@ -146,4 +146,3 @@ def _decode_tokenizer(settings, meta: dict):
     if source == "default" and recorded and Path(recorded).is_dir():
         name, source = recorded, "codes metadata"
     return presets.resolve(name, source, "tokenizer")
-

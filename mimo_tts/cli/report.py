@@ -49,10 +49,10 @@ class Reporter:
         write_stdout_line(text)
 
     @contextlib.contextmanager
-    def bar(self, total: int, description: str = "synthesising", eta: bool = False):
-        """A progress bar on stderr, only on a terminal and never with --quiet/--json; it
-        yields `advance(description=None, steps=1)`, which can also say where the run is now. With
-        `eta` it shows the time left."""
+    def bar(self, total: int, description: str):
+        """A progress bar with the time left on stderr, only on a terminal and never with
+        --quiet/--json; it yields `advance(description=None, steps=1)`, which can also say
+        where the run is now."""
         if self.quiet or self.as_json or not self.err.is_terminal or total < 2:
             yield lambda description=None, steps=1: None
             return
@@ -65,8 +65,7 @@ class Reporter:
         )
 
         columns = ["[progress.description]{task.description}", BarColumn(),
-                   MofNCompleteColumn(), TimeElapsedColumn(),
-                   *([TimeRemainingColumn()] if eta else [])]
+                   MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
         # Data lines stay on stdout: rich may only route them above the bar when stdout is
         # the very terminal the bar is drawn on.
         with Progress(*columns, console=self.err, transient=True,
@@ -145,4 +144,3 @@ def quiet_libraries() -> None:
                         ("TORCH_LOGS", "-torch"), ("TQDM_DISABLE", "1")):
         os.environ.setdefault(name, value)
     warnings.simplefilter("ignore")
-

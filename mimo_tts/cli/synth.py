@@ -67,7 +67,7 @@ def synth(
         start = time.perf_counter()
         # the bar counts text pieces, so one long text shows its progress too
         left = {id(item): runner.piece_count(item) for item in plan.items}
-        with runner, reporter.bar(sum(left.values()), "pieces", eta=True) as advance:
+        with runner, reporter.bar(sum(left.values()), "pieces") as advance:
             runner.on_piece = lambda r: advance(steps=_one_less(left, id(r.item)))
             results = []
             for result in run_synth(runner, plan.items, plan.sink()):  # closes the engine

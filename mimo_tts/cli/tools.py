@@ -16,7 +16,7 @@ from mimo_tts.runtime import checkpoints
 from mimo_tts.runtime.checkpoints import DEFAULT_MODEL, DEFAULT_TOKENIZER
 from mimo_tts.synthesis.audio import PAUSE_FRAMES, SAMPLE_RATE
 from mimo_tts.synthesis.markup import DEFAULT_SENTENCE_SILENCE
-from mimo_tts.synthesis.options import DEFAULT_TASK
+from mimo_tts.synthesis.options import DEFAULT_TASK, SynthesisOptions
 from mimo_tts.synthesis.settings import OptionValues, resolve
 
 
@@ -65,7 +65,6 @@ def status(
         from mimo_tts.batch.items import Naming
         from mimo_tts.batch.plan import variant_of
         from mimo_tts.book import status as book_status
-        from mimo_tts.synthesis.options import SynthesisOptions
 
         # checked as synth checks them (a value out of range: exit 2)
         variant = variant_of(SynthesisOptions(speed=speed, sentence_silence=sentence_silence))

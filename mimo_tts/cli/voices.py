@@ -15,7 +15,7 @@ import typer
 from mimo_tts.cli.params import Debug, Verbose, VoiceAddJson, VoicesListJson, takes
 from mimo_tts.cli.report import Reporter, run_command
 from mimo_tts.errors import EXIT_OK
-from mimo_tts.synthesis.settings import OptionValues
+from mimo_tts.synthesis.settings import OptionValues, resolve
 
 HELP = "Voices kept by name: add, list, show, rm."
 Name = Annotated[str, typer.Argument(metavar="NAME", help="The voice's name.", show_default=False)]
@@ -44,7 +44,6 @@ def add(
 
     def body() -> int:
         from mimo_tts.synthesis.loader import resolve_tokenizer
-        from mimo_tts.synthesis.settings import resolve
         from mimo_tts.synthesis.stage1 import Stage1
         from mimo_tts.synthesis.voices import add_voice, check_name, source_record
 

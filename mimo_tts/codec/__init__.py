@@ -19,5 +19,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
 __getattr__ = lazy_exports("mimo_tts.codec", _EXPORTS)

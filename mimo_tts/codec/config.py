@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from mimo_tts.errors import CheckpointError
+from mimo_tts.errors import CheckpointError, short_repr
 
 # Spec §7.1: official synthesis decodes independent 60 s chunks with no overlap.
 DECODE_CHUNK_FRAMES = 1500
@@ -24,9 +24,8 @@ STREAM_MODES = ("official", "incremental")
 
 
 def _bad(name: str, value, what: str) -> CheckpointError:
-    text = repr(value)
-    text = text if len(text) <= 40 else text[:40] + "..."
-    return CheckpointError(f"tokenizer config.json: field {name!r} = {text} must be {what}")
+    return CheckpointError(f"tokenizer config.json: field {name!r} = {short_repr(value)} must "
+                           f"be {what}")
 
 
 def _int(value, name: str, low: int | None = 1) -> int:
@@ -214,7 +213,3 @@ class CodecConfig:
     @property
     def vocoder_head_dim(self) -> int:
         return self.vocoder_dim // self.vocoder_attention_heads
-
-    @property
-    def n_freqs(self) -> int:
-        return self.nfft // 2 + 1

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from mimo_tts.codec.decoder import AudioDecoder
-from mimo_tts.codec.layers import plain_state_dict, unpack
+from mimo_tts.codec.layers import plain_state_dict
 from mimo_tts.codec.tokenizer import AudioTokenizer
 from mimo_tts.errors import UsageError
 
@@ -38,22 +38,18 @@ def _copy_decoder(decoder: AudioDecoder) -> AudioDecoder:
     return fresh.eval().requires_grad_(False)
 
 
-def quantize_int8(tokenizer: AudioTokenizer, inplace: bool = False) -> AudioTokenizer:
+def quantize_int8(tokenizer: AudioTokenizer) -> AudioTokenizer:
     """A tokenizer whose decoder and vocoder layers use int8 dynamic-quantised linears.
 
-    Needs a float32 tokenizer on CPU. With inplace=False the float32 model is left untouched
-    (the decoder is copied first); encode is unchanged either way.
+    Needs a float32 tokenizer on CPU. The float32 model is left untouched (the decoder is
+    copied first); encode is unchanged.
     """
     if tokenizer.device.type != "cpu" or tokenizer.dtype != torch.float32:
         raise UsageError("int8 decode needs a float32 tokenizer on CPU, got "
                          f"{tokenizer.dtype} on {tokenizer.device}")
-    model = tokenizer.model
-    if inplace:
-        unpack(model.decoder)  # quantize plain float32 weights, not the GEMM's packed halves
-    else:
-        model = copy.copy(model)  # shares the encoder; the decoder is replaced below
-        model._modules = dict(model._modules)
-        model._modules["decoder"] = _copy_decoder(tokenizer.model.decoder)
+    model = copy.copy(tokenizer.model)  # shares the encoder; the decoder is replaced below
+    model._modules = dict(model._modules)
+    model._modules["decoder"] = _copy_decoder(tokenizer.model.decoder)
     previous = torch.backends.quantized.engine
     torch.backends.quantized.engine = _engine()  # weights are packed for this engine
     try:

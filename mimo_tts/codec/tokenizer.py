@@ -20,9 +20,6 @@ from mimo_tts.codec.decoder import pad_hidden
 from mimo_tts.codec.mel import LogMel, prepare_audio
 from mimo_tts.errors import AudioCheckError, InputError
 
-# Spec §8 item 5: the warm-up decodes zero codes of this shape [K, T].
-WARMUP_CODES = (8, 4)
-
 
 def _on_device(method):
     """Run under inference mode with the tokenizer device as default device.
@@ -208,10 +205,3 @@ class AudioTokenizer:
                              f"({samples} samples at {sample_rate} Hz); a voice prompt needs "
                              f"at least {need:.0f} ms")
         return self.encode(audio, sample_rate)
-
-    @_on_device
-    def warmup(self) -> None:
-        """Spec §8 item 5: encode 1 s of zeros and decode [8, 4] zeros (fills caches/graphs)."""
-        rate = self.config.sampling_rate
-        self.encode(torch.zeros(rate, device=self.device), rate)
-        self.decode(torch.zeros(WARMUP_CODES, dtype=torch.long, device=self.device))

@@ -9,12 +9,10 @@ goes to slot P + k (its RoPE position), the key mask hides the rest. Each job sa
 own generator, seeded from its seed and drawn in the order of its single run, so its codes do
 not depend on what it was batched with or which row it got.
 
-`step` returns events: `JobGroup` for each new group (streaming consumers take chunks from
-them), `JobDone` when a job ends (stop token, budget, cancelled, or a prompt it cannot take).
-`run` steps until the source is exhausted and every row is free, yielding `STEPPED` after each
-step and `IDLE` when no row is live and the source has nothing yet. Sources: anything with a
-non-blocking `pull` (`Jobs` over an iterable; the speech worker's feed, `synthesis/worker.py`).
-Shapes: B rows, H hidden, F frames, K codebooks.
+`step` and `run` give the events `lm/engine.py` lists (`run` until the source is exhausted and
+every row is free), pulling from anything with a non-blocking `pull` (`Jobs` over an iterable;
+the speech worker's feed, `synthesis/worker.py`). Shapes: B rows, H hidden, F frames, K
+codebooks.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -179,7 +177,7 @@ class ContinuousBatcher:
 
     def run(self) -> Iterator[Event]:
         """Step until the source is exhausted and no row is live; `IDLE` whenever no row is
-        live and the source has nothing now (a `JobQueue` consumer then calls its `wait`)."""
+        live and the source has nothing now (the speech worker's feed then waits for a job)."""
         while True:
             events = self.step()
             yield from events
@@ -409,8 +407,6 @@ def stream_steps(engine, prompts, options: GenerationOptions,
                  rows: int | None = None) -> Iterator[StepOutput]:
     """Each prompt's `StepOutput`s as they come, `index` the prompt's place in `prompts` (not
     its row); through `engine.run_batch` as `generate_all` runs it."""
-    from dataclasses import replace
-
     for event in _whole_run(engine, prompts, options, rows):
         if isinstance(event, JobGroup):
             yield replace(event.output, index=event.job.key)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mimo_tts.errors import CheckpointError, UsageError
+from mimo_tts.errors import CheckpointError, UsageError, short_repr
 
 # The published LM reads and writes 8 RVQ channels in groups of 4 codec frames (spec §1, §2.2);
 # checkpoints state their own (LMConfig); these are for code that has no checkpoint at hand
@@ -81,7 +81,7 @@ def _field(cfg: dict, name: str, kind=int):
     if name not in cfg or cfg[name] is None:
         raise CheckpointError(f"LM config.json: missing field {name!r}")
     value = cfg[name]
-    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
+    shown = short_repr(value)
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise CheckpointError(f"LM config.json: field {name!r} = {shown} is not {kind.__name__}")
     try:

@@ -25,8 +25,6 @@ from mimo_tts.lm.model import KVCache, MiMoAudioLM
 from mimo_tts.lm.sampling import TASK_SAMPLERS, Rng, SamplerConfig, sample, task_samplers
 from mimo_tts.lm.step import DecodeStep, EagerStep
 
-# Stop sets by SpecialTokens field name (spec §4.7).
-
 LogitsHook = Callable[[int, Tensor], Tensor]
 # How decode steps run (GenerationOptions.decode_step); see `decode_step` below.
 DECODE_STEPS = ("auto", "eager", "graph", "static")

@@ -58,7 +58,7 @@ class CapturedStep:
             return self.fn()
         if self.graph is None:
             try:
-                self._capture()
+                self.graph, self.out = capture(self.fn)
             except RuntimeError as exc:
                 if self.strict:
                     raise
@@ -68,9 +68,6 @@ class CapturedStep:
                 return self.fn()
         self.graph.replay()
         return self.out
-
-    def _capture(self) -> None:
-        self.graph, self.out = capture(self.fn)
 
 
 class GraphStep:

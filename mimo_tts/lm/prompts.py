@@ -161,9 +161,8 @@ def build_prompt(
     `empty_ids` are the LM's per-channel empty ids (`speech_zeroemb_idx`) and `group_size` its
     frames per group (both from the checkpoint's LMConfig); `prompt_codes` [>=K, T] are
     voice-prompt codes (cut to the LM's K channels and padded here to whole groups by repeating
-    the last frame). The template
-    is `template` (index or string) if given, else drawn by `random.Random(seed)`; the natural
-    layout uses none.
+    the last frame). The template is `template` (index or string) if given, else drawn by
+    `random.Random(seed)`; the natural layout uses none.
     """
     if task not in TASKS:
         raise InputError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")

@@ -17,14 +17,10 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from mimo_tts.errors import InputError
-from mimo_tts.lm.config import TASK_STOP_TOKENS
-
-if TYPE_CHECKING:
-    from mimo_tts.lm.sampling import SamplerConfig
-    from mimo_tts.lm.text import SpecialTokens
+from mimo_tts.lm.config import TASK_STOP_TOKENS, SamplerConfig, task_samplers
+from mimo_tts.lm.text import SpecialTokens
 
 # Exact strings of the official templates.py (spec §6.4).
 TTS_EN_TEMPLATES = (
@@ -69,8 +65,6 @@ class TaskSpec:
 
     def samplers(self) -> tuple[SamplerConfig, SamplerConfig]:
         """The task's official (text, audio) sampler defaults (spec §4.6)."""
-        from mimo_tts.lm.sampling import task_samplers
-
         return task_samplers(self.sampler)
 
     def stop_ids(self, special: SpecialTokens) -> tuple[int, ...]:

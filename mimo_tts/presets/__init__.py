@@ -36,13 +36,13 @@ def ensure_tiny_preset(env=None, seed: int = 0) -> tuple[Path, Path]:
         write_tiny_preset(staging, seed=seed)
         (staging / "complete").write_text("ok\n")
         if final.exists():  # an incomplete earlier attempt
-            _remove_tree(final)
+            shutil.rmtree(final, ignore_errors=True)
         publish(staging, final)
     except (OSError, OutputError) as exc:
         if not (final / "complete").is_file():  # another process may have won the race
             raise CheckpointError(f"cannot write the tiny preset to {final}: {exc}") from None
     finally:
-        _remove_tree(staging)
+        shutil.rmtree(staging, ignore_errors=True)
     return final / "lm", final / "tokenizer"
 
 
@@ -52,11 +52,7 @@ def _remove_stale_staging(final: Path) -> None:
     for staging in final.parent.glob(f"{final.name}.tmp-*"):
         pid = staging.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not pid_alive(int(pid)):
-            _remove_tree(staging)
-
-
-def _remove_tree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def resolve(name: str, source: str, role: str, allow_download: bool = False, env=None,

@@ -3,12 +3,9 @@
 `write_random_checkpoint(dir, lm_dims, codec_dims, seed, ...)` writes `dir/lm` (Qwen2-type
 MiMo-Audio LM + text tokenizer) and `dir/tokenizer` (MiMo audio tokenizer) with the published
 file names, config fields and tensor names (spec §2, §3.7, §4.9), so they load through the same
-strict path as the real checkpoints. `write_tiny_preset` is its tiny call; `write_full_size_preset`
-writes the published dimensions (FULL_LM, FULL_CODEC, vocab 151680) the way the official
-repositories ship them: the LM in bfloat16 as four shards plus `model.safetensors.index.json`,
-the audio tokenizer in float32 with its EMA buffers. The tensors come from `presets.lm` (with
-the designed stop circuit) and `presets.codec`, made one at a time and written at their offsets
-(`presets.safetensors`): one tensor in memory, whatever the size.
+strict path as the real checkpoints; `write_tiny_preset` and `write_full_size_preset` are its
+two sizes. The tensors come from `presets.lm` (with the designed stop circuit) and
+`presets.codec`, written by `presets.safetensors`.
 """
 
 from __future__ import annotations
@@ -104,6 +101,3 @@ def write_full_size_preset(directory, seed: int = 0) -> tuple[Path, Path]:
     audio tokenizer 1.3 B in float32 with EMA buffers (about 21 GB, written tensor by tensor)."""
     return write_random_checkpoint(directory, FULL_LM, FULL_CODEC, seed, vocab_size=FULL_VOCAB,
                                    lm_dtype=torch.bfloat16, shards=FULL_SHARDS)
-
-
-PRESETS = {"tiny": write_tiny_preset}

@@ -30,12 +30,11 @@ CODEC_KERNEL_ENV = "MIMO_TTS_CODEC_KERNEL"
 PRODUCT_CHOICES_ENV = "MIMO_TTS_PRODUCT_CHOICES"
 PRODUCT_CHOICES = ("lm_kernel_products", "prefill_upcast", "codec_gemm")
 KERNEL_MODES = ("auto", "on", "off")
-_KERNEL_WORDS = {"on": ("1", "on", "true", "yes"), "off": ("0", "off", "false", "no"),
-                 "auto": ("", "auto")}
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda|mps)(?::(.*))?$")
 _FALSE = {"0", "false", "no", "off"}
 _TRUE = {"1", "true", "yes", "on"}
+_KERNEL_WORDS = {"on": _TRUE, "off": _FALSE, "auto": {"", "auto"}}
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -73,16 +72,21 @@ class Probe:
                      cuda_bf16=bf16)
 
 
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, ...]:
-    """The CPU's feature flags, in /proc/cpuinfo's order (empty off Linux); no torch."""
+def cpuinfo_line(name: str, cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The value of the first `name` line of /proc/cpuinfo (empty off Linux); no torch."""
     try:
         with open(cpuinfo, encoding="utf-8", errors="replace") as handle:
             for line in handle:
-                if line.startswith("flags"):
-                    return tuple(line.split(":", 1)[-1].split())
+                if line.startswith(name):
+                    return line.split(":", 1)[-1].strip()
     except OSError:
         pass
-    return ()
+    return ""
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, ...]:
+    """The CPU's feature flags, in /proc/cpuinfo's order (empty off Linux); no torch."""
+    return tuple(cpuinfo_line("flags", cpuinfo).split())
 
 
 def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, ...]:

@@ -121,5 +121,3 @@ def available(device: str, env: Mapping[str, str] | None = None) -> tuple[int | 
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         return free, "torch.cuda.mem_get_info"
     return None, "unknown"  # mps: unified memory, no reliable free figure
-
-

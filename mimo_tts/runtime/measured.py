@@ -26,7 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mimo_tts.errors import OutputError
-from mimo_tts.runtime.devices import PRODUCT_CHOICES_ENV, cpu_flags, product_choices
+from mimo_tts.runtime.devices import (
+    PRODUCT_CHOICES_ENV,
+    cpu_flags,
+    cpuinfo_line,
+    product_choices,
+)
 from mimo_tts.runtime.guards import thread_budget
 from mimo_tts.runtime.paths import cache_root, write_json
 
@@ -51,24 +56,12 @@ class Decision:
         return self.source
 
 
-def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """The CPU's model name (empty off Linux)."""
-    try:
-        with open(cpuinfo, encoding="utf-8", errors="replace") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[-1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 def machine_key(name: str, probe: str) -> dict:
     """What a kept decision must match: the choice, its probe, the CPU and torch."""
     import torch
 
     flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
-    return {"format": FORMAT, "choice": name, "probe": probe, "cpu": cpu_model(),
+    return {"format": FORMAT, "choice": name, "probe": probe, "cpu": cpuinfo_line("model name"),
             "cpu_flags": flags, "torch": torch.__version__}
 
 

@@ -13,9 +13,7 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
-from mimo_tts.errors import (
-    OutputError,
-)
+from mimo_tts.errors import OutputError
 
 TEMP_MARK = ".mimo-tmp-"
 

@@ -3,15 +3,14 @@
 
 `POST /v1/audio/speech` (the fields of `protocol.py`), `GET /v1/models`, `GET /health`,
 `GET /metrics` (Prometheus, `metrics.py`), `/v1/audio/voices` (`voices.py`): the routes are
-`routes.py`'s, on FastAPI and uvicorn (the optional `serve` extra).
-The status of a request is decided when its first audio bytes are ready, so every failure
-before them is an OpenAI-style JSON error in the request's words; `pcm` and `wav` stream as
-Stage-1 decodes them (a WAV header of unknown length), the other formats come whole, decoded
-one-shot as `synth` does. Loopback by default, an optional
-bearer token, bounded input, requests in progress and waiting (503 with Retry-After past both),
-a per-request timeout
-that bounds every send too (a client that stops reading loses its place); a client that goes
-away cancels its jobs. Binding, signals and the bounded shutdown are `server/lifecycle.py`'s.
+`routes.py`'s, on FastAPI and uvicorn (the optional `serve` extra). The status of a request
+is decided when its first audio bytes are ready, so every failure before them is an
+OpenAI-style JSON error in the request's words; `pcm` and `wav` stream as Stage-1 decodes them
+(a WAV header of unknown length), the other formats come whole, decoded one-shot as `synth`
+does. Loopback by default, an optional bearer token, bounded input, requests in progress and
+waiting (503 with Retry-After past both), a per-request timeout that bounds every send too (a
+client that stops reading loses its place); a client that goes away cancels its jobs. Binding,
+signals and the bounded shutdown are `server/lifecycle.py`'s.
 """
 
 import asyncio
@@ -19,7 +18,6 @@ import base64
 import functools
 import hmac
 import json
-from typing import TYPE_CHECKING
 
 from mimo_tts.errors import MimoTTSError, UsageError
 from mimo_tts.server.guard import Guard
@@ -52,11 +50,9 @@ from mimo_tts.synthesis.audio import (
 )
 from mimo_tts.synthesis.captions import cues
 from mimo_tts.synthesis.markup import script
+from mimo_tts.synthesis.options import SynthesisOptions
+from mimo_tts.synthesis.settings import OptionValues
 from mimo_tts.synthesis.voices import served_voices
-
-if TYPE_CHECKING:
-    from mimo_tts.synthesis.options import SynthesisOptions
-    from mimo_tts.synthesis.settings import OptionValues
 
 EXTRA_HINT = "mimo-tts serve needs the serve extra: pip install 'mimo-tts[serve]'"
 RETRY_AFTER_S = 1
@@ -70,7 +66,7 @@ class StreamAborted(Exception):
 class SpeechServer:
     """The HTTP face over one loaded `MiMoTTS` and its `SpeechWorker`."""
 
-    def __init__(self, tts, cfg: ServeConfig, base: "SynthesisOptions", model: str, log=None,
+    def __init__(self, tts, cfg: ServeConfig, base: SynthesisOptions, model: str, log=None,
                  requests=None):
         """`log`: the server's messages; `requests`: the request log's lines (None: none)."""
         self.tts, self.cfg, self.model = tts, cfg, model  # model: the public name
@@ -231,7 +227,7 @@ class Speech:
         for i in range(len(self.session.jobs)):
             if pauses[i] and fmt in STREAMED:
                 self.tally.samples += pauses[i]
-                yield header + pcm16(_zeros(pauses[i]))
+                yield header + bytes(2 * pauses[i])  # PCM16 silence
                 header = b""
             while (event := await self.next_event(i, request))[0] == "audio":
                 self.tally.samples += int(event[1].shape[-1])
@@ -244,7 +240,7 @@ class Speech:
             self.usage["output_tokens"] += event[1]["groups"]
         if pauses[-1] and fmt in STREAMED:
             self.tally.samples += pauses[-1]
-            yield header + pcm16(_zeros(pauses[-1]))
+            yield header + bytes(2 * pauses[-1])
         if fmt not in STREAMED:
             from starlette.concurrency import run_in_threadpool
 
@@ -321,12 +317,6 @@ class _Aborts:
             pass
 
 
-def _zeros(n: int):
-    import numpy as np
-
-    return np.zeros(n, dtype=np.float32)
-
-
 def require_extra() -> None:
     """The serve extra's packages import, else a UsageError naming the extra."""
     try:
@@ -338,7 +328,7 @@ def require_extra() -> None:
         raise UsageError(EXTRA_HINT) from None
 
 
-def main(cfg: ServeConfig, options: "OptionValues", config: str | None, reporter) -> int:
+def main(cfg: ServeConfig, options: OptionValues, config: str | None, reporter) -> int:
     """`mimo-tts serve` (after `require_extra`): check the voices, bind, load once, serve until
     a signal."""
     with loaded(cfg, options, config, reporter) as (settings, sock, tts):

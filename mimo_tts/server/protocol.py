@@ -13,26 +13,28 @@ import ipaddress
 import json
 import os
 import re
-import stat
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from mimo_tts.errors import DeviceError, InputError, MimoTTSError, UsageError, short_repr
 from mimo_tts.lm.tasks import TASKS
 from mimo_tts.synthesis import aac
-from mimo_tts.synthesis.audio import AAC_FORMATS, FORMATS, LOSSY_FORMATS, lossy_formats
+from mimo_tts.synthesis.audio import (
+    AAC_FORMATS,
+    FORMATS,
+    LOSSY_FORMATS,
+    check_prompt_file,
+    lossy_formats,
+    read_audio,
+)
 from mimo_tts.synthesis.markup import MarkupError, check_voices, script
-from mimo_tts.synthesis.options import DEFAULT_TASK, MAX_SEED, task_for
+from mimo_tts.synthesis.options import DEFAULT_TASK, MAX_SEED, SynthesisOptions, task_for
 from mimo_tts.synthesis.tempo import SPEEDS
 from mimo_tts.synthesis.text import clean_text
 from mimo_tts.synthesis.voices import BUILT_IN, VoiceStore, served_voices
 from mimo_tts.synthesis.worker import STAGE1_BATCH
-
-if TYPE_CHECKING:
-    from mimo_tts.synthesis.options import SynthesisOptions
 
 FIELDS = ("model", "input", "voice", "instructions", "response_format", "stream_format", "seed",
           "speed", "captions")
@@ -184,35 +186,15 @@ def parse_voices(values: list[str]) -> dict:
             raise UsageError(f"--voice takes NAME=PATH.wav, got {value!r}")
         if name in voices or name in BUILT_IN:
             raise UsageError(f"--voice {name}: the name is already taken")
-        voices[name] = voice_file(name, path)
+        # a directory or a FIFO (which would block the start-up read) is named as such
+        check_prompt_file(path, f"--voice {name}: prompt audio")
+        voices[name] = path
     return voices
-
-
-def voice_file(name: str, path: str) -> str:
-    """The prompt audio of `--voice NAME=PATH`, refused unless it is a regular file: a
-    directory or a FIFO is named as such (a FIFO would block the start-up read)."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        raise InputError(f"--voice {name}: prompt audio not found: {path}") from None
-    except OSError as exc:
-        raise InputError(f"--voice {name}: prompt audio {path} cannot be read: "
-                         f"{exc.strerror or exc}") from None
-    if stat.S_ISDIR(mode):
-        raise InputError(f"--voice {name}: prompt audio {path} is a directory, not an audio "
-                         "file")
-    if not stat.S_ISREG(mode):
-        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) \
-            else "a device"
-        raise InputError(f"--voice {name}: prompt audio {path} is {kind}, not a regular file")
-    return path
 
 
 def read_voices(voices: dict) -> None:
     """Each voice's prompt audio decoded once before the model loads (readable, with finite
     samples), a refusal naming the voice and the file."""
-    from mimo_tts.synthesis.audio import read_audio
-
     for name, path in voices.items():
         _voice_step(name, path, lambda p=path: read_audio(p))
 

@@ -79,8 +79,7 @@ async def add_voice(server, request) -> dict:
         record = await run_in_threadpool(_encode, server.tts, name, data, transcript, overwrite,
                                          label)
     except MimoTTSError as exc:
-        error = ApiError.of(exc)
-        error.message = client_message(str(exc), server, **_fields())
+        error = ApiError.of(exc, client_message(str(exc), server, **_fields()))
         error.param = _param(str(exc))
         raise error from None
     return client_record(record)
@@ -111,8 +110,7 @@ def delete_voice(server, name: str) -> dict:
     try:
         server.tts.voices.remove(name)
     except MimoTTSError as exc:
-        error = ApiError.of(exc)
-        error.message = client_message(str(exc), server, **_fields())
+        error = ApiError.of(exc, client_message(str(exc), server, **_fields()))
         if "unknown voice" in str(exc):
             error.status = 404
         raise error from None

@@ -6,13 +6,12 @@ Events (the `wyoming` package, the optional `wyoming` extra): `describe` -> `inf
 its voices, languages); `synthesize` -> `audio-start`, `audio-chunk`s (24 kHz s16le mono, each
 as Stage-1 decodes it), `audio-stop`; the streaming form `synthesize-start`, `-chunk`s, `-stop`
 is spoken sentence by sentence as the text comes (`synthesis.text.sentences`, the rule that
-splits long text; one audio-start/stop per sentence), then
-`synthesize-stopped`. A failure is an `error` event and the connection stays. Each connection
-reads its events (bounded, `wyoming_wire.py`) while one task speaks its texts in order: a
-client that disconnects is seen at the next send, its jobs cancelled and its place freed; one
-that only closes its side gets its audio first; one that stops reading is closed at its text's
-`--timeout`. TCP, loopback by default; no key (Wyoming has none): bind another address only on
-a trusted network.
+splits long text; one audio-start/stop per sentence), then `synthesize-stopped`. A failure is
+an `error` event and the connection stays. Each connection reads its events (bounded,
+`wyoming_wire.py`) while one task speaks its texts in order: a client that disconnects is seen
+at the next send, its jobs cancelled and its place freed; one that only closes its side gets
+its audio first; one that stops reading is closed at its text's `--timeout`. TCP, loopback by
+default; no key (Wyoming has none): bind another address only on a trusted network.
 """
 
 from __future__ import annotations
@@ -26,12 +25,7 @@ from dataclasses import replace
 from mimo_tts._version import __version__
 from mimo_tts.errors import MimoTTSError, UsageError
 from mimo_tts.server.lifecycle import SHUTDOWN_GRACE_S, STOP_SIGNALS, loaded, url_of
-from mimo_tts.server.protocol import (
-    ApiError,
-    RequestParser,
-    ServeConfig,
-    public_model_name,
-)
+from mimo_tts.server.protocol import ApiError, RequestParser, ServeConfig, public_model_name
 from mimo_tts.server.session import Sessions
 from mimo_tts.server.voices import client_message
 from mimo_tts.server.wyoming_wire import (
@@ -153,11 +147,9 @@ class ClientStalled(Exception):
 
 
 class Connection:
-    """One client: events are read as they come while its texts are spoken in order by one
-    task. A client that goes away has its jobs cancelled at the next send; one that only
-    closes its side gets what it asked for, then the connection closes. What is queued is
-    bounded (`MAX_QUEUED` asks; reading waits), as is each event (`wyoming_wire`) and the
-    unspoken text of a stream (`--max-input-chars`)."""
+    """One client, as the module docstring says. What is queued is bounded (`MAX_QUEUED`
+    asks; reading waits), as is each event (`wyoming_wire`) and the unspoken text of a stream
+    (`--max-input-chars`)."""
 
     def __init__(self, speech: WyomingSpeech, reader, writer):
         self.speech, self.reader, self.writer = speech, reader, writer

@@ -88,11 +88,9 @@ def _length(header: dict, name: str, limit: int) -> int:
     return value
 
 
-def text_field(event: WireEvent, required: bool = True) -> str | None:
-    """The event's `text`: a string (refused otherwise), or None where it may be left out."""
+def text_field(event: WireEvent) -> str:
+    """The event's `text`: a string (refused otherwise)."""
     text = event.data.get("text")
-    if text is None and not required:
-        return None
     if not isinstance(text, str):
         raise BadEvent(f"{event.type}: text must be a string")
     return text

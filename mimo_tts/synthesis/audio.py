@@ -25,10 +25,8 @@ from mimo_tts.synthesis import aac
 
 SAMPLE_RATE = 24000
 
-
 PAUSE_FRAMES = 8  # silence between split text pieces: 8 frames = 0.32 s, whole frames
 MAX_PAUSE_FRAMES = 250  # 10 s: the most a codes file's pause_frames (or decode's) may ask
-
 
 SILENCE_PEAK = 1e-4  # peak |sample| below this is "all silent"
 
@@ -90,7 +88,6 @@ def check_format_rate(fmt: str, sample_rate: int) -> None:
 
 # Lossy formats `mimo-tts serve` offers where this libsndfile has the encoder (`lossy_formats`).
 LOSSY_FORMATS = {name: FORMATS[name] for name in ("mp3", "opus")}
-
 
 STREAM_SIZE = 0xFFFFFFFF  # RIFF and data sizes of a WAV streamed before its length is known
 

@@ -13,12 +13,7 @@ from functools import cache
 from typing import get_args, get_type_hints
 
 from mimo_tts.codec.config import STREAM_MODES
-from mimo_tts.errors import (
-    InputError,
-    OptionTypeError,
-    UsageError,
-    short_repr,
-)
+from mimo_tts.errors import InputError, OptionTypeError, UsageError, short_repr
 from mimo_tts.lm.config import LM_QUANTS, MAX_GROUPS, SamplerConfig
 from mimo_tts.lm.engine import DEFAULT_ENGINE
 from mimo_tts.lm.engine import ENGINES as ENGINE_SPECS
@@ -43,7 +38,6 @@ ENGINES = tuple(ENGINE_SPECS)
 CAPTION_FORMATS = ("srt", "vtt")
 # Options resolved with their env variables by devices.py, in resolve_placement's order.
 PLACEMENT_FIELDS = ("lm_device", "tokenizer_device", "dtype", "tokenizer_dtype", "cuda_graph")
-
 
 DEFAULT_TASK = "tts_sft"
 # os.PathLike values of these fields are kept as str
@@ -335,5 +329,3 @@ class CheckpointNames:
     lm: tuple[str, str]
     tokenizer: tuple[str, str]
     allow_download: bool = False
-
-

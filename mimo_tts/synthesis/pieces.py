@@ -1,9 +1,5 @@
-"""`Piece`: one generated text piece (its prompt, generated ids, codes and audio), as data.
-
-An item's text is split on sentence ends into pieces (`text.split_text`); each is generated as
-its own job of the speech worker (`worker.py`) and the pieces' audio is joined with
-`audio.PAUSE_FRAMES` of silence (`Stage1.finish`). Every face reads it; the batch runner records
-it in sidecars (`record`).
+"""`Piece`: one generated text piece (its prompt, generated ids, codes and audio), as data:
+what a job of the speech worker (`worker.py`) gives every face; sidecars record it (`record`).
 """
 
 from __future__ import annotations

@@ -152,7 +152,6 @@ PAGE = 4096
 # of 8) the peak RSS measured by scripts/bench_e2e.py on a 2-core AVX2 EPYC (README, memory).
 RUNTIME_BYTES = 800 << 20
 
-
 MIN_SAVING = 256 << 20  # a fix that saves less is not offered
 
 

@@ -13,19 +13,11 @@ from dataclasses import dataclass, field, fields, make_dataclass, replace
 from pathlib import Path
 from typing import get_args, get_type_hints
 
-from mimo_tts.errors import (
-    CheckpointError,
-    MimoTTSError,
-    OptionTypeError,
-    UsageError,
-    short_repr,
-)
+from mimo_tts.errors import CheckpointError, MimoTTSError, OptionTypeError, UsageError, short_repr
 from mimo_tts.presets import TINY, checkpoint_dtype
 from mimo_tts.runtime.checkpoints import DEFAULT_MODEL, DEFAULT_TOKENIZER, TOKENIZER_PATH_ENV
 from mimo_tts.runtime.devices import Placement, resolve_placement
-from mimo_tts.synthesis.audio import (
-    output_format,
-)
+from mimo_tts.synthesis.audio import output_format
 from mimo_tts.synthesis.options import (
     PLACEMENT_FIELDS,
     CheckpointNames,

@@ -30,12 +30,7 @@ from mimo_tts.synthesis.audio import (
 )
 from mimo_tts.synthesis.captions import cues, piece_samples
 from mimo_tts.synthesis.markup import script
-from mimo_tts.synthesis.options import (
-    DEFAULT_TASK,
-    RunOptions,
-    SynthesisOptions,
-    task_for,
-)
+from mimo_tts.synthesis.options import DEFAULT_TASK, RunOptions, SynthesisOptions, task_for
 from mimo_tts.synthesis.pieces import Piece
 from mimo_tts.synthesis.stage1 import check_pause, codes_tensor
 from mimo_tts.synthesis.text import clean_text
@@ -239,8 +234,6 @@ def stream_audio(events: Iterable, pauses) -> Iterator:
     """The audio [S_i] of streamed jobs' events, in order, with `pauses[i]` zero samples
     before piece i and `pauses[-1]` after the last (the pieces of one text, run one at a
     time); a failure is raised."""
-    import torch
-
     begun: set = set()
     for event in events:
         if isinstance(event, Failed):

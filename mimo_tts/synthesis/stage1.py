@@ -11,13 +11,7 @@ from pathlib import Path
 
 import torch
 
-from mimo_tts.errors import (
-    CheckpointError,
-    InputError,
-    NoAudioError,
-    OptionTypeError,
-    UsageError,
-)
+from mimo_tts.errors import CheckpointError, InputError, NoAudioError, OptionTypeError, UsageError
 from mimo_tts.lm.config import AUDIO_CHANNELS
 from mimo_tts.runtime.devices import torch_dtype
 from mimo_tts.runtime.guards import oom_advice, thread_budget

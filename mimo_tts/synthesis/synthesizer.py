@@ -27,17 +27,9 @@ from mimo_tts.lm.tasks import TASKS
 from mimo_tts.lm.text import TextTokenizer
 from mimo_tts.runtime.checkpoints import DEFAULT_MODEL
 from mimo_tts.runtime.guards import oom_advice
-from mimo_tts.synthesis.loader import (
-    check_fits,
-    resolve_checkpoints,
-    stage1_mode,
-    thread_budgets,
-)
+from mimo_tts.synthesis.loader import check_fits, resolve_checkpoints, stage1_mode, thread_budgets
 from mimo_tts.synthesis.markup import STORE_HINT, check_voices, script
-from mimo_tts.synthesis.options import (
-    EngineOptions,
-    SynthesisOptions,
-)
+from mimo_tts.synthesis.options import EngineOptions, SynthesisOptions
 from mimo_tts.synthesis.pieces import Piece
 from mimo_tts.synthesis.preflight import Lengths, weights_bytes
 from mimo_tts.synthesis.settings import Settings, resolve
@@ -278,5 +270,3 @@ def _same_file(path: str, sha256: str | None) -> bool:
         return sha256 is not None and file_sha256(path) == sha256
     except OSError:
         return False
-
-

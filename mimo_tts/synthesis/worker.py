@@ -5,15 +5,14 @@ the HTTP and Wyoming servers) turns its text into `SpeechJob`s, one per text pie
 each job's events: `Chunk`s of audio while a streamed job is decoded, then exactly one `Done`
 (its `Piece`: text, codes and, unless `decode="none"`, audio) or `Failed`.
 
-Stage-0 is one loop over the engine's one call, `Engine.run_batch`: a continuous batch whose
-free rows pull the next job, each job sampling from its own seeded generator, so a job's codes do
-not depend on what it ran beside. Stage-1 is one decoder schedule in rounds: the oldest job's
+Stage-0 is one loop over the engine's continuous batch (`Engine.run_batch`: a job's codes do
+not depend on what it ran beside). Stage-1 is one decoder schedule in rounds: the oldest job's
 next push and the next push of every other streamed job queued by then (up to `stage1_batch`)
 go through the codec together (`codec.push_streams`); a job's codes decoded whole (`decode=
-"whole"`) are decoded once its row ends, together with the other jobs of its `group` (an item's
-pieces, decoded as one `decode_batch` call as before). Stage-1 runs in a thread of its own, or
-in turns with Stage-0 (`stage1="turns"`: its work runs in the Stage-0 thread after each step,
-with every CPU thread, as small CPUs want it: `synthesis/loader.stage1_mode`).
+"whole"`) are decoded once its row ends, in one `Stage1.decode` call with the other jobs of its
+`group` (an item's pieces). Stage-1 runs in a thread of its own, or in turns with Stage-0
+(`stage1="turns"`: its work runs in the Stage-0 thread after each step, with every CPU thread,
+as small CPUs want it: `synthesis/loader.stage1_mode`).
 
 Two ways to drive it: `run(jobs)` in the caller's thread, yielding events (the offline faces),
 or `start()` a Stage-0 thread, then `submit`/`cancel` from any thread with each job's `deliver`
@@ -308,8 +307,12 @@ class SpeechWorker:
         self.stats["last_batch_rows"] = job.rows
         self.stats["max_batch_rows"] = max(self.stats["max_batch_rows"], job.rows)
 
+    @contextlib.contextmanager
     def _guard(self):
-        return _stage0_guard(self.tts)
+        """The context Stage-0 steps run in: the LM's thread budget, out-of-memory advice."""
+        with thread_budget(self.tts.lm_threads), oom_advice("Stage-0 generation",
+                                                             self.tts.lm_device):
+            yield
 
     def _stage0(self, feed: _Feed, online: bool) -> Iterator[None]:
         """Step the engine's continuous batch over `feed` until it is exhausted and idle,
@@ -565,16 +568,6 @@ class SpeechWorker:
             other.cancelled.set()
             if other is not job and other in self.live and self.batch is not None:
                 self.batch.cancel(other)
-
-
-def _stage0_guard(tts):
-    """The context Stage-0 steps run in: the LM's thread budget, out-of-memory advice."""
-    @contextlib.contextmanager
-    def guard():
-        with thread_budget(tts.lm_threads), oom_advice("Stage-0 generation", tts.lm_device):
-            yield
-
-    return guard()
 
 
 def _index_of(tasks: list, job: SpeechJob) -> int:

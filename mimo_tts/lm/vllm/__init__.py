@@ -1,13 +1,7 @@
-"""Stage-0 on vLLM: MiMo-Audio as a vLLM model, plus an engine with the native engine's call.
-
-- `model.py`: the vLLM model (vLLM's Qwen2 backbone + the native patch encoder/decoder).
-- `state.py`: per-request audio state, the batch-row tracker (a vLLM logits processor) and the
-  worker extension the engine reads codes through.
-- `engine.py`: `VLLMEngine(model_dir, ...)`, an `lm.engine.Engine`: `run_batch` (each job a
-  request with its own seed), `describe`, `close`.
-- `run.py`: the `add_request` / `step()` loop behind `run_batch`, with `lm.batching`'s events.
-- `launch.py`: the `VLLMOptions` a run asks for (no vLLM import); the import guard is
-  `lm.engine.EngineSpec.check_installed`.
+"""Stage-0 on vLLM: MiMo-Audio as a vLLM model (`model.py`, with the per-request audio state of
+`state.py`), an `lm.engine.Engine` over it (`engine.py`, its request loop in `run.py`) and the
+`VLLMOptions` a run asks for (`launch.py`, no vLLM import; the import guard is
+`lm.engine.EngineSpec.check_installed`).
 
 `register()` is the `vllm.general_plugins` entry point: vLLM calls it in every process it starts
 (engine core, workers), so the architecture is known there too. Design: docs/vllm-engine.md.

@@ -7,9 +7,8 @@
 
 Each job is its own vLLM request with its own seed: text tokens are sampled by vLLM's sampler
 (temperature / top-k / top-p, the request's generator), the codes by the patch decoder in the
-worker with the request's own generator. A group's codes are known one step after its token
-(they are decided when the token is fed back, see model.py), so an `<|empty|>` group arrives
-one step late, and right away at the finish (run.py drives the steps).
+worker with the request's own generator; run.py drives the steps (an `<|empty|>` group
+arrives one step late).
 """
 
 from __future__ import annotations

@@ -1,29 +1,22 @@
-"""A continuous batch on vLLM: `VLLMEngine.run_batch` with `lm.batching.BatchRun`'s events.
+"""A continuous batch on vLLM: `VLLMEngine.run_batch`, with the events of `lm.batching`.
 
 vLLM already keeps its rows full; this loop only decides which jobs become vLLM requests. While
 fewer than `rows` requests are live it pulls `lm.batching.Job`s from the source and adds each as
 its own request (its own seed, samplers, budget and stop set: jobs of different options share
 the batch), then runs one `LLMEngine.step()`, takes the codes the worker decided in it
-(state.py) and turns the new groups into events:
+(state.py) and turns the new groups into the events `lm/engine.py` lists. Where vLLM differs:
 
-- `JobGroup(job, StepOutput)` for each group as soon as its codes are known: an `<|empty|>`
-  group's codes are decided when its token is fed back (model.py), so it arrives one step late,
-  or at the finish. `StepOutput.index` is the request's slot (0..rows-1), `step` its group;
-- `JobDone(job, reason, generation, error, busy_s)` after a job's last group: "stop" (a stop
-  token), "budget" (`max_new_groups`, or `max_model_len` reached), "cancelled" (`cancel(key)`;
-  the groups so far, None when there are none) or "error": a prompt refused before it runs
-  (InputError / UsageError: too long, not whole groups, options vLLM cannot honour), or a
-  request vLLM ended itself (generation so far);
-- `STEPPED` after each step's events (a consumer that works between steps does it then);
-- `IDLE` when no request is live and the source has nothing now (wait, then iterate on);
-- `StepFailed(error)` when a step fails with a MimoTTSError (out of memory, from `guard`): the
-  live requests are aborted and lost (no `JobDone`), the batch goes on with jobs not yet begun.
+- an `<|empty|>` group's codes are decided when its token is fed back (model.py), so its
+  `JobGroup` arrives one step late, or at the finish; `StepOutput.index` is the request's slot;
+- "budget" is also `max_model_len` reached; "error" is a prompt refused before it runs (too
+  long, not whole groups, options vLLM cannot honour) or a request vLLM ended itself;
+- after a `StepFailed` the live requests are aborted and lost (no `JobDone`).
 
-Iteration ends when the source is exhausted and no request is live. Leaving it early (`close`,
-or a dropped iterator) aborts the live requests and drops their worker state. Each request's
-text draws come from vLLM's per-request generator and its codes from the worker's, both seeded
-with the job's seed, so a job's groups do not depend on its batch-mates or its slot, as far as
-vLLM's kernels give the same logits for a row whatever the batch (docs/vllm-engine.md).
+Leaving early (`close`, or a dropped iterator) aborts the live requests and drops their worker
+state. Each request's text draws come from vLLM's per-request generator and its codes from the
+worker's, both seeded with the job's seed, so a job's groups do not depend on its batch-mates
+or its slot, as far as vLLM's kernels give the same logits for a row whatever the batch
+(docs/vllm-engine.md).
 """
 
 from __future__ import annotations
