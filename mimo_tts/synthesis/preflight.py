@@ -44,7 +44,8 @@ def memory_needs(settings: Settings, lm_path: Path | None, tok_path: Path | None
     """Per-stage memory estimates for this run's placement and lengths (vLLM sizes its own)."""
     p, needs = settings.placement, []
     if lm_path is not None and not engine_spec(settings.engine.engine).sizes_own_memory:
-        needs.append(lm_need(lm_path, p.lm_device.value, p.lm_dtype.value, lengths))
+        needs.append(lm_need(lm_path, p.lm_device.value, p.lm_dtype.value, lengths,
+                             settings.engine.lm_quant))
     if tok_path is not None:
         device, dtype = p.tokenizer_device.value, p.tokenizer_dtype.value
         packs = device == "cpu" and dtype == "float32" and may_pack(
@@ -225,19 +226,23 @@ def weights_bytes(path: Path, dtype: str) -> int:
 
 
 def resident_bytes(path: Path, dtype: str, device: str, unread=None,
-                   partial: dict | None = None) -> int:
+                   partial: dict | None = None, int8=None) -> int:
     """Bytes of the loaded weights that become resident in a run, in `dtype`.
 
     Weights copied to a device or converted to another dtype are all resident. On the CPU, a
     tensor stored in the run dtype stays memory-mapped, and only the pages a run reads become
     resident: none of those matching `unread`, and at most `partial[name]` bytes of the others
-    named there (an embedding's rows). Everything else counts whole, as in `weights_bytes`.
+    named there (an embedding's rows). Those matching `int8` are quantized copies, one byte an
+    element. Everything else counts whole, as in `weights_bytes`.
     """
     total = 0
     for name, (count, stored) in header_numel(path).items():
         if UNLOADED.fullmatch(name):
             continue
         keep = FLOAT32_BUFFERS.fullmatch(name)
+        if int8 is not None and int8.fullmatch(name):
+            total += count
+            continue
         size = count * (4 if keep else DTYPE_BYTES[dtype])
         mapped = device == "cpu" and stored == STORED["float32" if keep else dtype]
         if mapped and unread is not None and unread.fullmatch(name):
@@ -248,8 +253,22 @@ def resident_bytes(path: Path, dtype: str, device: str, unread=None,
     return total
 
 
-def lm_need(path: Path, device: str, dtype: str, lengths: Lengths) -> StageNeed:
-    """LM weights, KV cache (backbone for prompt + new groups, patch decoder) and workspace."""
+# The LM matrices each opt-in quantization keeps as int8 (one byte an element, copied out of
+# the mapping): `lm.int8.matrices` for int8, every streamed matrix for w8a8
+# (`MiMoAudioLM.streamed_matrices`).
+_PROJ = r"(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight"
+QUANTIZED = {
+    "int8": re.compile(rf"(model|local_transformer)\.layers\.\d+\.{_PROJ}|lm_head\.weight"),
+    "w8a8": re.compile(rf"(model|local_transformer|input_local_transformer)\.layers\.\d+\.{_PROJ}"
+                       r"|lm_head\.weight|(speech_group|hidden_states)_downcast\.weight"
+                       r"|speech_embeddings_to_local\.weight"),
+}
+
+
+def lm_need(path: Path, device: str, dtype: str, lengths: Lengths,
+            quant: str | None = None) -> StageNeed:
+    """LM weights, KV cache (backbone for prompt + new groups, patch decoder) and workspace;
+    with `quant`, its int8 matrices at one byte an element."""
     from mimo_tts.lm.config import LMConfig
     from mimo_tts.runtime.safetensors import parse_config
 
@@ -269,7 +288,8 @@ def lm_need(path: Path, device: str, dtype: str, lengths: Lengths) -> StageNeed:
     # The text embedding's rows read: at most one per token the run sees, each on its pages.
     rows = lengths.batch * groups * cfg.group_size
     embedding = {"model.embed_tokens.weight": rows * (hidden * size + PAGE)}
-    weights = resident_bytes(path, dtype, device, partial=embedding)
+    weights = resident_bytes(path, dtype, device, partial=embedding,
+                             int8=QUANTIZED.get(quant or ""))
     return StageNeed("LM", device, dtype, {"weights": weights, "kv_cache": kv_bytes,
                                            "workspace": work}, path)
 
