@@ -177,9 +177,9 @@ CATALOGUE = (
            "CPU).", panel=DEV, flags=("--cuda-graph/--no-cuda-graph",), env=CUDA_GRAPH_ENV),
     Option("no_memory_check", f"{LOADS} decode", "Load even when the memory preflight says the "
            "run does not fit (exit 4 otherwise).", panel=DEV),
-    Option("lm_quant", "synth book", "Opt-in LM quantization on CPU: {choices} (int8: "
-           "weight-only; w8a8: int8 weights by int8 activations, bfloat16 models, the fastest; "
-           "both slightly less exact; default off).", "QUANT", DEV, choices=LM_QUANTS),
+    Option("lm_quant", "synth book serve wyoming", "Opt-in LM quantization on CPU: {choices} "
+           "(int8: weight-only; w8a8: int8 weights by int8 activations, bfloat16 models, the "
+           "fastest; both slightly less exact; default off).", "QUANT", DEV, choices=LM_QUANTS),
     Option("lm_threads", "synth book serve wyoming", "CPU threads for Stage-0 (default: torch's; "
            "--stream on one CPU splits the cores between the stages).", "N", DEV),
     Option("tokenizer_threads", "synth book serve wyoming", "CPU threads for Stage-1 decode and "

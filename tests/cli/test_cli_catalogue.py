@@ -39,7 +39,8 @@ MODEL = {"Models": "--model -m --tokenizer --allow-download --offline",
 SERVED = {"Generation": "--max-new-groups --speed --sentence-silence",
           "Models": "--model -m --tokenizer",
           "Devices": "--lm-device --tokenizer-device --dtype --tokenizer-dtype --cuda-graph "
-                     "--no-cuda-graph --no-memory-check --lm-threads --tokenizer-threads",
+                     "--no-cuda-graph --no-memory-check --lm-quant --lm-threads "
+                     "--tokenizer-threads",  # --lm-quant: since issue 31's w8a8
           "Run": "--config -c --verbose -v --debug"}
 BEFORE = {
     "synth": {
