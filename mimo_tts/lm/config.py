@@ -31,6 +31,23 @@ TASK_STOP_TOKENS: dict[str, tuple[str, ...]] = {
 # Opt-in quantizations of the LM, never the default: "int8" weight-only (mimo_tts/lm/int8.py);
 # "w8a8" int8 weights by int8 activations in the CPU kernel (mimo_tts/lm/cpu_kernel.py).
 LM_QUANTS = ("int8", "w8a8")
+
+
+def quant_refusal(quant: str | None, device: str, dtype: str, cpu_kernel: str = "auto") -> str:
+    """Why `--lm-quant quant` cannot run on an LM placed on `device` in `dtype` under the CPU
+    kernel's mode ("" where it can). The one home of these rules: the run's settings ask it
+    before anything loads, `load_lm` and the kernel again on what they were given."""
+    if quant is None:
+        return ""
+    if quant not in LM_QUANTS:
+        return f"is not one of {', '.join(LM_QUANTS)}"
+    if device != "cpu":
+        return f"runs on CPU only, the LM is placed on {device}"
+    if quant == "w8a8" and dtype != "bfloat16":
+        return f"needs bfloat16 weights, the LM is asked in {dtype} (--dtype bfloat16)"
+    if quant == "w8a8" and cpu_kernel == "off":
+        return "runs in the CPU kernel, which is off"
+    return ""
 FLOAT32_TINY = 2.0**-126  # the smallest normal float32 (torch.finfo(torch.float32).tiny)
 
 

@@ -52,6 +52,7 @@ from torch import Tensor, nn
 
 from mimo_tts.errors import UsageError
 from mimo_tts.lm import int8
+from mimo_tts.lm.config import quant_refusal
 from mimo_tts.lm.model import (
     PACK_ROWS,
     KVCache,
@@ -401,13 +402,10 @@ def w8a8_refusal(model: MiMoAudioLM) -> str:
     """Why the w8a8 profile cannot run on `model` as placed ("" where it can): it needs the
     kernel (built, not "off"), bfloat16 weights on the CPU."""
     weight = model.lm_head.weight
-    if weight.device.type != "cpu":
-        return f"runs on CPU only, the LM is placed on {weight.device}"
-    if weight.dtype != torch.bfloat16:
-        return (f"needs bfloat16 weights, the LM is {str(weight.dtype).removeprefix('torch.')}"
-                " (--dtype bfloat16)")
-    if model.cpu_kernel == "off":
-        return "runs in the CPU kernel, which is off"
+    why = quant_refusal("w8a8", weight.device.type, str(weight.dtype).removeprefix("torch."),
+                        model.cpu_kernel)
+    if why:
+        return why
     lib, why = _build()
     return "" if lib is not None else f"the CPU kernel cannot be built: {why}"
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 
 from mimo_tts.errors import CheckpointError, DeviceError, UsageError
-from mimo_tts.lm.config import LMConfig
+from mimo_tts.lm.config import LMConfig, quant_refusal
 from mimo_tts.lm.cpu_kernel import check_mode, prepare
-from mimo_tts.lm.int8 import QUANTS, quantize_lm
+from mimo_tts.lm.int8 import quantize_lm
 from mimo_tts.lm.model import MiMoAudioLM
 from mimo_tts.runtime.devices import torch_dtype
 from mimo_tts.runtime.safetensors import load_module_weights, parse_config
@@ -36,18 +36,14 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu",
     streamed matrices packed as int8 for the kernel's int8-by-int8 products (bfloat16 weights;
     `cpu_kernel.pack_w8a8`). Both CPU only, opt-in."""
     mode = check_mode(cpu_kernel)
-    if quant is not None and quant not in QUANTS:
-        raise UsageError(f"LM quantization must be one of {', '.join(QUANTS)}, got {quant!r}")
-    if quant is not None and torch.device(device).type != "cpu":
-        raise UsageError(f"--lm-quant {quant} runs on CPU only, the LM is placed on {device}")
     try:
         dtype = torch_dtype(str(dtype).removeprefix("torch."))
     except UsageError:
         raise CheckpointError(f"unsupported LM dtype {dtype}: use float32, bfloat16 or "
                               "float16") from None
-    if quant == "w8a8" and dtype != torch.bfloat16:
-        raise UsageError(f"--lm-quant w8a8 needs bfloat16 weights, the LM is asked in "
-                         f"{str(dtype).removeprefix('torch.')} (--dtype bfloat16)")
+    why = quant_refusal(quant, torch.device(device).type, str(dtype).removeprefix("torch."), mode)
+    if why:
+        raise UsageError(f"--lm-quant {quant} {why}")
     cfg = load_config(path)
     with torch.device("meta"):
         model = MiMoAudioLM(cfg)

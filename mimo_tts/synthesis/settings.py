@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import get_args, get_type_hints
 
 from mimo_tts.errors import CheckpointError, MimoTTSError, OptionTypeError, UsageError, short_repr
+from mimo_tts.lm.config import quant_refusal
 from mimo_tts.presets import TINY, checkpoint_dtype
 from mimo_tts.runtime.checkpoints import DEFAULT_MODEL, DEFAULT_TOKENIZER, TOKENIZER_PATH_ENV
 from mimo_tts.runtime.devices import Placement, resolve_placement
@@ -176,12 +177,10 @@ def place(settings: Settings, given: OptionValues,
     if error:
         raise error
     quant = settings.engine.lm_quant
-    if quant and placement.lm_device.value != "cpu":
-        raise UsageError(f"--lm-quant {quant} runs on CPU only, the LM is placed on "
-                         f"{placement.lm_device.value}")
-    if quant == "w8a8" and placement.lm_dtype.value != "bfloat16":
-        raise UsageError(f"--lm-quant w8a8 needs bfloat16 weights, the LM is asked in "
-                         f"{placement.lm_dtype.value} (--dtype bfloat16)")
+    why = quant_refusal(quant, placement.lm_device.value, placement.lm_dtype.value,
+                        placement.cpu_kernel.value)
+    if why:
+        raise UsageError(f"--lm-quant {quant} {why}")
     sources.update({name: choice.source for name, choice in vars(placement).items()})
     download, sources["allow_download"] = _pick("allow_download", given, profile)
     sources.update({"model": lm[1], "tokenizer": tok[1]})

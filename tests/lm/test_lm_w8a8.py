@@ -162,7 +162,8 @@ def test_w8a8_generation_tracks_float32_and_batches_equal_single_runs(
 def test_the_cli_runs_w8a8_and_keeps_it_apart_from_unquantized_results(mimo, tmp_path):
     """`synth --lm-quant w8a8` records the profile in the sidecar and in the resume key: the
     unquantized run of the same text in the same folder neither skips as done nor replaces
-    the w8a8 file (exit 5 without --overwrite); a float32 model is refused before loading."""
+    the w8a8 file (exit 5 without --overwrite); a float32 model, or the kernel switched off, is
+    refused before loading."""
     run = ("synth", "--model", "tiny", "--max-new-groups", "4", "-t", "Hello there.",
            "--output-dir", "out")
     done = mimo(*run, "--dtype", "bfloat16", "--lm-quant", "w8a8")
@@ -176,3 +177,9 @@ def test_the_cli_runs_w8a8_and_keeps_it_apart_from_unquantized_results(mimo, tmp
     refused = mimo(*run, "--lm-quant", "w8a8")
     assert refused.returncode == 2 and b"needs bfloat16" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
+    # The kernel switched off is refused by the run's settings too: with -v a load would log,
+    # so the one line says nothing was loaded first.
+    off = mimo(*run, "--dtype", "bfloat16", "--lm-quant", "w8a8", "-v",
+               env={"MIMO_TTS_CPU_KERNEL": "0"})
+    assert off.returncode == 2 and b"CPU kernel, which is off" in off.stderr
+    assert len(off.stderr.strip().splitlines()) == 1
