@@ -91,6 +91,7 @@ def read_aloud(reporter: Reporter, request, items_out: str | None) -> int:
     from mimo_tts.batch.runner import BatchRunner
     from mimo_tts.book.assemble import assemble
     from mimo_tts.book.plan import ITEMS_NAME, plan_book, write_items
+    from mimo_tts.cli.synth import check_voice
 
     stdout_stream()  # a run reports on stdout: a closed one ends it before any work
     if reporter.quiet:
@@ -99,7 +100,7 @@ def read_aloud(reporter: Reporter, request, items_out: str | None) -> int:
     for note in bplan.book.notes:
         reporter.info(f"note: {note}")
     task = bplan.settings.synthesis.task
-    _check_voice(bplan)
+    check_voice(bplan)
     if items_out is not None:
         _read_voice(reporter, bplan)
         reporter.data(str(write_items(Path(items_out), bplan.plan.items, task)))
@@ -116,14 +117,6 @@ def read_aloud(reporter: Reporter, request, items_out: str | None) -> int:
     done = assemble(bplan, runner.resolve(), reporter.log)
     _report(reporter, bplan, done, results, runner, elapsed)
     return exit_code_for(results)
-
-
-def _check_voice(bplan) -> None:
-    """A stored voice is loaded before anything runs (an unknown one: exit 2 or 9)."""
-    if bplan.settings.synthesis.voice:
-        from mimo_tts.synthesis.voices import VoiceStore
-
-        VoiceStore().load(bplan.settings.synthesis.voice)
 
 
 def _read_voice(reporter: Reporter, bplan) -> None:
