@@ -147,23 +147,18 @@ def piece_seed(seed: int, chapter: int, piece: int) -> int:
 PAUSE = silence_samples(DEFAULT_SENTENCE_SILENCE)  # between two pieces: synth's, 8 frames
 
 
-def chapter_pieces(chapter: Chapter, max_chars: int) -> list[str]:
-    """A chapter's pieces: each paragraph's sentences, long ones cut at clauses (captions' cut,
-    at most `max_chars` when that is smaller), so each piece is one cue."""
-    return [piece[0] for piece in chapter_script(chapter, max_chars, PAUSE)]
-
-
 def chapter_script(chapter: Chapter, max_chars: int, silence: int) -> list[tuple]:
-    """A chapter's pieces as (text, voice, samples of silence before it), the pause and voice
-    tags read as in one text (`markup.script`, paragraph by paragraph): a voice tag lasts to
-    the next one or the chapter's end; a pause at a paragraph's end or start stands for the
-    sentence silence there. A chapter that ends with a pause has it as the last tuple's
-    fourth value."""
+    """A chapter's pieces as (text, voice, samples of silence before it): each paragraph's
+    sentences, long ones cut at clauses (captions' cut, at most `max_chars` when that is
+    smaller), so each piece is one cue. Pause and voice tags are read as in one text
+    (`markup.script`, paragraph by paragraph): a voice tag lasts to the next one or the
+    chapter's end; a pause at a paragraph's end or start stands for the sentence silence
+    there. A chapter that ends with a pause has it as the last tuple's fourth value."""
     out: list[tuple] = []
     voice: str | None = None
     tail = 0  # the pause asked at the previous paragraph's end
     for paragraph in chapter.paragraphs:
-        found = _paragraph(paragraph, max_chars, silence)
+        found = script(paragraph, _Cut(max_chars, silence / SAMPLE_RATE))
         for k, (text, named) in enumerate(zip(found.texts, found.voices, strict=True)):
             before = found.pauses[k]
             if k == 0 and out:
@@ -175,10 +170,6 @@ def chapter_script(chapter: Chapter, max_chars: int, silence: int) -> list[tuple
     if out and tail:
         out[-1] = (*out[-1], tail)
     return out
-
-
-def _paragraph(paragraph: str, max_chars: int, silence: int):
-    return script(paragraph, _Cut(max_chars, silence / SAMPLE_RATE))
 
 
 @dataclass(frozen=True)
@@ -289,7 +280,8 @@ def book_voice(request: BookRequest, book: Book, options: OptionValues,
     """The book's voice: its first piece (chapter 1's, whichever chapters this run reads),
     with its own seed, read as `synth -o DIR/book-voice.wav` would read it."""
     first, o = book.chapters[0], settings.synthesis
-    item = Item(id=piece_id(first.number, 1), text=chapter_pieces(first, o.max_chars)[0],
+    text = chapter_script(first, o.max_chars, PAUSE)[0][0]  # its first piece's words
+    item = Item(id=piece_id(first.number, 1), text=text,
                 source_id=piece_id(first.number, 1), seed=piece_seed(o.seed, first.number, 1),
                 source=f"{book.source.name} chapter {first.number}")
     path = Path(os.path.abspath(request.folder / VOICE_NAME))
