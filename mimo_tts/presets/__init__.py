@@ -78,12 +78,8 @@ def locate(name: str, source: str, role: str, env=None) -> tuple[Path | None, st
         sub = root / ("lm" if role == "model" else "tokenizer")
         ok = (root / "complete").is_file()
         return (sub, "present (tiny preset)") if ok else (None, "tiny preset, built on first use")
-    return checkpoints.locate(name, source, role, config_parser(role))
-
-
-def config_parser(role: str):
-    """The config.json parser of a role's model: the LM's ("model") or the codec's."""
-    return LMConfig.from_json if role == "model" else CodecConfig.from_json
+    return checkpoints.locate(name, source, role,
+                              LMConfig.from_json if role == "model" else CodecConfig.from_json)
 
 
 def checkpoint_dtype(name: str, source: str, role: str, env=None) -> str | None:
