@@ -287,7 +287,8 @@ def _dedupe(items: list[Item], naming: Naming) -> list[Item]:
                 elif item.error is None:
                     item.error = InputError(f"{item.source}: duplicate id {item.source_id!r} "
                                             f"(first at {first})")
-                item.id = _free_id(f"{item.id}-{_line_tag(item.source)}", seen)
+                line = sanitize_id(item.source.rsplit(":", 1)[-1])
+                item.id = _free_id(f"{item.id}-line-{line}", seen)
         seen.setdefault(item.id, (item.source, item.source_id))
     return items
 
@@ -297,7 +298,3 @@ def _free_id(base: str, seen: dict) -> str:
     while candidate in seen:
         candidate, n = f"{base}-{n}", n + 1
     return candidate
-
-
-def _line_tag(source: str) -> str:
-    return "line-" + sanitize_id(source.rsplit(":", 1)[-1])

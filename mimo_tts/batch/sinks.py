@@ -152,13 +152,9 @@ class FileSink(Sink):
     def open(self) -> FileSink:
         if not is_special_file(self.path):
             _make_folder(self.path.parent, "directory")
-            clean_temp_files(self.path.parent,
-                                 tuple(p.name for p in self._own_files(self.path)))
+            own = self.targets(None)[:1 if self.audio_only else 3]  # its audio, sidecar, codes
+            clean_temp_files(self.path.parent, tuple(p.name for p in own))
         return self
-
-    def _own_files(self, path: Path) -> tuple[Path, ...]:
-        sidecar, codes = companion_paths(path, self.named)
-        return (path,) if self.audio_only else (path, sidecar, codes)
 
     def targets(self, result) -> tuple[Path, Path, Path]:
         return (self.path, *companion_paths(self.path, self.named))

@@ -139,11 +139,6 @@ def _audio_groups(
     return torch.cat([sosp, body, eosp], dim=1)
 
 
-def _layout_template(task: str, instruct) -> bool:
-    """Whether the user turn carries an instruction template (not in the natural layout)."""
-    return task in ("tts_sft", "tts_sft_with_instruct") or instruct is not None
-
-
 def build_prompt(
     task: str,
     text: str,
@@ -175,7 +170,7 @@ def build_prompt(
         _check_codes(voice, empty.tolist())
     processed = preprocess_text(text)
     index, chosen = None, None
-    if _layout_template(task, instruct):
+    if task in ("tts_sft", "tts_sft_with_instruct") or instruct is not None:  # not natural
         index, chosen = choose_template(text, template, seed)
     segments, blocks = [], []
     for piece in _pieces(task, processed, instruct, chosen, voice):
