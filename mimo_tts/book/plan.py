@@ -105,10 +105,6 @@ class BookPlan:
         return self.book.chapter(chapter_number(item.id))
 
 
-def read(request: BookRequest) -> Book:
-    return read_book(request.input, request.title, request.author)
-
-
 def select_chapters(spec: str | None, count: int) -> tuple[int, ...]:
     """`--chapters 1-3,7` -> (1, 2, 3, 7), in book order; every chapter when None. A number
     outside the book is a UsageError naming the book's range."""
@@ -204,18 +200,13 @@ def book_items(book: Book, settings: Settings) -> dict[int, list[Item]]:
     return out
 
 
-def item_lines(items: list[Item], task: str) -> bytes:
-    """The items as JSON lines, as `synth --input` and the Ray pipeline read them."""
+def write_items(path: Path, items: list[Item], task: str) -> Path:
+    """The items as JSON lines, as `synth --input` and the Ray pipeline read them, atomically
+    (its folder made); an unchanged file is left as it is (its mtime too)."""
     lines = [json.dumps({"id": i.id, "text": i.text, "seed": i.seed, "task": task,
                          **({"prompt_audio": i.prompt_audio} if i.prompt_audio else {})},
                         ensure_ascii=False) for i in items]
-    return "".join(line + "\n" for line in lines).encode("utf-8")
-
-
-def write_items(path: Path, items: list[Item], task: str) -> Path:
-    """The items file, atomically (its folder made); an unchanged one is left as it is (its
-    mtime too)."""
-    data = item_lines(items, task)
+    data = "".join(line + "\n" for line in lines).encode("utf-8")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -229,7 +220,7 @@ def plan_book(request: BookRequest, log=None, outputs: bool = True) -> BookPlan:
     Without a voice prompt (and without `--voice-per-piece`) the pieces clone the book's voice
     (`book_voice`)."""
     log = log or (lambda message: None)
-    book = read(request)
+    book = read_book(request.input, request.title, request.author)
     selected = select_chapters(request.chapters, len(book.chapters))
     if request.format not in FORMATS:
         raise UsageError(f"--format must be one of {', '.join(FORMATS)}")
@@ -251,7 +242,9 @@ def plan_book(request: BookRequest, log=None, outputs: bool = True) -> BookPlan:
     voice = None
     if not request.voice_per_piece and o.voice is None and o.prompt_audio is None:
         voice = book_voice(request, book, options, plan.settings)
-        cloned = {**options.given(), "prompt_audio": str(voice.path), "task": clone_task(o.task)}
+        # the run's task where it takes a voice prompt, else the clone task (its instruct kept)
+        task = o.task if TASKS[o.task].prompt_audio != "none" else "tts_sft_with_audio"
+        cloned = {**options.given(), "prompt_audio": str(voice.path), "task": task}
         plan = _plan_pieces(request, OptionValues.of(cloned), book, selected, log)
     else:
         for note in notes:
@@ -267,12 +260,6 @@ def _plan_pieces(request: BookRequest, options: OptionValues, book: Book,
     return plan_synth(synth, log=log, make_items=lambda settings: [
         item for number, items in book_items(book, settings).items() if number in chosen
         for item in items])
-
-
-def clone_task(task: str) -> str:
-    """The task of a piece read with the book's voice: its own when it takes a voice prompt,
-    else the clone task (with the run's instruction, if any)."""
-    return task if TASKS[task].prompt_audio != "none" else "tts_sft_with_audio"
 
 
 def book_voice(request: BookRequest, book: Book, options: OptionValues,
