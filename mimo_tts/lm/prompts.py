@@ -98,13 +98,6 @@ def _check_codes(codes: torch.Tensor, empty_ids: Sequence[int]) -> None:
         )
 
 
-def _system_turn(voice: torch.Tensor | None) -> list:
-    """System turn of the instruct/natural layouts; a voice prompt switches to SYS_ZH_CLONE."""
-    if voice is None:
-        return ["<|im_start|>system\n", SYS_ZH, "<|im_end|>\n"]
-    return ["<|im_start|>system\n", SYS_ZH_CLONE, voice, "<|im_end|>\n"]
-
-
 def _pieces(task: str, text: str, instruct, template: str | None, voice) -> list:
     """Segment contents in order (spec §6.2): strings are text segments, tensors audio."""
     if task == "tts_sft":
@@ -114,7 +107,9 @@ def _pieces(task: str, text: str, instruct, template: str | None, voice) -> list
         user = f"<|im_start|>user\n{template}: {text}({instruct})<|im_end|>\n"
     else:  # natural layout (read_text_only=False): the style lives in the text itself
         user = f"<|im_start|>user\n{text}<|im_end|>\n"
-    return [*_system_turn(voice), user, "<|im_start|>assistant\n<think>\n"]
+    system = [SYS_ZH] if voice is None else [SYS_ZH_CLONE, voice]  # a voice prompt: clone's
+    return ["<|im_start|>system\n", *system, "<|im_end|>\n", user,
+            "<|im_start|>assistant\n<think>\n"]
 
 
 def _text_groups(ids: Sequence[int], empty_ids: torch.Tensor, group_size: int) -> torch.Tensor:
