@@ -65,12 +65,6 @@ def resolve(name: str, source: str, role: str, allow_download: bool = False, env
     return checkpoints.resolve(name, source, role, allow_download)
 
 
-def resolve_names(names, env=None, seed: int = 0) -> tuple[ModelRef, ModelRef]:
-    """Both checkpoints of `synthesis.options.CheckpointNames`, resolved to local directories."""
-    return (resolve(*names.lm, "model", names.allow_download, env, seed),
-            resolve(*names.tokenizer, "tokenizer", names.allow_download, env, seed))
-
-
 def locate(name: str, source: str, role: str, env=None) -> tuple[Path | None, str]:
     """Where a checkpoint would be found, writing and downloading nothing: (path, status)."""
     if name == TINY:
