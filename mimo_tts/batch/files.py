@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mimo_tts.errors import InputError, OutputError
 from mimo_tts.runtime.paths import atomic_write
-from mimo_tts.synthesis.audio import FORMATS, MAX_PAUSE_FRAMES, SAMPLE_RATE, encode_audio, pcm16
+from mimo_tts.synthesis.audio import FORMATS, MAX_PAUSE_FRAMES, SAMPLE_RATE
 from mimo_tts.synthesis.captions import caption_text
 from mimo_tts.synthesis.markup import MAX_PAUSE
 
@@ -141,16 +141,6 @@ def write_stdout_bytes(data: bytes, stream=None) -> None:
         raise _broken_pipe() from None
     except OSError as exc:
         raise OutputError(f"cannot write to stdout: {exc.strerror or exc}") from None
-
-
-def write_stdout_pcm(chunk, stream=None) -> None:
-    """Audio as PCM16 on stdout (`--raw`), flushed at once."""
-    write_stdout_bytes(pcm16(chunk), stream)
-
-
-def write_stdout_audio(audio, sample_rate: int, fmt: str, stream=None) -> None:
-    """A whole item's encoded audio file on stdout (`-o -`)."""
-    write_stdout_bytes(encode_audio(audio, sample_rate, fmt), stream)
 
 
 def write_stdout_line(text: str) -> None:

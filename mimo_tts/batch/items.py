@@ -118,8 +118,9 @@ def read_items(texts: Iterable[str], inputs: Iterable[str], stdin=None,
     (`text_id`)."""
     items: list[Item] = []
     for n, text in enumerate(texts, 1):
-        if text == "-":
-            text = _stdin_text(stdin)
+        if text == "-":  # clean_text refuses the bytes that are not UTF-8
+            text = _stdin_bytes(stdin, "'-' reads from stdin, but stdin is a terminal; pipe "
+                                "text in").decode("utf-8", errors="surrogateescape")
         items.append(_make_item(None, text, f"--text #{n}", {}))
     for name in inputs:
         items.extend(_read_input(name, stdin))
@@ -142,11 +143,6 @@ def piped(stdin=None) -> bool:
         return stream is not None and not stream.closed and not stream.isatty()
     except (OSError, ValueError):  # a closed or unreadable descriptor: nothing is piped
         return False
-
-
-def _stdin_text(stdin) -> str:
-    return _stdin_bytes(stdin, "'-' reads from stdin, but stdin is a terminal; pipe text in"
-                        ).decode("utf-8", errors="surrogateescape")  # clean_text refuses those
 
 
 def _read_input(name: str, stdin) -> list[Item]:
@@ -251,21 +247,16 @@ def _make_item(raw_id, text, label: str, record: dict) -> Item:
                              f"of {', '.join(TASKS)}")
         instruct = record.get("instruct")
         instruct = clean_text(instruct, f"{label} instruct") if instruct else None
-        if record.get("prompt_audio"):
-            _check_path(record["prompt_audio"], f"{label} prompt_audio")
+        if record.get("prompt_audio") and has_surrogates(record["prompt_audio"]):
+            # a sidecar records the path, and JSON text is Unicode
+            raise InputError(f"{label} prompt_audio: the path is not valid Unicode (a lone "
+                             "surrogate)")
     except InputError as exc:
         return _bad_item(str(raw_id) if raw_id is not None else text_id(str(text)), label, exc)
     item_id = sanitize_id(str(raw_id)) if raw_id is not None else text_id(text)
     return Item(id=item_id, text=text, source=label, instruct=instruct,
                 prompt_audio=record.get("prompt_audio"), seed=seed, task=record.get("task"),
                 source_id=printable(str(raw_id)) if raw_id is not None else None)
-
-
-def _check_path(path: str, where: str) -> None:
-    """A path that a sidecar can record: JSON text is Unicode, so a lone surrogate (a broken
-    escape, or bytes smuggled in as `\\udcXX`) is refused."""
-    if has_surrogates(path):
-        raise InputError(f"{where}: the path is not valid Unicode (a lone surrogate)")
 
 
 def _bad_item(raw_id: str, label: str, error) -> Item:
@@ -296,7 +287,8 @@ def _dedupe(items: list[Item], naming: Naming) -> list[Item]:
                 elif item.error is None:
                     item.error = InputError(f"{item.source}: duplicate id {item.source_id!r} "
                                             f"(first at {first})")
-                item.id = _free_id(f"{item.id}-{_line_tag(item.source)}", seen)
+                line = sanitize_id(item.source.rsplit(":", 1)[-1])
+                item.id = _free_id(f"{item.id}-line-{line}", seen)
         seen.setdefault(item.id, (item.source, item.source_id))
     return items
 
@@ -306,7 +298,3 @@ def _free_id(base: str, seen: dict) -> str:
     while candidate in seen:
         candidate, n = f"{base}-{n}", n + 1
     return candidate
-
-
-def _line_tag(source: str) -> str:
-    return "line-" + sanitize_id(source.rsplit(":", 1)[-1])

@@ -171,12 +171,11 @@ def sink_for(settings: Settings, shard: Shard | None = None, tasks=()):
         return FileSink(run.output, run.format, run.sample_rate, run.save_codes, run.overwrite,
                         captions=captions)
     task = settings.synthesis.task
+    options = dict(fmt=run.format, sample_rate=run.sample_rate, save_codes=run.save_codes,
+                   overwrite=run.overwrite, shard=shard, captions=captions)
     if set(tasks) - {task}:
-        return TaskDirectories(run.output_dir, task, tasks, fmt=run.format,
-                               sample_rate=run.sample_rate, save_codes=run.save_codes,
-                               overwrite=run.overwrite, shard=shard, captions=captions)
-    return DirectorySink(run.output_dir, task, run.format, run.sample_rate, run.save_codes,
-                         run.overwrite, shard, captions=captions)
+        return TaskDirectories(run.output_dir, task, tasks, **options)
+    return DirectorySink(run.output_dir, task, **options)
 
 
 def run_synth(runner: BatchRunner, items: list[Item], sink) -> Iterator[ItemResult]:

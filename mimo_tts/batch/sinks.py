@@ -31,8 +31,7 @@ from mimo_tts.batch.files import (
     companion_paths,
     save_codes,
     write_captions,
-    write_stdout_audio,
-    write_stdout_pcm,
+    write_stdout_bytes,
 )
 from mimo_tts.batch.manifest import (
     LOCK_NAME,
@@ -56,7 +55,7 @@ from mimo_tts.runtime.paths import (
     remove_quietly,
     write_json,
 )
-from mimo_tts.synthesis.audio import SAMPLE_RATE, encode_audio, write_audio
+from mimo_tts.synthesis.audio import SAMPLE_RATE, encode_audio, pcm16, write_audio
 
 
 def _skip(result, path: Path, done: dict) -> None:
@@ -107,28 +106,28 @@ class MemorySink(Sink):
 
 
 class StdoutSink(Sink):
-    """`-o -`: each item's encoded audio file on stdout."""
+    """`-o -`: each item's encoded audio file on stdout, flushed."""
 
     def __init__(self, fmt: str = "wav", sample_rate: int = SAMPLE_RATE):
         self.fmt, self.sample_rate = fmt, sample_rate
 
     def write(self, result, samples, codes, record) -> None:
-        write_stdout_audio(samples, self.sample_rate, self.fmt)
+        write_stdout_bytes(encode_audio(samples, self.sample_rate, self.fmt))
 
 
 class RawPcmSink(Sink):
-    """`--raw`: 16-bit PCM on a binary stream (stdout): chunks as they are decoded when the
-    run streams, else each item's whole audio once it is finished."""
+    """`--raw`: 16-bit PCM on a binary stream (stdout), flushed at once: chunks as they are
+    decoded when the run streams, else each item's whole audio once it is finished."""
 
     def __init__(self, stream=None, streamed: bool = True):
         self.stream, self.streamed = stream, streamed
 
     def on_chunk(self, chunk) -> None:
-        write_stdout_pcm(chunk, self.stream)
+        write_stdout_bytes(pcm16(chunk), self.stream)
 
     def write(self, result, samples, codes, record) -> None:
         if not self.streamed:
-            write_stdout_pcm(samples, self.stream)
+            write_stdout_bytes(pcm16(samples), self.stream)
 
 
 class FileSink(Sink):
@@ -153,13 +152,9 @@ class FileSink(Sink):
     def open(self) -> FileSink:
         if not is_special_file(self.path):
             _make_folder(self.path.parent, "directory")
-            clean_temp_files(self.path.parent,
-                                 tuple(p.name for p in self._own_files(self.path)))
+            own = self.targets(None)[:1 if self.audio_only else 3]  # its audio, sidecar, codes
+            clean_temp_files(self.path.parent, tuple(p.name for p in own))
         return self
-
-    def _own_files(self, path: Path) -> tuple[Path, ...]:
-        sidecar, codes = companion_paths(path, self.named)
-        return (path,) if self.audio_only else (path, sidecar, codes)
 
     def targets(self, result) -> tuple[Path, Path, Path]:
         return (self.path, *companion_paths(self.path, self.named))

@@ -105,10 +105,6 @@ class BookPlan:
         return self.book.chapter(chapter_number(item.id))
 
 
-def read(request: BookRequest) -> Book:
-    return read_book(request.input, request.title, request.author)
-
-
 def select_chapters(spec: str | None, count: int) -> tuple[int, ...]:
     """`--chapters 1-3,7` -> (1, 2, 3, 7), in book order; every chapter when None. A number
     outside the book is a UsageError naming the book's range."""
@@ -147,23 +143,18 @@ def piece_seed(seed: int, chapter: int, piece: int) -> int:
 PAUSE = silence_samples(DEFAULT_SENTENCE_SILENCE)  # between two pieces: synth's, 8 frames
 
 
-def chapter_pieces(chapter: Chapter, max_chars: int) -> list[str]:
-    """A chapter's pieces: each paragraph's sentences, long ones cut at clauses (captions' cut,
-    at most `max_chars` when that is smaller), so each piece is one cue."""
-    return [piece[0] for piece in chapter_script(chapter, max_chars, PAUSE)]
-
-
 def chapter_script(chapter: Chapter, max_chars: int, silence: int) -> list[tuple]:
-    """A chapter's pieces as (text, voice, samples of silence before it), the pause and voice
-    tags read as in one text (`markup.script`, paragraph by paragraph): a voice tag lasts to
-    the next one or the chapter's end; a pause at a paragraph's end or start stands for the
-    sentence silence there. A chapter that ends with a pause has it as the last tuple's
-    fourth value."""
+    """A chapter's pieces as (text, voice, samples of silence before it): each paragraph's
+    sentences, long ones cut at clauses (captions' cut, at most `max_chars` when that is
+    smaller), so each piece is one cue. Pause and voice tags are read as in one text
+    (`markup.script`, paragraph by paragraph): a voice tag lasts to the next one or the
+    chapter's end; a pause at a paragraph's end or start stands for the sentence silence
+    there. A chapter that ends with a pause has it as the last tuple's fourth value."""
     out: list[tuple] = []
     voice: str | None = None
     tail = 0  # the pause asked at the previous paragraph's end
     for paragraph in chapter.paragraphs:
-        found = _paragraph(paragraph, max_chars, silence)
+        found = script(paragraph, _Cut(max_chars, silence / SAMPLE_RATE))
         for k, (text, named) in enumerate(zip(found.texts, found.voices, strict=True)):
             before = found.pauses[k]
             if k == 0 and out:
@@ -175,10 +166,6 @@ def chapter_script(chapter: Chapter, max_chars: int, silence: int) -> list[tuple
     if out and tail:
         out[-1] = (*out[-1], tail)
     return out
-
-
-def _paragraph(paragraph: str, max_chars: int, silence: int):
-    return script(paragraph, _Cut(max_chars, silence / SAMPLE_RATE))
 
 
 @dataclass(frozen=True)
@@ -213,18 +200,13 @@ def book_items(book: Book, settings: Settings) -> dict[int, list[Item]]:
     return out
 
 
-def item_lines(items: list[Item], task: str) -> bytes:
-    """The items as JSON lines, as `synth --input` and the Ray pipeline read them."""
+def write_items(path: Path, items: list[Item], task: str) -> Path:
+    """The items as JSON lines, as `synth --input` and the Ray pipeline read them, atomically
+    (its folder made); an unchanged file is left as it is (its mtime too)."""
     lines = [json.dumps({"id": i.id, "text": i.text, "seed": i.seed, "task": task,
                          **({"prompt_audio": i.prompt_audio} if i.prompt_audio else {})},
                         ensure_ascii=False) for i in items]
-    return "".join(line + "\n" for line in lines).encode("utf-8")
-
-
-def write_items(path: Path, items: list[Item], task: str) -> Path:
-    """The items file, atomically (its folder made); an unchanged one is left as it is (its
-    mtime too)."""
-    data = item_lines(items, task)
+    data = "".join(line + "\n" for line in lines).encode("utf-8")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -238,7 +220,7 @@ def plan_book(request: BookRequest, log=None, outputs: bool = True) -> BookPlan:
     Without a voice prompt (and without `--voice-per-piece`) the pieces clone the book's voice
     (`book_voice`)."""
     log = log or (lambda message: None)
-    book = read(request)
+    book = read_book(request.input, request.title, request.author)
     selected = select_chapters(request.chapters, len(book.chapters))
     if request.format not in FORMATS:
         raise UsageError(f"--format must be one of {', '.join(FORMATS)}")
@@ -260,7 +242,9 @@ def plan_book(request: BookRequest, log=None, outputs: bool = True) -> BookPlan:
     voice = None
     if not request.voice_per_piece and o.voice is None and o.prompt_audio is None:
         voice = book_voice(request, book, options, plan.settings)
-        cloned = {**options.given(), "prompt_audio": str(voice.path), "task": clone_task(o.task)}
+        # the run's task where it takes a voice prompt, else the clone task (its instruct kept)
+        task = o.task if TASKS[o.task].prompt_audio != "none" else "tts_sft_with_audio"
+        cloned = {**options.given(), "prompt_audio": str(voice.path), "task": task}
         plan = _plan_pieces(request, OptionValues.of(cloned), book, selected, log)
     else:
         for note in notes:
@@ -278,18 +262,13 @@ def _plan_pieces(request: BookRequest, options: OptionValues, book: Book,
         for item in items])
 
 
-def clone_task(task: str) -> str:
-    """The task of a piece read with the book's voice: its own when it takes a voice prompt,
-    else the clone task (with the run's instruction, if any)."""
-    return task if TASKS[task].prompt_audio != "none" else "tts_sft_with_audio"
-
-
 def book_voice(request: BookRequest, book: Book, options: OptionValues,
                settings: Settings) -> BookVoice:
     """The book's voice: its first piece (chapter 1's, whichever chapters this run reads),
     with its own seed, read as `synth -o DIR/book-voice.wav` would read it."""
     first, o = book.chapters[0], settings.synthesis
-    item = Item(id=piece_id(first.number, 1), text=chapter_pieces(first, o.max_chars)[0],
+    text = chapter_script(first, o.max_chars, PAUSE)[0][0]  # its first piece's words
+    item = Item(id=piece_id(first.number, 1), text=text,
                 source_id=piece_id(first.number, 1), seed=piece_seed(o.seed, first.number, 1),
                 source=f"{book.source.name} chapter {first.number}")
     path = Path(os.path.abspath(request.folder / VOICE_NAME))

@@ -12,21 +12,15 @@ from mimo_tts.book.plan import BookVoice
 from mimo_tts.errors import MimoTTSError
 
 
-class VoiceError(MimoTTSError):
-    """The book's first piece could not be read as its voice (the piece's exit code)."""
-
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
 def read_voice(voice: BookVoice, log=None) -> bool:
     """Read the book's voice unless it is there from the same inputs: whether it was read."""
     voice.path.parent.mkdir(parents=True, exist_ok=True)
     with BookLock(voice.path.parent), BatchRunner(voice.plan.settings, log=log) as runner:
         (result,) = run_synth(runner, voice.plan.items, voice.plan.sink())
-    if result.status == "error":
-        raise VoiceError(f"the book's voice (its first piece, {voice.path.name}) could not be "
-                         f"read: {result.error}; give --voice, --prompt-audio or "
-                         "--voice-per-piece", result.exit_code)
+    if result.status == "error":  # the run fails with the piece's exit code
+        error = MimoTTSError(f"the book's voice (its first piece, {voice.path.name}) could not "
+                             f"be read: {result.error}; give --voice, --prompt-audio or "
+                             "--voice-per-piece")
+        error.exit_code = result.exit_code
+        raise error
     return result.status == "ok"

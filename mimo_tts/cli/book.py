@@ -67,9 +67,10 @@ def book(
 
 def listing(reporter: Reporter, request) -> int:
     """`--list`: the chapter table on stdout (notes on stderr); nothing loads."""
-    from mimo_tts.book.plan import read, select_chapters, table, table_lines
+    from mimo_tts.book.plan import select_chapters, table, table_lines
+    from mimo_tts.book.read import read_book
 
-    found = read(request)
+    found = read_book(request.input, request.title, request.author)
     select_chapters(request.chapters, len(found.chapters))  # a bad --chapters says so
     listed = table(found)
     for note in listed["notes"]:
@@ -91,6 +92,7 @@ def read_aloud(reporter: Reporter, request, items_out: str | None) -> int:
     from mimo_tts.batch.runner import BatchRunner
     from mimo_tts.book.assemble import assemble
     from mimo_tts.book.plan import ITEMS_NAME, plan_book, write_items
+    from mimo_tts.cli.synth import check_voice
 
     stdout_stream()  # a run reports on stdout: a closed one ends it before any work
     if reporter.quiet:
@@ -99,7 +101,7 @@ def read_aloud(reporter: Reporter, request, items_out: str | None) -> int:
     for note in bplan.book.notes:
         reporter.info(f"note: {note}")
     task = bplan.settings.synthesis.task
-    _check_voice(bplan)
+    check_voice(bplan)
     if items_out is not None:
         _read_voice(reporter, bplan)
         reporter.data(str(write_items(Path(items_out), bplan.plan.items, task)))
@@ -116,14 +118,6 @@ def read_aloud(reporter: Reporter, request, items_out: str | None) -> int:
     done = assemble(bplan, runner.resolve(), reporter.log)
     _report(reporter, bplan, done, results, runner, elapsed)
     return exit_code_for(results)
-
-
-def _check_voice(bplan) -> None:
-    """A stored voice is loaded before anything runs (an unknown one: exit 2 or 9)."""
-    if bplan.settings.synthesis.voice:
-        from mimo_tts.synthesis.voices import VoiceStore
-
-        VoiceStore().load(bplan.settings.synthesis.voice)
 
 
 def _read_voice(reporter: Reporter, bplan) -> None:
@@ -180,16 +174,12 @@ def book_line(bplan, done) -> str:
     """The book's one line: its length and folder, or what it still waits for."""
     count = len(bplan.book.chapters)
     if done.complete:
-        seconds = done.record["seconds"]
+        minutes, secs = divmod(round(done.record["seconds"]), 60)
         chapters = "1 chapter" if count == 1 else f"{count} chapters"
-        return (f"book: {chapters}, {_clock(seconds)} of audio in {bplan.folder}"
+        return (f"book: {chapters}, {minutes // 60}:{minutes % 60:02d}:{secs:02d} of audio in "
+                f"{bplan.folder}"
                 + ("" if bplan.request.m4b else " (no m4b)"))
     waiting = ", ".join(map(str, done.waiting))
     outputs = "book.m4b and the captions" if bplan.request.m4b else "the captions"
     return (f"book: {count - len(done.waiting)} of {count} chapters done; {outputs} wait for "
             f"{sum(done.waiting.values())} piece(s) of chapter(s) {waiting}")
-
-
-def _clock(seconds: float) -> str:
-    minutes, secs = divmod(round(seconds), 60)
-    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"

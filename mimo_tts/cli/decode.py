@@ -89,9 +89,8 @@ def decode_files(codes: list[str], options: OptionValues, log, *, output: str | 
     `options` (the tokenizer's flags) resolve to.
 
     The tokenizer loads through `Stage1.from_settings`: a decode that cannot fit is refused
-    (exit 4) before loading. A bad codes file (unreadable, codes out of range, audio failing
-    its check) fails alone; the other files are still decoded. An existing output is kept
-    unless `overwrite`.
+    (exit 4) before loading. A bad codes file fails alone (the module docstring); an existing
+    output is kept unless `overwrite`.
     """
     from mimo_tts.batch.plan import check_binary_stdout
     from mimo_tts.synthesis.stage1 import Stage1

@@ -59,10 +59,7 @@ def synth(
         from mimo_tts.batch.runner import BatchRunner
 
         plan = plan_synth(request, sys.stdin, reporter.log)
-        if plan.settings.synthesis.voice:  # an unknown or corrupt voice: before loading
-            from mimo_tts.synthesis.voices import VoiceStore
-
-            VoiceStore().load(plan.settings.synthesis.voice)
+        check_voice(plan)
         runner = BatchRunner(plan.settings, log=reporter.log)
         start = time.perf_counter()
         # the bar counts text pieces, so one long text shows its progress too
@@ -78,6 +75,14 @@ def synth(
         return exit_code_for(results)
 
     run_command(reporter, body)
+
+
+def check_voice(plan) -> None:
+    """A stored voice is loaded before anything runs (an unknown one: exit 2 or 9)."""
+    if plan.settings.synthesis.voice:
+        from mimo_tts.synthesis.voices import VoiceStore
+
+        VoiceStore().load(plan.settings.synthesis.voice)
 
 
 def _one_less(left: dict, key: int) -> int:

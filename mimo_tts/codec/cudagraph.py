@@ -49,17 +49,13 @@ class GraphDecoder:
     def bucket_for(self, frames: int) -> int:
         return next(b for b in self.buckets if b >= frames)
 
-    def _inputs(self, hidden: Tensor, bucket: int) -> tuple[Tensor, Tensor]:
-        padded = hidden.new_zeros(1, bucket, hidden.shape[1])
-        padded[0, : hidden.shape[0]] = hidden
-        lengths = torch.full((1,), hidden.shape[0], dtype=torch.long, device=hidden.device)
-        return padded, lengths
-
     @torch.inference_mode()
     def padded_eager(self, hidden: Tensor) -> Tensor:
         """The bucket computation without a graph: latent [T, d] -> waveform [960*T]."""
         frames = hidden.shape[0]
-        padded, lengths = self._inputs(hidden, self.bucket_for(frames))
+        padded = hidden.new_zeros(1, self.bucket_for(frames), hidden.shape[1])
+        padded[0, :frames] = hidden
+        lengths = torch.full((1,), frames, dtype=torch.long, device=hidden.device)
         return self.decoder(padded, lengths)[0, : frames * self.spf]
 
     @torch.inference_mode()

@@ -24,11 +24,6 @@ from mimo_tts.errors import UsageError
 ENGINES = ("onednn", "x86", "fbgemm")
 
 
-def _engine() -> str:
-    supported = torch.backends.quantized.supported_engines
-    return next((e for e in ENGINES if e in supported), torch.backends.quantized.engine)
-
-
 def _copy_decoder(decoder: AudioDecoder) -> AudioDecoder:
     """An independent copy (deepcopy cannot copy the RoPE caches' locks)."""
     with torch.device("meta"):
@@ -50,8 +45,10 @@ def quantize_int8(tokenizer: AudioTokenizer) -> AudioTokenizer:
     model = copy.copy(tokenizer.model)  # shares the encoder; the decoder is replaced below
     model._modules = dict(model._modules)
     model._modules["decoder"] = _copy_decoder(tokenizer.model.decoder)
-    previous = torch.backends.quantized.engine
-    torch.backends.quantized.engine = _engine()  # weights are packed for this engine
+    previous, supported = (torch.backends.quantized.engine,
+                           torch.backends.quantized.supported_engines)
+    # weights are packed for this engine
+    torch.backends.quantized.engine = next((e for e in ENGINES if e in supported), previous)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the eager API is deprecated in favour of torchao

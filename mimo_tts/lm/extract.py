@@ -39,14 +39,6 @@ def extract_text(tokens: Sequence[int], tokenizer) -> str:
     return text
 
 
-def audio_span(tokens: Sequence[int], special) -> tuple[int, int]:
-    """Groups read as audio: after the first generated <|sostm|>, before the first <|eostm|>."""
-    tokens = list(tokens)
-    start = tokens.index(special.sostm) + 1 if special.sostm in tokens else 0
-    end = tokens.index(special.eostm) if special.eostm in tokens else len(tokens)
-    return start, end
-
-
 def extract_codes(new_ids: Tensor, start: int, end: int, empty_ids: Sequence[int],
                   group_size: int) -> Tensor | None:
     """Codes [K, T] of groups start..end, without frames whose channel-0 code is empty."""
@@ -71,6 +63,8 @@ def extract_codes(new_ids: Tensor, start: int, end: int, empty_ids: Sequence[int
 def extract(new_ids: Tensor, tokenizer, empty_ids: Sequence[int], group_size: int) -> Extracted:
     """new_ids [1 + K, F * N] -> Extracted text and codes (None if no audio)."""
     tokens = tuple(int(t) for t in new_ids[0, ::group_size].tolist())
-    start, end = audio_span(tokens, tokenizer.special)
+    special = tokenizer.special  # audio: after the first <|sostm|>, before the first <|eostm|>
+    start = tokens.index(special.sostm) + 1 if special.sostm in tokens else 0
+    end = tokens.index(special.eostm) if special.eostm in tokens else len(tokens)
     codes = extract_codes(new_ids, start, end, empty_ids, group_size)
     return Extracted(extract_text(tokens, tokenizer), codes, tokens, start, end)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from mimo_tts.lm.model import KVCache, MiMoAudioLM
-from mimo_tts.lm.step import Slot, mark_keys
+from mimo_tts.lm.step import EagerStep, Slot, mark_keys
 from mimo_tts.runtime.cudagraph import capture
 
 SPAN_MIN = 64  # smallest attention span bucket of the backbone step, in groups
@@ -70,8 +70,9 @@ class CapturedStep:
         return self.out
 
 
-class GraphStep:
-    """Backbone and patch-decoder steps of one generation over static buffers.
+class GraphStep(EagerStep):
+    """Backbone and patch-decoder steps of one generation over static buffers (the new
+    groups' embedding and the text logits stay `EagerStep`'s).
 
     `cache`/`local_cache` are the generation's preallocated caches, `valid` its key mask
     [B, S] or None when no row is padded, `prompt_len` the first free cache slot. The step
@@ -85,14 +86,13 @@ class GraphStep:
         device, dtype = weight.device, weight.dtype
         batch, length = cache.k.shape[1], cache.length
         cfg = model.cfg
-        self.model, self.cache, self.local_cache = model, cache, local_cache
         self.capture, self.strict = capture, strict
         self.embeds = torch.zeros(batch, 1, cfg.hidden, dtype=dtype, device=device)
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.slot = torch.zeros(batch, dtype=torch.long, device=device)  # each row's slot
         if valid is None:  # no padding: every prompt slot is a key
             valid = (torch.arange(length, device=device) < prompt_len).expand(batch, -1).clone()
-        self.valid = valid  # [B, S'] (S' >= S), one more slot set per step, in place
+        super().__init__(model, cache, local_cache, valid)  # valid [B, S'], S' >= S: a slot a step
         self.spans = span_buckets(length)
         self.local_x = torch.zeros(batch, 1, cfg.local_dim, dtype=dtype, device=device)
         self.backbone_steps: dict[int, Callable] = {}
@@ -100,14 +100,6 @@ class GraphStep:
 
     def _step(self, fn: Callable[[], object]) -> Callable[[], object]:
         return CapturedStep(fn, self.strict) if self.capture else fn
-
-    def embed(self, tokens: Tensor, codes: Tensor, empty_token: int) -> Tensor:
-        """Eager: tokens [B], codes [B, F, K] -> [B, 1, H]."""
-        return self.model.embed_groups(tokens[:, None], codes[:, None], empty_token)
-
-    def text_logits(self, hidden: Tensor) -> Tensor:
-        """Eager: hidden [B, H] -> [B, V] float32."""
-        return self.model.text_logits(hidden)
 
     def backbone(self, embeds: Tensor, positions: Tensor, slot: Slot) -> Tensor:
         """One backbone position for every row: embeds [B, 1, H], positions [B, 1] written

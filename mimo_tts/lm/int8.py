@@ -40,12 +40,6 @@ def dequantize(weight: Tensor, dtype: torch.dtype) -> Tensor:
     return (weight.float() * weight.scale[:, None]).to(dtype)
 
 
-def _parameter(q: Tensor) -> nn.Parameter:
-    p = nn.Parameter(q, requires_grad=False)
-    p.scale = q.scale
-    return p
-
-
 def _split(q: Tensor, parts: tuple[nn.Linear, ...]) -> None:
     """Point the checkpoint-named parts at rows of the int8 matrix (the dtype copy is freed)."""
     start = 0
@@ -74,7 +68,8 @@ def quantize_lm(model, quant: str) -> None:
         for module, name in matrices(model):
             q = quantize_rows(getattr(module, name))
             if isinstance(getattr(module, name), nn.Parameter):
-                q = _parameter(q)
+                scale, q = q.scale, nn.Parameter(q, requires_grad=False)
+                q.scale = scale  # a new tensor object: its scale set again
             setattr(module, name, q)
         for stack in (model.model, model.local_transformer):
             for layer in stack.layers:

@@ -98,13 +98,6 @@ def _check_codes(codes: torch.Tensor, empty_ids: Sequence[int]) -> None:
         )
 
 
-def _system_turn(voice: torch.Tensor | None) -> list:
-    """System turn of the instruct/natural layouts; a voice prompt switches to SYS_ZH_CLONE."""
-    if voice is None:
-        return ["<|im_start|>system\n", SYS_ZH, "<|im_end|>\n"]
-    return ["<|im_start|>system\n", SYS_ZH_CLONE, voice, "<|im_end|>\n"]
-
-
 def _pieces(task: str, text: str, instruct, template: str | None, voice) -> list:
     """Segment contents in order (spec §6.2): strings are text segments, tensors audio."""
     if task == "tts_sft":
@@ -114,7 +107,9 @@ def _pieces(task: str, text: str, instruct, template: str | None, voice) -> list
         user = f"<|im_start|>user\n{template}: {text}({instruct})<|im_end|>\n"
     else:  # natural layout (read_text_only=False): the style lives in the text itself
         user = f"<|im_start|>user\n{text}<|im_end|>\n"
-    return [*_system_turn(voice), user, "<|im_start|>assistant\n<think>\n"]
+    system = [SYS_ZH] if voice is None else [SYS_ZH_CLONE, voice]  # a voice prompt: clone's
+    return ["<|im_start|>system\n", *system, "<|im_end|>\n", user,
+            "<|im_start|>assistant\n<think>\n"]
 
 
 def _text_groups(ids: Sequence[int], empty_ids: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -137,11 +132,6 @@ def _audio_groups(
     sosp = _text_groups([special.sosp], empty_ids, group_size)
     eosp = _text_groups([special.eosp], empty_ids, group_size)
     return torch.cat([sosp, body, eosp], dim=1)
-
-
-def _layout_template(task: str, instruct) -> bool:
-    """Whether the user turn carries an instruction template (not in the natural layout)."""
-    return task in ("tts_sft", "tts_sft_with_instruct") or instruct is not None
 
 
 def build_prompt(
@@ -175,7 +165,7 @@ def build_prompt(
         _check_codes(voice, empty.tolist())
     processed = preprocess_text(text)
     index, chosen = None, None
-    if _layout_template(task, instruct):
+    if task in ("tts_sft", "tts_sft_with_instruct") or instruct is not None:  # not natural
         index, chosen = choose_template(text, template, seed)
     segments, blocks = [], []
     for piece in _pieces(task, processed, instruct, chosen, voice):

@@ -93,16 +93,11 @@ def is_chinese(text: str) -> bool:
     return any("\u4e00" <= ch <= "\u9fff" for ch in text)
 
 
-def templates_for(text: str) -> tuple[str, ...]:
-    """The template list a text draws from (zh for Chinese text, en otherwise)."""
-    return TTS_ZH_TEMPLATES if is_chinese(text) else TTS_EN_TEMPLATES
-
-
 def choose_template(
     text: str, template: int | str | None, seed: int | None
 ) -> tuple[int | None, str]:
     """Pick the instruction template: explicit index or string, else `random.Random(seed)`."""
-    choices = templates_for(text)
+    choices = TTS_ZH_TEMPLATES if is_chinese(text) else TTS_EN_TEMPLATES
     if isinstance(template, bool):
         raise InputError(f"template must be an index or a string, not {template!r}")
     if isinstance(template, int):

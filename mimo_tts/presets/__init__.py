@@ -65,12 +65,6 @@ def resolve(name: str, source: str, role: str, allow_download: bool = False, env
     return checkpoints.resolve(name, source, role, allow_download)
 
 
-def resolve_names(names, env=None, seed: int = 0) -> tuple[ModelRef, ModelRef]:
-    """Both checkpoints of `synthesis.options.CheckpointNames`, resolved to local directories."""
-    return (resolve(*names.lm, "model", names.allow_download, env, seed),
-            resolve(*names.tokenizer, "tokenizer", names.allow_download, env, seed))
-
-
 def locate(name: str, source: str, role: str, env=None) -> tuple[Path | None, str]:
     """Where a checkpoint would be found, writing and downloading nothing: (path, status)."""
     if name == TINY:
@@ -78,12 +72,8 @@ def locate(name: str, source: str, role: str, env=None) -> tuple[Path | None, st
         sub = root / ("lm" if role == "model" else "tokenizer")
         ok = (root / "complete").is_file()
         return (sub, "present (tiny preset)") if ok else (None, "tiny preset, built on first use")
-    return checkpoints.locate(name, source, role, config_parser(role))
-
-
-def config_parser(role: str):
-    """The config.json parser of a role's model: the LM's ("model") or the codec's."""
-    return LMConfig.from_json if role == "model" else CodecConfig.from_json
+    return checkpoints.locate(name, source, role,
+                              LMConfig.from_json if role == "model" else CodecConfig.from_json)
 
 
 def checkpoint_dtype(name: str, source: str, role: str, env=None) -> str | None:

@@ -64,7 +64,7 @@ class SafetensorsFile:
             self.offsets[name], end = end, end + size
         text = json.dumps(header, separators=(",", ":")).encode("utf-8")
         text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-        self.base, self.data_bytes = 8 + len(text), end
+        self.base = 8 + len(text)
         self.tmp = temp_beside(path)
         self.file = create_temp(self.tmp)
         self.file.write(len(text).to_bytes(8, "little") + text)

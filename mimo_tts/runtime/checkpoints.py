@@ -65,8 +65,10 @@ def _from_hf_cache(repo_id: str, source: str, allow_download: bool) -> ModelRef:
     if not allow_download:
         cached = _cached_snapshot(repo_id)
         if cached is None:
+            from huggingface_hub import constants
+
             raise CheckpointError(f"model {repo_id} is not in the local Hugging Face cache "
-                                  f"({_hf_cache_dir()}); {fetch_hint(repo_id)}")
+                                  f"({constants.HF_HUB_CACHE}); {fetch_hint(repo_id)}")
         return ModelRef(repo_id, source, "hf-cache", cached, revision=cached.name)
     from huggingface_hub import snapshot_download
 
@@ -77,12 +79,6 @@ def _from_hf_cache(repo_id: str, source: str, allow_download: bool) -> ModelRef:
         raise CheckpointError(f"could not download {repo_id} (is this machine online? "
                               f"HF_ENDPOINT / HF_TOKEN may be needed): {reason}") from None
     return ModelRef(repo_id, source, "download", path, revision=path.name)
-
-
-def _hf_cache_dir() -> str:
-    from huggingface_hub import constants
-
-    return str(constants.HF_HUB_CACHE)
 
 
 def resolve(name: str, source: str, role: str, allow_download: bool = False) -> ModelRef:

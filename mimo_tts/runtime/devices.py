@@ -160,14 +160,12 @@ def normalize_device(value: str, source: str = "argument", probe: Probe | None =
             f"invalid device {_describe(value, source)}: use cpu, cuda, cuda:N or mps"
         )
     kind, index = match.group(1), match.group(2)
+    if kind in ("cpu", "mps") and index not in (None, "0"):
+        raise DeviceError(f"invalid device {_describe(value, source)}: {kind} takes no index")
     if kind == "cpu":
-        if index not in (None, "0"):
-            raise DeviceError(f"invalid device {_describe(value, source)}: cpu takes no index")
         return "cpu"
     probe = probe or Probe.detect()
     if kind == "mps":
-        if index not in (None, "0"):
-            raise DeviceError(f"invalid device {_describe(value, source)}: mps takes no index")
         if not probe.mps:
             raise DeviceError(f"device {_describe(value, source)} is not available on this machine")
         return "mps"

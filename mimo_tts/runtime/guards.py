@@ -34,17 +34,12 @@ def oom_advice(stage: str, device: str):
     except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
         if not is_out_of_memory(exc):
             raise
-        _release_cached_memory(device)
+        if str(device).startswith("cuda"):  # the allocator's cached blocks back: a clean slate
+            import torch
+
+            torch.cuda.empty_cache()
         raise DeviceError(f"out of memory on {device} during {stage}; try --tokenizer-device "
                           "cpu, a smaller --batch-size or a smaller --max-chars") from None
-
-
-def _release_cached_memory(device: str) -> None:
-    """Give a CUDA allocator's cached blocks back, so the next item starts from a clean slate."""
-    if str(device).startswith("cuda"):
-        import torch
-
-        torch.cuda.empty_cache()
 
 
 @contextmanager

@@ -26,16 +26,6 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _BUILDING = threading.Lock()
 
 
-def _cache_dir() -> Path:
-    """`kernels/` in the project's cache root (MIMO_TTS_CACHE, else XDG_CACHE_HOME/mimo-tts)."""
-    return cache_root() / "kernels"
-
-
-def _machine_key() -> str:
-    """The CPU's feature flags: -march=native code is only reused on the same kind of CPU."""
-    return " ".join(cpu_flags()) or platform.node()
-
-
 def build(source: Traversable, stem: str) -> tuple[ctypes.CDLL | None, str]:
     """(the compiled `source`, "") or (None, why not); compiled on first use into
     `<cache>/kernels/<stem>_<key>.so`, reused while source, flags and CPU are the same."""
@@ -45,8 +35,9 @@ def build(source: Traversable, stem: str) -> tuple[ctypes.CDLL | None, str]:
         source_text = source.read_text(encoding="utf-8")
     except OSError:
         return None, f"this install has no {source.name}"
-    key = hashlib.sha256((source_text + " ".join(FLAGS) + _machine_key()).encode()).hexdigest()
-    target = _cache_dir() / f"{stem}_{key[:16]}.so"
+    machine = " ".join(cpu_flags()) or platform.node()  # -march=native: the same kind of CPU
+    key = hashlib.sha256((source_text + " ".join(FLAGS) + machine).encode()).hexdigest()
+    target = cache_root() / "kernels" / f"{stem}_{key[:16]}.so"  # MIMO_TTS_CACHE, else XDG's
     try:
         with _BUILDING:
             if not target.exists():

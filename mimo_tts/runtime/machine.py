@@ -78,12 +78,6 @@ def _cgroup(name: str, root: str = "/sys/fs/cgroup") -> int | None:
         return None
 
 
-def _cgroup_available() -> int | None:
-    """memory.max - memory.current of this process's cgroup v2, when a limit is set."""
-    limit, current = _cgroup("memory.max"), _cgroup("memory.current")
-    return None if limit is None or current is None else limit - current
-
-
 def cpu_total(env: Mapping[str, str] | None = None) -> int | None:
     """The most memory this process can hold: MIMO_TTS_AVAILABLE_MEMORY's CPU figure when set,
     else MemTotal capped by the cgroup's memory.max; None when unknown."""
@@ -110,10 +104,11 @@ def available(device: str, env: Mapping[str, str] | None = None) -> tuple[int | 
     stated = stated_available(device, env)
     if stated is not None:
         return stated, f"env {AVAILABLE_ENV}"
-    if device == "cpu":
+    if device == "cpu":  # and this process's cgroup v2: memory.max - memory.current
+        limit, current = _cgroup("memory.max"), _cgroup("memory.current")
+        cgroup = None if limit is None or current is None else limit - current
         found = [(v, s) for v, s in ((_meminfo("MemAvailable"), "MemAvailable"),
-                                     (_cgroup_available(), "cgroup memory.max"))
-                 if v is not None]
+                                     (cgroup, "cgroup memory.max")) if v is not None]
         return min(found) if found else (None, "unknown")
     if device.startswith("cuda"):
         import torch

@@ -54,6 +54,7 @@ CLIENT_GONE = 499  # the status nginx logs for a client that closed its request
 API_KEY_ENV = "MIMO_TTS_API_KEY"
 HOST_NAME = re.compile(r"[a-z0-9_-][a-z0-9._-]*")  # what --allowed-host takes
 SHOWN_NAMES = 5  # unknown field names quoted in a refusal
+KIND_WORDS = {str: "a string", int: "an integer", bool: "true or false"}  # else "a number"
 
 
 @dataclass(frozen=True)
@@ -288,10 +289,6 @@ class RequestParser:
     formats: tuple[str, ...]
     store: VoiceStore = field(default_factory=VoiceStore)  # the registry (`tts.voices`)
 
-    @property
-    def default_format(self) -> str:
-        return "mp3" if "mp3" in self.formats else "wav"
-
     def parse(self, body: bytes) -> SpeechParams:
         """The request body -> what to say and how; bad values are 400s naming their fields.
         Everything is checked here, before the request is admitted or tokenised."""
@@ -310,7 +307,7 @@ class RequestParser:
         if instruct is not None:
             self.bounded(instruct, "instructions")
             _require(bool(instruct.strip()), "instructions is empty", "instructions")
-        fmt = _field(data, "response_format", str) or self.default_format
+        fmt = _field(data, "response_format", str) or ("mp3" if "mp3" in self.formats else "wav")
         stream_format = _field(data, "stream_format", str) or "audio"
         seed = _field(data, "seed", int)
         speed = _field(data, "speed", int | float)
@@ -451,12 +448,8 @@ def _field(data: dict, name: str, kind, required: bool = False):
         return None
     _require(isinstance(value, bool) if kind is bool else
              isinstance(value, kind) and not isinstance(value, bool),
-             f"{name} must be {_kind_words(kind)}", name)
+             f"{name} must be {KIND_WORDS.get(kind, 'a number')}", name)
     return value
-
-
-def _kind_words(kind) -> str:
-    return {str: "a string", int: "an integer", bool: "true or false"}.get(kind, "a number")
 
 
 def _require(ok: bool, message: str, param: str | None = None) -> None:

@@ -141,7 +141,7 @@ class Session:
                 put(("audio", event.samples))
             elif isinstance(event, Done):
                 try:
-                    audio = self.sessions.tts.finish([event.piece], self.label)
+                    audio = self.sessions.tts.stage1.finish([event.piece], self.label)
                 except MimoTTSError as exc:
                     put(("error", exc))
                     return

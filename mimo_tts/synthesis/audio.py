@@ -50,8 +50,8 @@ FORMAT_RATES = {"mp3": (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 4
                 "aac": aac.RATES, "m4a": aac.RATES}
 
 
-EXTENSIONS = {".wav": "wav", ".flac": "flac", ".mp3": "mp3", ".opus": "opus", ".ogg": "ogg",
-              ".aac": "aac", ".m4a": "m4a"}
+# file extension -> the format it names (.wav: PCM16, as wav-float needs --format)
+EXTENSIONS = {ext: name for name, (_, _, ext, _) in FORMATS.items() if name != "wav-float"}
 
 
 def output_format(path: str | None, given: str | None) -> str:

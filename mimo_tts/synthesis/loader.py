@@ -22,7 +22,9 @@ def resolve_checkpoints(settings: Settings, env: Mapping[str, str] | None = None
     """Both checkpoints as local directories; an engine that is not installed fails first
     (exit 2), a missing checkpoint next (exit 3), before anything is loaded."""
     engine_spec(settings.engine.engine).check_installed()
-    return presets.resolve_names(settings.checkpoints, os.environ if env is None else env)
+    name, source = settings.checkpoints.lm
+    return (presets.resolve(name, source, "model", settings.checkpoints.allow_download,
+                            os.environ if env is None else env), resolve_tokenizer(settings, env))
 
 
 def resolve_tokenizer(settings: Settings, env: Mapping[str, str] | None = None) -> ModelRef:

@@ -173,12 +173,12 @@ class Lengths:
     decode_rows: int = 1  # audios Stage-1 decodes in one call
 
     @staticmethod
-    def for_run(texts: list[str], batch_size: int, max_chars: int, max_new_groups: int | None,
-                prompt_audio_groups: int = 0) -> Lengths:
+    def for_run(texts: list[str], batch_size: int, max_chars: int,
+                max_new_groups: int | None) -> Lengths:
         longest = max((len(t.encode("utf-8")) for t in texts), default=0)
         if max_chars:
             longest = min(longest, 4 * max_chars)  # split at max_chars (UTF-8: <= 4 bytes each)
-        prompt = PROMPT_GROUPS + longest + prompt_audio_groups
+        prompt = PROMPT_GROUPS + longest
         new = max_new_groups if max_new_groups is not None else max(longest, 64)
         return Lengths(batch=max(1, min(batch_size, len(texts) or 1)), prompt_groups=prompt,
                        new_groups=new)

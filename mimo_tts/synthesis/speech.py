@@ -2,8 +2,7 @@
 (`SpeechCalls`: `synthesize`, `synthesize_batch`, `stream`, `decode`), each argument checked as
 the CLI checks its flag. `MiMoTTS` (synthesizer.py) is the `SpeechCalls` over its loaded stages:
 each call turns its text pieces into jobs of the speech worker (`MiMoTTS.worker`,
-`synthesis/worker.py`) and finishes what they give (`prompts`, `finish`, `describe`, `stage1`,
-`options`).
+`synthesis/worker.py`) and finishes what they give (`prompts`, `describe`, `stage1`, `options`).
 """
 
 from __future__ import annotations
@@ -168,8 +167,8 @@ class SpeechCalls:
         results = []
         for n, group in enumerate(groups):
             pieces = [job.piece for job in group]
-            audio = self._audio(self.finish(pieces, f"text {n + 1}", script(texts[n], o).pauses),
-                                o, pieces)
+            audio = self._audio(self.stage1.finish(pieces, f"text {n + 1}",
+                                                   script(texts[n], o).pauses), o, pieces)
             if o.captions:
                 audio = replace(audio, cues=tuple(self.cues(texts[n], o, pieces)))
             results.append(audio)

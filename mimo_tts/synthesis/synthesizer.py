@@ -245,10 +245,6 @@ class MiMoTTS(SpeechCalls):
                             stage1_batch=stage1_batch or STAGE1_BATCH, meter=meter,
                             log=log or self.log)
 
-    def finish(self, pieces: list[Piece], label: str, pauses=None) -> torch.Tensor:
-        """The pieces' audio joined by `pauses` and checked [S] (24 kHz): `Stage1.finish`."""
-        return self.stage1.finish(pieces, label, pauses)
-
     def describe(self, o: SynthesisOptions) -> dict:
         """Checkpoints, placement, engine and effective samplers (provenance of every output)."""
         text, audio = o.samplers()

@@ -434,8 +434,7 @@ class SpeechWorker:
             elif task[1] not in streams:
                 streams.add(task[1])
                 tasks.append(task)
-            elif merge and not _last_of(tasks, task[1]):
-                at = _index_of(tasks, task[1])
+            elif merge and not tasks[at := _index_of(tasks, task[1])][3]:  # its last push: later
                 tasks[at] = _merged(tasks[at], task)
             else:
                 later.append(entry)
@@ -572,10 +571,6 @@ class SpeechWorker:
 
 def _index_of(tasks: list, job: SpeechJob) -> int:
     return next(i for i, t in enumerate(tasks) if t[0] == "push" and t[1] is job)
-
-
-def _last_of(tasks: list, job: SpeechJob) -> bool:
-    return tasks[_index_of(tasks, job)][3]
 
 
 def _merged(task: tuple, more: tuple) -> tuple:
