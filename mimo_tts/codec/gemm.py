@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import time
 from importlib.resources import files
 
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mimo_tts.errors import UsageError
+from mimo_tts.runtime import pages
 from mimo_tts.runtime.devices import CODEC_KERNEL_ENV, KERNEL_MODES, Choice
 from mimo_tts.runtime.kernels import build
 from mimo_tts.runtime.measured import Decision, decide
@@ -76,7 +76,7 @@ class PackedGemm:
                                    for m, w in zip(modules, weights, strict=True)]).float()
         del weight
         for w in weights:
-            _drop_file_pages(w)
+            pages.drop(w)
         del weights
         for m in modules:
             m.weight = nn.Parameter(torch.empty(m.weight.shape, device="meta"),
@@ -124,38 +124,6 @@ class PackedGemm:
         """Give the modules plain float32 weights again (`weights`)."""
         for m, w in zip(self.modules, self.weights(), strict=True):
             m.weight = nn.Parameter(w, requires_grad=False)
-
-
-MADV_DONTNEED = 4
-PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _file_mappings() -> list[tuple[int, int]]:
-    """(start, end) of this process's mappings of files (inode != 0), from /proc/self/maps."""
-    spans = []
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) >= 6 and fields[4] != "0":
-                    start, end = fields[0].split("-")
-                    spans.append((int(start, 16), int(end, 16)))
-    except OSError:
-        pass
-    return spans
-
-
-def _drop_file_pages(t: Tensor) -> None:
-    """Let go of the resident pages wholly inside `t` where `t` lies in a mapped file (the
-    loader maps float32 checkpoints): they are clean copies of the file (read again if ever
-    touched), and dropping them keeps the packed model's memory that of the float32 weights.
-    Memory that is not a file mapping is left alone."""
-    start = -(-t.data_ptr() // PAGE) * PAGE
-    end = (t.data_ptr() + t.numel() * t.element_size()) // PAGE * PAGE
-    if end <= start or not any(a <= start and end <= b for a, b in _file_mappings()):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
 
 
 def _ptr(t: Tensor | None) -> int | None:

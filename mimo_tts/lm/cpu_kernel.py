@@ -63,6 +63,7 @@ from mimo_tts.lm.model import (
     upcast_linear,
 )
 from mimo_tts.lm.step import EagerStep
+from mimo_tts.runtime import pages
 from mimo_tts.runtime.devices import KERNEL_MODES, Choice
 from mimo_tts.runtime.kernels import build
 from mimo_tts.runtime.measured import Decision, decide
@@ -311,36 +312,6 @@ def pack(lib: ctypes.CDLL, weight: Tensor, out: Tensor | None = None) -> Tensor:
     return out
 
 
-def _mapped_file_pages(t: Tensor) -> tuple[int, int] | None:
-    """(start, length) of the whole pages of `t` that lie in a file mapping (a zero-copy
-    safetensors load), or None where its memory is anonymous (PyTorch's own allocations)."""
-    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-    try:
-        with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
-            for line in maps:
-                m = re.match(r"([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s*(\S*)", line)
-                if m and int(m[1], 16) <= start < int(m[2], 16):
-                    if not m[3].startswith("/"):
-                        return None
-                    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
-                    last = min(end, int(m[2], 16)) // mmap.PAGESIZE * mmap.PAGESIZE
-                    return (first, last - first) if last > first else None
-    except OSError:
-        return None
-    return None
-
-
-def _release_file_pages(t: Tensor) -> None:
-    """Drop the resident file pages of a mapped weight that was just packed: they would stay
-    in the process's memory beside the packed copy until the whole file is unmapped (clean
-    pages of a private mapping: MADV_DONTNEED gives them back; a later read would refault)."""
-    pages = _mapped_file_pages(t)
-    if pages is not None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(pages[0]), ctypes.c_size_t(pages[1]),
-                     mmap.MADV_DONTNEED)
-
-
 def pack_model(model: MiMoAudioLM, w8a8: bool = False) -> int:
     """Pack every matrix a decode step streams (`MiMoAudioLM.streamed_matrices`) in place, one
     at a time: the packed copy (huge pages) replaces the original and its checkpoint-named
@@ -367,7 +338,7 @@ def pack_model(model: MiMoAudioLM, w8a8: bool = False) -> int:
                     packed.scale = scale
             setattr(owner, name, packed)
             _view_parts(packed, parts)
-            _release_file_pages(weight)
+            pages.drop(weight)  # the file's copy, now packed
             total += packed.numel() * packed.element_size()
             del weight
     return total

@@ -153,19 +153,6 @@ def test_bfloat16_layers_are_not_gemm_packed(monkeypatch):
     assert not _packed(layer) and layer.fc1.weight.dtype == torch.bfloat16
 
 
-def test_dropping_pages_keeps_values(tmp_path):
-    """File-mapped weights read back the file after their pages are dropped; anonymous memory
-    (which would read back zeros) is never dropped."""
-    values = torch.randn(1 << 20)
-    path = tmp_path / "w.bin"
-    path.write_bytes(values.numpy().tobytes())
-    mapped = torch.from_file(str(path), shared=False, size=values.numel())
-    anonymous = values.clone()
-    for t in (mapped, anonymous):
-        gemm._drop_file_pages(t)
-        assert torch.equal(t, values)
-
-
 @needs_amx
 def test_auto_leaves_the_gemm_off_where_memory_is_short(monkeypatch, tokenizer_dir):
     """Packing makes the tokenizer's weights anonymous memory: auto packs beside CPU LM
