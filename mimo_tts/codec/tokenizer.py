@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import numbers
 import threading
-import time
 
 import torch
 from torch import Tensor
@@ -20,9 +19,6 @@ from mimo_tts.codec.config import BATCH_FRAMES, DECODE_CHUNK_FRAMES, CodecConfig
 from mimo_tts.codec.decoder import pad_hidden
 from mimo_tts.codec.mel import LogMel, prepare_audio
 from mimo_tts.errors import AudioCheckError, InputError
-from mimo_tts.runtime import pages
-
-PREFETCH_EVERY_S = 10.0  # `prefetch_decode`: pages read in stay resident a while
 
 
 def _on_device(method):
@@ -51,8 +47,6 @@ class AudioTokenizer:
         self._mel = LogMel(self.config)
         self._graphs = None
         self._graph_lock = threading.Lock()
-        self._decode_pages: list[tuple[int, int]] | None = None  # `prefetch_decode`
-        self._prefetched_at = float("-inf")
         self.cuda_graph = cuda_graph
 
     @property
@@ -69,23 +63,6 @@ class AudioTokenizer:
         self._cuda_graph = bool(wanted) and self.device.type == "cuda"
 
     # ---- decode -------------------------------------------------------------------------
-    def prefetch_decode(self) -> int:
-        """Ask the kernel to read the decode path's weights (the decoder and the RVQ codebooks)
-        in the background where they lie in the mapped checkpoint; the bytes asked for (0 on a
-        GPU, or where the weights are memory of their own). A stream calls it as generation
-        starts, so its first decode does not wait for the disk: on a cold page cache a
-        full-size float32 first push of 44 frames took 1.95 s against 0.92 s warm. The advice
-        costs some 30 ms over resident pages, so it is given at most every PREFETCH_EVERY_S."""
-        now = time.monotonic()
-        if now - self._prefetched_at < PREFETCH_EVERY_S:
-            return 0
-        self._prefetched_at = now
-        if self._decode_pages is None:
-            parts = (self.model.decoder, self.model.encoder.quantizer)
-            self._decode_pages = pages.mapped_pages(
-                t for part in parts for t in (*part.parameters(), *part.buffers()))
-        return pages.prefetch(self._decode_pages)
-
     def check_codes(self, codes: Tensor) -> Tensor:
         """Validate codes [K, T] (1 <= K <= num_quantizers, integer, in range); int64 on device."""
         if not isinstance(codes, Tensor):

@@ -302,8 +302,6 @@ class SpeechWorker:
         self.live.add(job)
         job.rows = len(self.live)
         job.timings["started_at"] = time.perf_counter()
-        if job.decode == "stream":  # its first decode comes after the look-ahead's steps
-            self.tts.codec.prefetch_decode()
         self.meter.row_started()
         self.stats["rows"] += 1
         self.stats["last_batch_rows"] = job.rows

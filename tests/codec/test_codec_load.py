@@ -146,26 +146,3 @@ def test_window_buffer_is_the_loaded_periodic_hann(codec):
     window = codec.model.decoder.vocoder.head.istft.window
     torch.testing.assert_close(window, periodic_hann(960), atol=1e-6, rtol=0)
 
-
-def test_prefetch_asks_for_the_mapped_decode_weights_once_a_while(tokenizer_dir, codec,
-                                                                   decode_cases):
-    """`prefetch_decode` advises the decoder's and the codebooks' pages in the mapped float32
-    checkpoint (a zero-copy load), nothing of the encoder; a second call within the interval
-    asks for nothing; decoding is unchanged. A bfloat16 load has no mapped weights to ask for."""
-    from mimo_tts.runtime import pages
-
-    tok = load_audio_tokenizer(tokenizer_dir, device="cpu", dtype=torch.float32)
-    def tensors(*modules):
-        return [t for m in modules for t in (*m.parameters(), *m.buffers())]
-
-    decode_path = tensors(tok.model.decoder, tok.model.encoder.quantizer)
-    wanted = sum(length for _, length in pages.mapped_pages(decode_path))
-    everything = sum(length for _, length in pages.mapped_pages(tensors(tok.model)))
-    assert 0 < wanted < everything
-    assert tok.prefetch_decode() == wanted
-    assert tok.prefetch_decode() == 0
-    codes = decode_cases["decode_T37.codes"]
-    assert torch.equal(tok.decode(codes), codec.decode(codes))
-    half = load_audio_tokenizer(tokenizer_dir, device="cpu", dtype=torch.bfloat16)
-    assert half.prefetch_decode() == sum(length for _, length in pages.mapped_pages(
-        tensors(half.model.decoder, half.model.encoder.quantizer))) < wanted

@@ -1,5 +1,5 @@
-"""runtime/pages.py: the file pages of mapped weights, dropped after packing and prefetched
-ahead of Stage-1's first decode; anonymous memory is never advised."""
+"""runtime/pages.py: the file pages of mapped weights, dropped once a kernel packed them;
+anonymous memory is never advised."""
 
 import mmap
 
@@ -23,7 +23,6 @@ def test_only_a_file_mappings_whole_pages_are_found(tmp_path):
     assert length >= 4 * (1 << 20) - 2 * mmap.PAGESIZE
     assert pages.file_pages(values.clone()) is None
     assert pages.file_pages(mapped[:16]) is None  # less than a page
-    assert pages.mapped_pages([mapped, values]) == [(start, length)]
 
 
 def test_dropping_pages_keeps_values(tmp_path):
@@ -36,11 +35,3 @@ def test_dropping_pages_keeps_values(tmp_path):
     for t in (mapped, anonymous):
         assert torch.equal(t, values)
 
-
-def test_prefetch_is_taken_for_mapped_pages_and_keeps_values(tmp_path):
-    values = torch.randn(1 << 20)
-    mapped = _mapped(tmp_path, values)
-    pages.drop(mapped)
-    wanted = pages.mapped_pages([mapped, values.clone()])
-    assert pages.prefetch(wanted) == sum(length for _, length in wanted) > 0
-    assert torch.equal(mapped, values)
