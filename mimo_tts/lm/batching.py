@@ -155,6 +155,7 @@ class ContinuousBatcher:
         self.hidden: Tensor | None = None  # [B, H] each row's newest backbone output
         self.decoder: DecodeStep | None = None
         self._cancel: list = []  # keys to cancel at the next step
+        self._fed: tuple[Tensor, Tensor] | None = None  # groups sampled, not yet fed (`_feed`)
         self._lock = threading.Lock()
 
     @property
@@ -194,6 +195,7 @@ class ContinuousBatcher:
         """Fill free rows from the source, then one group for every live row."""
         events: list[Event] = []
         self._drop_cancelled(events)
+        self._feed()  # the last step's groups, before a new row can take a free one
         self._refill(events)
         live = [r for r, row in enumerate(self.slots) if row is not None]
         if not live:
@@ -220,8 +222,8 @@ class ContinuousBatcher:
         ended = [(self.slots[r], reason) for r, reason in done]
         for r, _ in done:
             self._free(r)
-        if not self.idle:
-            self._advance(tokens, codes)
+        if not self.idle:  # fed at the next step, once this step's groups are out
+            self._fed = (tokens, codes)
         share = (time.perf_counter() - start) / len(live)
         for r in live:
             if self.slots[r] is not None:
@@ -334,6 +336,22 @@ class ContinuousBatcher:
                                         [row.job.options.audio_sampler for row in rows],
                                         [row.generator for row in rows], decoder)
         return tokens, codes, raw
+
+    def _feed(self) -> None:
+        """Run the backbone over the groups the last step sampled (`_advance`), its time shared
+        by the rows it ran. A step returns its groups before this, so a stream's push (and
+        Stage-1's turn) comes one backbone position sooner; each row's arithmetic is the same."""
+        if self._fed is None:
+            return
+        (tokens, codes), self._fed = self._fed, None
+        rows = [row for row in self.slots if row is not None]
+        if not rows:
+            return
+        start = time.perf_counter()
+        self._advance(tokens, codes)
+        share = (time.perf_counter() - start) / len(rows)
+        for row in rows:
+            row.busy_s += share
 
     def _advance(self, tokens: Tensor, codes: Tensor) -> None:
         """Feed every live row's new group through one backbone position at its own slot; a
