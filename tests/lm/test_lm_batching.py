@@ -135,6 +135,35 @@ def test_cancel_frees_the_row_for_the_next_job(lm, special, prompts, forcing):
     assert [e.output.step for e in events if isinstance(e, JobGroup) and e.job.key == 1] == [3]
 
 
+def test_a_step_returns_its_groups_before_the_backbone_runs_over_them(lm, special, prompts,
+                                                                       forcing):
+    """A step's groups come out before the backbone runs over them (a stream's push and its
+    Stage-1 turn do not wait for it): the next step feeds them first, so the backbone runs
+    trail the groups by one, a finished job's last group is never fed, and the job still
+    equals its single run."""
+    options = GenerationOptions(text_sampler=GREEDY, audio_sampler=GREEDY, max_new_groups=3,
+                                text_logits_processor=forcing([_script(special, 5)]))
+    job = Job(prompts[0], options, key=0)
+    batcher = ContinuousBatcher(lm, special, 1, Jobs([job]))
+    assert [e.output.step for e in batcher.step()] == [0]
+    runs = []
+    backbone = batcher.decoder.backbone
+
+    def counted(*args, **kwargs):
+        runs.append(batcher.slots[0].length)
+        return backbone(*args, **kwargs)
+
+    batcher.decoder.backbone = counted
+    assert [e.output.step for e in batcher.step()] == [1] and len(runs) == 1  # group 0 fed
+    last = batcher.step()
+    assert len(runs) == 2 and runs[1] == runs[0] + 1  # group 1 fed, at the next position
+    done = [e for e in last if isinstance(e, JobDone)]
+    assert [e.output.step for e in last if isinstance(e, JobGroup)] == [2] and done
+    assert batcher.step() == [] and len(runs) == 2  # group 2 ended the job: never fed
+    alone = generate(lm, [job.ids], options, special)[0]
+    assert torch.equal(done[0].generation.new_ids, alone.new_ids)
+
+
 def test_an_empty_source_yields_idle_and_a_bad_prompt_fails_alone(lm, special, prompts):
     options = GenerationOptions(text_sampler=GREEDY, audio_sampler=GREEDY, max_new_groups=2)
     too_long = prompts[0][:, :4].repeat(1, MAX_GROUPS)
