@@ -3,7 +3,8 @@
 A `ContinuousBatcher` holds B rows over one backbone KV cache. Whenever a row is free it pulls
 the next job from its source (a non-blocking pull), prefills that job's prompt alone (exactly
 as its single run does) and copies the keys and values into the row; every `step` then
-samples one group for each live row and advances them all one backbone position, while jobs
+samples one group for each live row and returns them, and the next step first advances the
+rows one backbone position over them (so a group is out before the backbone runs), while jobs
 join and leave. A row keeps its own length: its prompt fills slots 0..P-1 and its group k
 goes to slot P + k (its RoPE position), the key mask hides the rest. Each job samples from its
 own generator, seeded from its seed and drawn in the order of its single run, so its codes do
