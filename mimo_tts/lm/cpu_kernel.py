@@ -216,7 +216,7 @@ def _gemv(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Tensor | None,
     an int8 weight brings its row scales (mimo_tts/lm/int8.py); a packed one (3-D) is
     [out / 16, in / 2, 32] bfloat16 (`pack`) or [out / 16, in / 4, 64] int8 with its rowdata
     as `.scale` (`pack_w8a8`: x's rows are quantized to bytes in the kernel)."""
-    packed = 0 if weight.dim() != 3 else 2 if weight.dtype == torch.int8 else 1
+    packed = packed_kind(weight)
     rows = x.shape[0]
     out, inputs = packed_shape(weight) if packed else weight.shape
     y = torch.empty(rows, out, dtype=x.dtype)
@@ -256,6 +256,12 @@ def packable(weight: Tensor | None) -> bool:
     return (weight is not None and weight.dim() == 2 and weight.device.type == "cpu"
             and weight.dtype == torch.bfloat16 and weight.shape[0] % PACK_ROWS == 0
             and weight.shape[1] % 2 == 0 and weight.shape[1] > 0)
+
+
+def packed_kind(weight: Tensor) -> int:
+    """The kernel's code for a weight's layout: 0 plain, 1 packed bfloat16 (`pack`), 2 packed
+    int8 (`pack_w8a8`)."""
+    return 0 if weight.dim() != 3 else 2 if weight.dtype == torch.int8 else 1
 
 
 def packed_shape(weight: Tensor) -> tuple[int, int]:
@@ -475,8 +481,7 @@ class LocalStepKernel:
                 for m in matrices}
         if len(dims) > 1:
             raise RuntimeError("the patch decoder's matrices are partly packed")
-        self.packed = 0 if dims != {3} else 2 if stack.layers[0].mlp.down_proj.weight.dtype \
-            == torch.int8 else 1
+        self.packed = packed_kind(stack.layers[0].mlp.down_proj.weight)
         layers = (_Layer * cfg.layers)()
         for layer, parts in zip(layers, self.tensors[:-1], strict=True):
             for name, tensor in zip(LAYER_FIELDS, parts, strict=True):
