@@ -16,6 +16,11 @@ Reported, all from one run:
   encoder, each beside its bandwidth floor, and the whole step through `stream`, for each
   batch size (default 1, 4, 8) and each step kind;
 - groups/s per batch size and the batch-B / batch-1 throughput ratios;
+- the arithmetic ceiling of the kernel's products at each batch size: GB/s of packed weight
+  they multiply by B rows with the weight in cache (`products_in_cache_gbps`), the bound it
+  puts on a batch-B step (its weight bytes over the slower of that and the read bandwidth) and
+  the best batch-B / batch-1 throughput ratio that bound leaves beside the measured batch 1
+  (`throughput_over_batch1_at_most`: products only, nothing else of the step counted);
 - the memory-bandwidth floor of a batch-1 step: the weight bytes one step must read divided
   by the read bandwidth: the best bytes per second of three large read-only operations (a sum
   on ordinary pages, the same sum on huge pages, and a bf16 matrix-vector product, each over
@@ -331,9 +336,13 @@ def run(args) -> dict:
             steps_s[k] = {b: [] for b in batches}
         measure(model, batches, group, swap, bandwidth, parts, steps_s, args, repeats, steps)
     anchor = product_anchor(model, args) if args.anchor else None
+    in_cache = products_in_cache(batches) if "kernel" in kinds else {}
     bandwidth.sample()
     read_bw = bandwidth.best()
     floor = sum(weights.values()) / read_bw
+    # A batch-B step's products read every weight once and multiply it by B rows: the slower
+    # of the read and the tiles' in-cache rate bounds them.
+    bound = {b: sum(weights.values()) / min(read_bw, rate) for b, rate in in_cache.items()}
     floor_parts = {k: v / read_bw for k, v in weights.items()}
     best = {k: {b: min(s) for b, s in per.items()} for k, per in steps_s.items()}
     return {
@@ -371,6 +380,12 @@ def run(args) -> dict:
                                              for b, s in best[f"kernel_{args.quant}"].items()}}
            if f"kernel_{args.quant}" in best else {}),
         **({"products_gbps": anchor} if anchor is not None else {}),
+        **({"products_in_cache_gbps": {b: round(v / 1e9, 1) for b, v in in_cache.items()},
+            "products_bound_ms_per_group": {b: round(1e3 * v, 1) for b, v in bound.items()},
+            "throughput_over_batch1_at_most": {
+                k: {b: round(b * per[1] / v, 2) for b, v in bound.items() if b > 1}
+                for k, per in best.items() if k.startswith("kernel") and 1 in per}}
+           if in_cache else {}),
     }
 
 
@@ -456,6 +471,30 @@ def product_anchor(model: MiMoAudioLM, args) -> dict:
             report[name][m] = {k: round(pool * nbytes / v / 1e9, 1) for k, v in best.items()}
         del methods, arena
     return report
+
+
+@torch.inference_mode()
+def products_in_cache(batches: list[int], repeats: int = 5) -> dict[int, float]:
+    """Bytes of packed bfloat16 weight per second that the kernel's products multiply by B
+    rows when the weight stays in the last-level cache (3072 x 2048, 12 MiB: under the 32 MiB
+    of the EPYC's; large enough that a call's fixed cost is a few percent): the arithmetic
+    rate of the M x R tiles at each batch size, whatever the memory. Where it is below the read
+    bandwidth, a batch-B step cannot beat (its weight bytes) / (this rate)."""
+    lib = cpu_kernel.library()
+    if lib is None:
+        return {}
+    gen = torch.Generator().manual_seed(2)
+    weight = cpu_kernel.pack(lib, torch.empty(3072, 2048, dtype=torch.bfloat16).uniform_(
+        -0.03, 0.03, generator=gen))
+    calls, out = 32, {}
+    for b in batches:
+        x = torch.empty(b, 2048, dtype=torch.bfloat16).uniform_(-1, 1, generator=gen)
+
+        def many(x=x):
+            for _ in range(calls):
+                cpu_kernel.packed_linear(x, weight)
+        out[b] = calls * weight.numel() * 2 / min(timed(many, repeats, "cpu"))
+    return out
 
 
 def _cpu_name() -> str:
