@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 
 GIB = 2**30
+RUNS = ("batch1", "stream", "stream_split", "stream_before", "instruct", "batch")
 TEXT = "Hello! This is the full-size model, speaking on this machine."
 TEXTS = (TEXT, "The quick brown fox jumps over the lazy dog near the river bank.",
          "Welcome to the MiMo audio demo, it is nice to meet you.",
@@ -289,7 +290,7 @@ def main() -> None:
     ap.add_argument("--max-new-groups", type=int, default=None, help="pass it to synth")
     ap.add_argument("--dtype", default=None, help="pass --dtype to synth (default: its own)")
     ap.add_argument("--tokenizer-dtype", default=None, help="pass --tokenizer-dtype to synth")
-    ap.add_argument("--runs", default="batch1,stream,stream_split,stream_before,instruct,batch",
+    ap.add_argument("--runs", default=",".join(RUNS),
                     help="comma-separated: batch1, stream, stream_split, stream_before, "
                          "instruct, batch")
     ap.add_argument("--rounds", type=int, default=1,
@@ -304,6 +305,9 @@ def main() -> None:
                          "without and with `~QUANT`); `quant_vs_unquantized` holds the ratios")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args()
+    unknown = sorted(set(args.runs.split(",")) - set(RUNS))
+    if unknown:  # before a 20 GB model loads, not after the first runs
+        ap.error(f"unknown --runs {', '.join(unknown)}; the runs are {', '.join(RUNS)}")
     dirs = checkpoint_dirs(args.preset)
     preset = dirs["lm"].parent
     common = ["--model", str(dirs["lm"]), "--tokenizer", str(dirs["tokenizer"])]
