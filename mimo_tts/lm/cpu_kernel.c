@@ -469,12 +469,36 @@ static void pk_gemv(int n, const void *w, const bf16 *b, long in, long out, cons
  * does not depend on the tiles, the vector count, the threads or the instruction set. */
 typedef struct { float scale; int32_t zero; } QuantRow;
 
-/* x [n, in] bfloat16 -> a [n, in] bytes and one QuantRow per vector. */
+#if defined(__AVX512F__)
+static inline __m512 bf16x16(const bf16 *p) {  /* 16 bfloat16 -> 16 floats, exactly */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
+
+/* x [n, in] bfloat16 -> a [n, in] bytes and one QuantRow per vector. The AVX-512 loops do
+ * each element's arithmetic as the scalar ones do (min/max keep the running value for a NaN
+ * or an equal zero, as the comparisons do; round to nearest even; the same clamp), so the
+ * bytes are the same on every path. */
 static void quant_rows(int n, long in, const bf16 *x, uint8_t *a, QuantRow *q) {
     for (int j = 0; j < n; j++) {
         const bf16 *xj = x + (long)j * in;
+        uint8_t *aj = a + (long)j * in;
         float lo = 0.f, hi = 0.f;  /* the range always holds 0, so 0 has an exact byte */
-        for (long k = 0; k < in; k++) {
+        long k = 0;
+#if defined(__AVX512F__)
+        int wide = isa_cap >= ISA_AVX512_BF16;
+        if (wide) {
+            __m512 vlo = _mm512_setzero_ps(), vhi = _mm512_setzero_ps();
+            for (; k + 16 <= in; k += 16) {
+                __m512 v = bf16x16(xj + k);
+                vlo = _mm512_min_ps(v, vlo);  /* NaN or equal: the second, the running one */
+                vhi = _mm512_max_ps(v, vhi);
+            }
+            lo = _mm512_reduce_min_ps(vlo), hi = _mm512_reduce_max_ps(vhi);
+        }
+#endif
+        for (; k < in; k++) {
             float v = bf2f(xj[k]);
             lo = v < lo ? v : lo;
             hi = v > hi ? v : hi;
@@ -484,9 +508,23 @@ static void quant_rows(int n, long in, const bf16 *x, uint8_t *a, QuantRow *q) {
         float inv = 1.f / scale;
         int32_t zero = (int32_t)nearbyintf(-lo * inv);
         zero = zero < 0 ? 0 : zero > 255 ? 255 : zero;
-        for (long k = 0; k < in; k++) {
+        k = 0;
+#if defined(__AVX512F__)
+        if (wide) {
+            const __m512 vinv = _mm512_set1_ps(inv), vzero = _mm512_set1_ps((float)zero);
+            const __m512 top = _mm512_set1_ps(255.f), none = _mm512_setzero_ps();
+            for (; k + 16 <= in; k += 16) {
+                __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(bf16x16(xj + k), vinv),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                v = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(v, vzero), none), top);
+                _mm_storeu_si128((__m128i *)(aj + k),
+                                 _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(v)));
+            }
+        }
+#endif
+        for (; k < in; k++) {
             float v = nearbyintf(bf2f(xj[k]) * inv) + (float)zero;
-            a[(long)j * in + k] = (uint8_t)(v >= 0.f ? (v <= 255.f ? v : 255.f) : 0.f);
+            aj[k] = (uint8_t)(v >= 0.f ? (v <= 255.f ? v : 255.f) : 0.f);
         }
         q[j].scale = scale, q[j].zero = zero;
     }

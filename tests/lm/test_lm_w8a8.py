@@ -50,6 +50,7 @@ def _integer_reference(x, packed, bias):
     lo = torch.clamp(xf.amin(1), max=0.0)
     hi = torch.clamp(xf.amax(1), min=0.0)
     scale = (hi - lo) / 255
+    scale = torch.where(scale > 0, scale, 1.0)  # a row of zeros: any scale, the kernel's is 1
     inv = 1 / scale
     zero = torch.round(-lo * inv).clamp(0, 255)
     a = (torch.round(xf * inv[:, None]) + zero[:, None]).clamp(0, 255).double()
@@ -101,6 +102,36 @@ def test_a_row_is_the_same_bytes_at_every_width_thread_count_and_path():
     finally:
         cpu_kernel.set_isa(2)
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("width", [324, 1028])
+def test_rows_quantize_to_the_same_bytes_on_every_path_tails_and_edges_included(width):
+    """Widths that leave a tail after the 16-wide loops, and rows whose range is one-sided,
+    signed zeros, tiny or huge: every path gives the integer reference's bytes."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, width, generator=gen)
+    x[1] = -x[1].abs()  # all negative: the range's top is 0
+    x[2] = x[2].abs()  # all positive: its bottom is 0
+    x[3, ::2], x[3, 1::2] = 0.0, -0.0  # zeros of both signs: the bias alone
+    x[4] *= 1e-30
+    x[5] *= 1e30
+    x[5, -1] = -3e38  # the extreme sits in the tail
+    x = x.bfloat16()
+    weight = torch.randn(32, width, generator=gen).bfloat16()
+    packed = cpu_kernel.pack_w8a8(cpu_kernel.library(), weight)
+    bias = torch.zeros(32)
+    want = _integer_reference(x, packed, bias)
+    results = []
+    try:
+        for level in sorted({LEVELS[p] for p in _paths()}):
+            cpu_kernel.set_isa(level)
+            results.append(cpu_kernel.packed_linear(x, packed))
+    finally:
+        cpu_kernel.set_isa(2)
+    for got in results:
+        assert torch.equal(got, results[0])
+    torch.testing.assert_close(results[0].float(), want.float(), rtol=2 ** -7, atol=1e-6)
+    assert torch.equal(results[0][3], bias.bfloat16())
 
 
 def test_a_row_of_zeros_gives_the_bias():
