@@ -16,9 +16,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from mimo_tts.errors import UsageError
-from mimo_tts.lm.config import LM_QUANTS as QUANTS
-
 CHUNK = 4096  # rows quantized at a time: bounds the float32 copy (lm_head: 2.5 GB whole)
 
 
@@ -60,10 +57,9 @@ def matrices(model) -> list[tuple[nn.Module, str]]:
     return out + [(model.lm_head, "weight")]
 
 
-def quantize_lm(model, quant: str) -> None:
-    """Quantize the model's large matrices in place (see the module docstring)."""
-    if quant not in QUANTS:
-        raise UsageError(f"LM quantization must be one of {', '.join(QUANTS)}, got {quant!r}")
+def quantize_lm(model) -> None:
+    """Quantize the model's large matrices to int8 in place, weight-only (see the module
+    docstring; which `--lm-quant` values can run where is `lm.config.quant_refusal`'s)."""
     with torch.no_grad():
         for module, name in matrices(model):
             q = quantize_rows(getattr(module, name))
@@ -76,4 +72,3 @@ def quantize_lm(model, quant: str) -> None:
                 attn, mlp = layer.self_attn, layer.mlp
                 _split(attn.qkv_weight, (attn.q_proj, attn.k_proj, attn.v_proj))
                 _split(mlp.gate_up_weight, (mlp.gate_proj, mlp.up_proj))
-    model.quant = quant

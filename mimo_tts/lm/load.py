@@ -61,7 +61,7 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu",
         model.build_buffers(torch.device(device))
         model = model.to(device=device)
         if quant == "int8":
-            quantize_lm(model, quant)
+            quantize_lm(model)
         model.quant = quant  # "w8a8": quantized as packed, below
     except (RuntimeError, AssertionError) as exc:  # bad index, OOM, CUDA unavailable
         raise DeviceError(f"cannot place the LM on {device}: {exc}") from None
