@@ -31,6 +31,7 @@ TASK_STOP_TOKENS: dict[str, tuple[str, ...]] = {
 # Opt-in quantizations of the LM, never the default: "int8" weight-only (mimo_tts/lm/int8.py);
 # "w8a8" int8 weights by int8 activations in the CPU kernel (mimo_tts/lm/cpu_kernel.py).
 LM_QUANTS = ("int8", "w8a8")
+FLOAT32_TINY = 2.0**-126  # the smallest normal float32 (torch.finfo(torch.float32).tiny)
 
 
 def quant_refusal(quant: str | None, device: str, dtype: str, cpu_kernel: str = "auto") -> str:
@@ -48,7 +49,6 @@ def quant_refusal(quant: str | None, device: str, dtype: str, cpu_kernel: str = 
     if quant == "w8a8" and cpu_kernel == "off":
         return "runs in the CPU kernel, which is off"
     return ""
-FLOAT32_TINY = 2.0**-126  # the smallest normal float32 (torch.finfo(torch.float32).tiny)
 
 
 @dataclass(frozen=True)
