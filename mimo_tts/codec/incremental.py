@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mimo_tts.codec.attention import Keys
 from mimo_tts.codec.layers import KV_ALIGN, apply_rotary, attention_mask, layer_norm_fp32, sdpa
 from mimo_tts.codec.vocoder import MIN_ENVELOPE
 from mimo_tts.errors import UsageError
@@ -164,8 +165,10 @@ class DecoderCache:
         end, span, mask = self.used + n, self._span, self._frame_mask
         self.keys[index][:, :, self.used:end] = apply_rotary(k, *rope)
         self.values[index][:, :, self.used:end] = v
+        keys = Keys(mask, causal=mask is None, offset=self.used, left=self.window, right=0)
         return sdpa(apply_rotary(q, *rope), self.keys[index][:, :, :span],
-                    self.values[index][:, :, :span], mask, causal=mask is None)
+                    self.values[index][:, :, :span], keys,
+                    fused=self.decoder.layers[index].self_attn.fused)
 
     def step(self, x: Tensor) -> Tensor:
         """New latent frames x [1, n, d] (after GroupNorm) -> decoder outputs [1, n, d]."""

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mimo_tts.codec import gemm
+from mimo_tts.codec import attention, gemm
+from mimo_tts.codec.attention import Keys
 from mimo_tts.runtime.fixed_order import attend_one, product
 
 # Query block of the windowed (local) attention: small enough that the masked key span
@@ -262,14 +263,17 @@ class LocalPlan:
 
 
 def attention_mask(spec: AttnSpec, b: int, size: int, lengths: Tensor | None,
-                   device: torch.device) -> Tensor | None:
-    """The mask a stack's layers share: the local band, padded keys, or None (SDPA alone)."""
+                   device: torch.device) -> Tensor | Keys:
+    """The mask a stack's layers share: the local band (a bool tensor), else the `Keys` of
+    causal or padded-key attention (no mask at all for PyTorch's where none is needed)."""
     if spec.windowed:
         return local_mask(b, size, *band(spec, size), lengths, device)
-    if spec.causal or lengths is None:
+    if spec.causal:
         # Keys after a valid causal query are never seen, so right padding needs no mask.
-        return None
-    return valid_mask(lengths, size)[:, None, None, :]  # [B, 1, 1, L]
+        return Keys(causal=True, right=0)
+    if lengths is None:
+        return Keys()
+    return Keys(valid_mask(lengths, size)[:, None, None, :], lengths=lengths)  # [B, 1, 1, L]
 
 
 def _aligns_keys(x: Tensor) -> bool:
@@ -277,13 +281,20 @@ def _aligns_keys(x: Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
 
 
-def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
-         causal: bool = False) -> Tensor:
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Keys | None = None,
+         causal: bool = False, fused: bool = False) -> Tensor:
     """Scaled dot-product attention, q [B, H, Lq, D], k/v [B, H, Lk, D], mask [.., Lq|1, Lk].
 
-    `causal` is top-left aligned (query i sees keys j <= i). On CPU in half precision the keys
-    are padded to a multiple of KV_ALIGN; padded keys are masked (a causal query never sees them).
+    `causal` is top-left aligned (query i sees keys j <= i). A `Keys` mask says which keys in
+    closed form (and brings its own mask and causal flag); with `fused` (the layer's
+    `Attention.fused`, set by `prepack`) it goes through the fused CPU kernel where that takes
+    it (`attention.runs`). On CPU in half precision PyTorch's keys are padded to a multiple of
+    KV_ALIGN; padded keys are masked (a causal query never sees them).
     """
+    if isinstance(mask, Keys):
+        if fused and attention.runs(q):
+            return attention.attend(q, k, v, mask)
+        mask, causal = mask.mask, mask.causal
     size, pad = k.shape[2], -k.shape[2] % KV_ALIGN
     if q.shape[2] == 1 and not causal and q.dtype == torch.float32 and q.device.type == "cpu":
         return attend_one(q, k, v, mask)  # PyTorch's splits one query's keys across threads
@@ -401,6 +412,8 @@ def linear(proj: nn.Module, x: Tensor, gelu: bool = False,
 class Attention(nn.Module):
     """Multi-head self-attention with k_proj lacking a bias (spec §3.2)."""
 
+    fused = False  # attention through the fused CPU kernel (`prepack` sets it per layer)
+
     def __init__(self, dim: int, heads: int):
         super().__init__()
         self.heads, self.head_dim = heads, dim // heads
@@ -444,7 +457,7 @@ class Attention(nn.Module):
             qkv[:, :, 2].transpose(1, 2)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], spec: AttnSpec,
-                mask: Tensor | LocalPlan | None = None,
+                mask: Tensor | Keys | LocalPlan | None = None,
                 residual: Tensor | None = None) -> Tensor:
         """x [B, L, dim] -> out_proj [B, L, dim] (+ residual); a `LocalPlan` as mask means x
         holds the plan's padded rows."""
@@ -454,7 +467,7 @@ class Attention(nn.Module):
         if spec.windowed:
             out = local_attention(q, k, v, *band(spec, x.shape[1]), mask)
         else:
-            out = sdpa(q, k, v, mask, causal=spec.causal)
+            out = sdpa(q, k, v, mask, causal=spec.causal, fused=self.fused)
         return self.merge(out, residual)
 
 
@@ -481,7 +494,7 @@ class TransformerLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(dim, eps=1e-5)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], spec: AttnSpec,
-                mask: Tensor | LocalPlan | None = None) -> Tensor:
+                mask: Tensor | Keys | LocalPlan | None = None) -> Tensor:
         """x [B, L, dim] -> [B, L, dim] (a new tensor; x is left untouched)."""
         h = self.self_attn(layer_norm_fp32(self.self_attn_layer_norm, x), rope, spec, mask,
                            residual=x)
@@ -521,10 +534,14 @@ def prepack(model: nn.Module, use_gemm: bool | None = None, codec_kernel: str = 
     """Prepack the linears of every CPU `TransformerLayer` of `model`: bfloat16 ones in
     oneDNN's layout (`PackedLinear`), float32 ones for the bf16x3 AMX GEMM where `use_gemm`
     (default: `gemm.choose` in mode `codec_kernel`) picks it (`gemm.PackedGemm`, which replaces
-    the float32 weights)."""
+    the float32 weights). Their attention goes through the fused kernel where
+    `attention.choose` in mode `codec_kernel` picks it for their dtype."""
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer) and
               isinstance(m.fc1, nn.Linear) and m.fc1.weight.device.type == "cpu"]
     dtypes = {m.fc1.weight.dtype for m in layers}
+    fused = {d: attention.choose(d, codec_kernel).active for d in dtypes}
+    for m in layers:
+        m.self_attn.fused = fused[m.fc1.weight.dtype]
     if torch.bfloat16 in dtypes and packable() and onednn_bf16():
         for m in layers:
             if m.fc1.weight.dtype == torch.bfloat16:

@@ -23,12 +23,13 @@ CUDA_GRAPH_ENV = "MIMO_AUDIO_TOKENIZER_CUDA_GRAPH"
 LM_DEVICE_ENV = "MIMO_TTS_LM_DEVICE"
 DTYPE_ENV = "MIMO_TTS_DTYPE"
 TOKENIZER_DTYPE_ENV = "MIMO_TTS_TOKENIZER_DTYPE"
-# "auto" (default), "1" (wherever it can run) or "0" (never): lm.cpu_kernel, codec.gemm.
+# "auto" (default), "1" (wherever it can run) or "0" (never): lm.cpu_kernel; codec.gemm and
+# codec.attention.
 CPU_KERNEL_ENV = "MIMO_TTS_CPU_KERNEL"
 CODEC_KERNEL_ENV = "MIMO_TTS_CODEC_KERNEL"
 # `name=1|0,...`: product choices taken as given instead of measured (runtime.measured).
 PRODUCT_CHOICES_ENV = "MIMO_TTS_PRODUCT_CHOICES"
-PRODUCT_CHOICES = ("lm_kernel_products", "prefill_upcast", "codec_gemm")
+PRODUCT_CHOICES = ("lm_kernel_products", "prefill_upcast", "codec_gemm", "codec_attention")
 KERNEL_MODES = ("auto", "on", "off")
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda|mps)(?::(.*))?$")
@@ -332,7 +333,7 @@ class Placement:
     tokenizer_dtype: Choice
     cuda_graph: Choice
     cpu_kernel: Choice = DEFAULT_KERNEL  # the LM's fused CPU kernel (lm.cpu_kernel)
-    codec_kernel: Choice = DEFAULT_KERNEL  # the codec's float32 GEMM (codec.gemm)
+    codec_kernel: Choice = DEFAULT_KERNEL  # the codec's GEMM and attention (codec.gemm, .attention)
 
     def describe(self) -> dict[str, dict[str, object]]:
         return {

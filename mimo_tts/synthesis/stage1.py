@@ -88,6 +88,7 @@ class Stage1:
     def __init__(self, codec, threads: int | None = None):
         self.codec, self.threads = codec, threads
         self.gemm = None  # the float32 GEMM's decision (`codec.gemm.choose`) where one was taken
+        self.attention = None  # the fused attention's (`codec.attention.choose`), on the CPU
         self.samples_per_frame = codec.samples_per_frame
         if codec.config.sampling_rate != SAMPLE_RATE:  # the one rule: every face uses the constant
             raise CheckpointError(f"the audio tokenizer speaks {codec.config.sampling_rate} Hz; "
@@ -131,6 +132,14 @@ class Stage1:
             log(f"tokenizer float32 GEMM: {'on' if choice.active else 'off'}, {choice.reason}")
         stage1 = cls(codec, threads)
         stage1.gemm = choice
+        if str(device) == "cpu":
+            from mimo_tts.codec.attention import choose as choose_attention
+
+            # The choice `prepack` took for the layers (kept per machine: the same answer).
+            stage1.attention = choose_attention(torch_dtype(str(dtype)),
+                                                placement.codec_kernel.value)
+            log(f"tokenizer attention: {'fused kernel' if stage1.attention.active else 'PyTorch'}"
+                f", {stage1.attention.reason}")
         return stage1
 
     def prompt_codes(self, prompt: str | PromptAudio) -> torch.Tensor:

@@ -88,6 +88,9 @@ def test_manifest_and_sidecar(default_run, manifest):
     assert sidecar["result"]["key"] == line["key"]
     gemm = sidecar["engine"].pop("tokenizer_gemm"), sidecar["engine"].pop("tokenizer_gemm_reason")
     assert isinstance(gemm[0], bool) and gemm[1]  # the float32 tokenizer's AMX GEMM decision
+    fused = (sidecar["engine"].pop("tokenizer_attention_fused"),
+             sidecar["engine"].pop("tokenizer_attention_reason"))
+    assert isinstance(fused[0], bool) and fused[1].startswith("auto: ")  # measured per machine
     assert sidecar["engine"] == {"name": "native", "cpu_kernel": False,  # float32: eager
                                  "cpu_kernel_reason": "auto: float32 weights run faster in "
                                                       "eager PyTorch",

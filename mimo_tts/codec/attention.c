@@ -1,0 +1,288 @@
+/* Fused attention for the audio tokenizer's transformer stacks on the CPU (attention.py).
+
+   out[b, i, h, :] = sum_j softmax_j(scale * q[b, i, h, :] . k[b, j, h, :]) v[b, j, h, :]
+   over the keys j that query i sees: lo(i) <= j <= hi(i) with
+     lo(i) = left  < 0 ? 0          : max(0, offset + i - left)
+     hi(i) = right < 0 ? klen[b] - 1 : min(klen[b] - 1, offset + i + right)
+   (causal: right = 0; a key-padding mask: klen; a sliding window: left). The masked part of
+   the square is never computed.
+
+   Written with GCC vector extensions (16 floats), so one source serves AVX-512, AVX2 and plain
+   C. bfloat16 inputs are widened to float32 as they are packed; all arithmetic is float32 and
+   bfloat16 outputs round to nearest even.
+
+   Each (batch, head) is one task: its keys are packed once (transposed in 16-key blocks), its
+   values widened into rows, then its queries go in blocks of 8 rows: scores for the block's key
+   range, an exact softmax per row (max, exp, sum), values weighted in rows of 64 dimensions.
+   What a query gets depends only on its own row and key range, never on the block it shares,
+   the thread or the thread count. Every key block starts at a multiple of 16 keys, so sums
+   run in the same order whatever the query range. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+#define ROWS 8    /* queries per block */
+#define CHUNK 64  /* output dimensions per pass over the keys */
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef float vfu __attribute__((vector_size(64), aligned(4)));  /* unaligned access */
+
+static inline vf load(const float *p) { return *(const vfu *)p; }
+static inline void store(float *p, vf x) { *(vfu *)p = x; }
+static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+static inline vf pick(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+
+static inline float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40);  /* NaN stays a quiet NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* e^x for x <= 0 (scores minus their row's maximum): 2^n * e^r with |r| <= ln 2 / 2, e^r by
+   its Taylor series to r^7 (relative error < 1e-8 before rounding); below -87 it is 0. */
+static inline vf exp_le0(vf x) {
+    const vf big = splat(12582912.0f);  /* 1.5 * 2^23: adding it rounds to an integer */
+    vi tiny = x < splat(-87.0f);
+    x = pick(tiny, splat(-87.0f), x);
+    vf n = (x * splat(1.44269504088896341f) + big) - big;
+    vf r = x - n * splat(0.693145751953125f);  /* ln 2 in two parts (Cody and Waite) */
+    r = r - n * splat(1.428606765330187e-06f);
+    vf p = splat(1.0f / 5040);
+    p = p * r + splat(1.0f / 720);
+    p = p * r + splat(1.0f / 120);
+    p = p * r + splat(1.0f / 24);
+    p = p * r + splat(1.0f / 6);
+    p = p * r + splat(0.5f);
+    p = p * r + splat(1.0f);
+    p = p * r + splat(1.0f);
+    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    vf y = p * (vf)e;
+    return pick(tiny, splat(0.0f), y);
+}
+
+static inline float lane_max(vf x) {
+    float m = x[0];
+    for (int l = 1; l < LANES; ++l) m = x[l] > m ? x[l] : m;
+    return m;
+}
+
+static inline float lane_sum(vf x) {
+    float s = 0.0f;
+    for (int l = 0; l < LANES; ++l) s += x[l];
+    return s;
+}
+
+typedef struct {
+    long lo, hi;  /* the keys a query sees, lo > hi when none */
+} Range;
+
+static inline Range keys_of(long i, long klen, long offset, long left, long right) {
+    Range r;
+    r.lo = left < 0 ? 0 : offset + i - left;
+    if (r.lo < 0) r.lo = 0;
+    r.hi = right < 0 ? klen - 1 : offset + i + right;
+    if (r.hi > klen - 1) r.hi = klen - 1;
+    return r;
+}
+
+/* Element `index` of a row of `dtype` (0 float32, 1 bfloat16) as float32. */
+static inline float element(const void *base, long index, int dtype) {
+    return dtype ? from_bf16(((const uint16_t *)base)[index]) : ((const float *)base)[index];
+}
+
+/* A row of `d` elements of `dtype` as float32 into dst (zeros for a NULL row). */
+static void widen(const void *row, int dtype, long d, float *dst) {
+    if (!row)
+        memset(dst, 0, d * sizeof(float));
+    else if (dtype)
+        for (long c = 0; c < d; ++c) dst[c] = from_bf16(((const uint16_t *)row)[c]);
+    else
+        memcpy(dst, row, d * sizeof(float));
+}
+
+/* Keys [k0, k0 + blocks * 16) of one head transposed into blocks of [d][16] (keys past
+   `kend` are zeros); values of the same keys widened into rows of `d` floats. */
+static void pack_head(const char *k, const char *v, long kstride, long vstride, int dtype,
+                      long d, long k0, long kend, long blocks, float *kt, float *vp) {
+    long esize = dtype ? 2 : 4;
+    for (long b = 0; b < blocks; ++b) {
+        float *block = kt + b * d * LANES;
+        for (long l = 0; l < LANES; ++l) {
+            long j = k0 + b * LANES + l;
+            const char *row = k + j * kstride * esize;
+            for (long c = 0; c < d; ++c)
+                block[c * LANES + l] = j < kend ? element(row, c, dtype) : 0.0f;
+        }
+    }
+    for (long j = k0; j < kend; ++j) widen(v + j * vstride * esize, dtype, d, vp + (j - k0) * d);
+}
+
+/* Scores of `rows` queries (float32 rows of q, `d` apart) against key blocks [b0, b1) into
+   s (rows of `sstride`, key block b at column (b - b0) * 16). */
+static void scores(const float *q, long rows, long d, const float *kt, long b0, long b1,
+                   float *s, long sstride, float scale) {
+    for (long b = b0; b < b1; b += 2) {
+        int two = b + 1 < b1;
+        const float *t0 = kt + b * d * LANES, *t1 = two ? t0 + d * LANES : t0;
+        vf acc[ROWS][2];
+        for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = splat(0.0f);
+        for (long c = 0; c < d; ++c) {
+            vf k0 = load(t0 + c * LANES), k1 = load(t1 + c * LANES);
+            for (int r = 0; r < ROWS; ++r) {
+                vf x = splat(q[r * d + c]);
+                acc[r][0] += x * k0;
+                acc[r][1] += x * k1;
+            }
+        }
+        for (long r = 0; r < rows; ++r) {
+            store(s + r * sstride + (b - b0) * LANES, acc[r][0] * splat(scale));
+            if (two) store(s + r * sstride + (b + 1 - b0) * LANES, acc[r][1] * splat(scale));
+        }
+    }
+}
+
+/* One row of scores over key blocks [b0, b1) (keys from b0 * 16) to weights: e^(s - max)
+   where lo <= key <= hi, 0 elsewhere; returns their sum. Only the blocks that hold lo or hi
+   need a mask: every key of the blocks between them is seen. */
+static float softmax_row(float *s, long b0, long b1, long lo, long hi) {
+    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    long first = lo / LANES, last = hi / LANES;  /* b0 <= first <= last < b1 */
+    for (long b = b0; b < first; ++b) store(s + (b - b0) * LANES, splat(0.0f));
+    for (long b = last + 1; b < b1; ++b) store(s + (b - b0) * LANES, splat(0.0f));
+    vf top = splat(-INFINITY);
+    for (long b = first; b <= last; ++b) {
+        vf x = load(s + (b - b0) * LANES);
+        if (b == first || b == last) {
+            vi key = lane + (int)(b * LANES);
+            x = pick((key >= (int)lo) & (key <= (int)hi), x, splat(-INFINITY));
+        }
+        top = pick(x > top, x, top);
+    }
+    vf m = splat(lane_max(top)), sum = splat(0.0f);
+    for (long b = first; b <= last; ++b) {
+        vf w = exp_le0(load(s + (b - b0) * LANES) - m);
+        if (b == first || b == last) {
+            vi key = lane + (int)(b * LANES);
+            w = pick((key >= (int)lo) & (key <= (int)hi), w, splat(0.0f));
+        }
+        store(s + (b - b0) * LANES, w);
+        sum += w;
+    }
+    return lane_sum(sum);
+}
+
+/* out rows += weights (rows of s from key k0) x values, keys [j0, j1), dims [c0, c0 + w). */
+static void weigh(const float *s, long sstride, long k0, long j0, long j1, const float *vp,
+                  long d, long c0, long w, long rows, float *o) {
+    vf acc[4][CHUNK / LANES];
+    for (long r0 = 0; r0 < rows; r0 += 4) {
+        long n = rows - r0 < 4 ? rows - r0 : 4;
+        for (int r = 0; r < 4; ++r)
+            for (int c = 0; c < CHUNK / LANES; ++c) acc[r][c] = splat(0.0f);
+        for (long j = j0; j < j1; ++j) {
+            const float *row = vp + (j - k0) * d + c0;
+            vf v[CHUNK / LANES];
+            for (int c = 0; c < CHUNK / LANES; ++c) v[c] = c * LANES < w ? load(row + c * LANES)
+                                                                         : splat(0.0f);
+            for (int r = 0; r < 4; ++r) {
+                vf p = splat(r < n ? s[(r0 + r) * sstride + (j - k0)] : 0.0f);
+                for (int c = 0; c < CHUNK / LANES; ++c) acc[r][c] += p * v[c];
+            }
+        }
+        for (long r = 0; r < n; ++r)
+            for (int c = 0; c < CHUNK / LANES && c * LANES < w; ++c)
+                store(o + (r0 + r) * d + c0 + c * LANES, acc[r][c]);
+    }
+}
+
+long scratch_floats(long lk, long d) {
+    long padded = (lk + 2 * LANES) / LANES * LANES;
+    return padded * d * 2 + ROWS * padded + 2 * ROWS * d;
+}
+
+/* q, k, v, out: element strides {batch, position, head} (the last dimension is contiguous);
+   klen: valid keys of each batch row (NULL: all lk). d must be a multiple of 16. */
+int attend(const void *q, const void *k, const void *v, void *out, int dtype, long batch,
+           long heads, long lq, long lk, long d, const long *qs, const long *ks, const long *vs,
+           const long *os, const long *klen, long offset, long left, long right, float scale,
+           int threads) {
+    if (d % LANES || d <= 0) return -1;
+    long esize = dtype ? 2 : 4, tasks = batch * heads, need = scratch_floats(lk, d);
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *scratch = aligned_alloc(64, ((need * sizeof(float)) + 63) / 64 * 64);
+        if (!scratch) failed = 1;
+        long padded = (lk + 2 * LANES) / LANES * LANES;
+#pragma omp for schedule(static)
+        for (long task = 0; task < tasks; ++task) {
+            if (!scratch) continue;
+            long b = task / heads, h = task % heads, kl = klen ? klen[b] : lk;
+            if (kl > lk) kl = lk;
+            float *kt = scratch, *vp = kt + padded * d, *s = vp + padded * d;
+            float *qf = s + ROWS * padded, *of = qf + ROWS * d;
+            const char *qb = (const char *)q + (b * qs[0] + h * qs[2]) * esize;
+            const char *kb = (const char *)k + (b * ks[0] + h * ks[2]) * esize;
+            const char *vb = (const char *)v + (b * vs[0] + h * vs[2]) * esize;
+            char *ob = (char *)out + (b * os[0] + h * os[2]) * esize;
+            /* Keys any query of this head sees: lo and hi grow with the query. */
+            Range first = keys_of(0, kl, offset, left, right);
+            Range last = keys_of(lq - 1, kl, offset, left, right);
+            long kb0 = first.lo / LANES, kend = last.hi + 1;
+            if (kend > kb0 * LANES)
+                pack_head(kb, vb, ks[1], vs[1], dtype, d, kb0 * LANES, kend,
+                          (kend - kb0 * LANES + LANES - 1) / LANES, kt, vp);
+            for (long i0 = 0; i0 < lq; i0 += ROWS) {
+                long rows = lq - i0 < ROWS ? lq - i0 : ROWS;
+                Range top = keys_of(i0, kl, offset, left, right);
+                Range bottom = keys_of(i0 + rows - 1, kl, offset, left, right);
+                for (long r = 0; r < ROWS; ++r)
+                    widen(r < rows ? qb + (i0 + r) * qs[1] * esize : NULL, dtype, d,
+                          qf + r * d);
+                float sums[ROWS];
+                long j0 = top.lo, j1 = bottom.hi + 1;
+                if (j1 > j0) {
+                    long b0 = j0 / LANES, b1 = (j1 + LANES - 1) / LANES;
+                    scores(qf, rows, d, kt + (b0 - kb0) * d * LANES, 0, b1 - b0, s, padded,
+                           scale);
+                    for (long r = 0; r < rows; ++r) {
+                        Range own = keys_of(i0 + r, kl, offset, left, right);
+                        sums[r] = own.hi >= own.lo
+                            ? softmax_row(s + r * padded, b0, b1, own.lo, own.hi) : 0.0f;
+                    }
+                    for (long c0 = 0; c0 < d; c0 += CHUNK)
+                        weigh(s, padded, b0 * LANES, j0, j1, vp + (b0 * LANES - kb0 * LANES) * d,
+                              d, c0, d - c0 < CHUNK ? d - c0 : CHUNK, rows, of);
+                }
+                for (long r = 0; r < rows; ++r) {
+                    char *orow = ob + (i0 + r) * os[1] * esize;
+                    int none = j1 <= j0 || !(sums[r] > 0.0f);  /* no key seen: zeros */
+                    vf sum = splat(none ? 1.0f : sums[r]);
+                    for (long c = 0; c < d; c += LANES) {
+                        vf y = none ? splat(0.0f) : load(of + r * d + c) / sum;
+                        if (dtype)
+                            for (int l = 0; l < LANES; ++l)
+                                ((uint16_t *)orow)[c + l] = to_bf16(y[l]);
+                        else
+                            store((float *)orow + c, y);
+                    }
+                }
+            }
+        }
+        free(scratch);
+    }
+    return failed ? -2 : 0;
+}
