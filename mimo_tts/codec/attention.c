@@ -18,6 +18,7 @@
    the thread or the thread count. Every key block starts at a multiple of 16 keys, so sums
    run in the same order whatever the query range. */
 
+#pragma GCC diagnostic ignored "-Wpsabi"  /* 64-byte vectors on CPUs without AVX-512: inlined */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
