@@ -7,34 +7,54 @@
    (causal: right = 0; a key-padding mask: klen; a sliding window: left). The masked part of
    the square is never computed.
 
-   Written with GCC vector extensions (16 floats), so one source serves AVX-512, AVX2 and plain
-   C. bfloat16 inputs are widened to float32 as they are packed; all arithmetic is float32 and
-   bfloat16 outputs round to nearest even.
+   Written with GCC vector extensions, one register a vector (16 floats with AVX-512, 8 with
+   AVX2 or plain x86-64), so one source serves every CPU kind. bfloat16 inputs are widened to
+   float32 as they are packed; all arithmetic is float32 and bfloat16 outputs round to nearest
+   even.
 
-   Each (batch, head) is one task: its keys are packed once (transposed in 16-key blocks), its
-   values widened into rows, then its queries go in blocks of 8 rows: scores for the block's key
-   range, an exact softmax per row (max, exp, sum), values weighted in rows of 64 dimensions.
-   What a query gets depends only on its own row and key range, never on the block it shares,
-   the thread or the thread count. Every key block starts at a multiple of 16 keys, so sums
-   run in the same order whatever the query range. */
+   Each (batch, head) is one task: its keys are packed once (transposed in blocks of a vector's
+   width), its values widened into rows, then its queries go in blocks of ROWS: scores for the
+   block's key range, an exact softmax per row (max, exp, sum), values weighted in CHUNK
+   dimensions at a time. What a query gets depends only on its own row and key range, never on
+   the block it shares, the thread or the thread count. Every key block starts at a multiple of
+   LANES keys, so sums run in the same order whatever the query range (on one kind of CPU: the
+   vector width sets the order). */
 
-#pragma GCC diagnostic ignored "-Wpsabi"  /* 64-byte vectors on CPUs without AVX-512: inlined */
+#pragma GCC diagnostic ignored "-Wpsabi"  /* wide vectors where the build lacks AVX: inlined */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+/* A vector is one register: 16 floats with AVX-512, else 8 (AVX2; two SSE registers on a
+   plain x86-64 build). Keys go in blocks of LANES. */
+#if defined(__AVX512F__)  /* 32 registers */
 #define LANES 16
-#define ROWS 8    /* queries per block */
-#define CHUNK 64  /* output dimensions per pass over the keys */
+#define ROWS 8  /* queries per block */
+#define CHUNK_VECS 4  /* output vectors per pass over the keys */
+#else  /* 16 registers */
+#define LANES 8
+#define ROWS 4
+#define CHUNK_VECS 2
+#endif
+#define CHUNK (CHUNK_VECS * LANES)
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef float vfu __attribute__((vector_size(64), aligned(4)));  /* unaligned access */
+typedef float vf __attribute__((vector_size(4 * LANES)));
+typedef int32_t vi __attribute__((vector_size(4 * LANES)));
+typedef float vfu __attribute__((vector_size(4 * LANES), aligned(4)));  /* unaligned access */
 
 static inline vf load(const float *p) { return *(const vfu *)p; }
 static inline void store(float *p, vf x) { *(vfu *)p = x; }
-static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+#if LANES == 16
+#define EACH(f) {f(0), f(1), f(2), f(3), f(4), f(5), f(6), f(7), \
+                 f(8), f(9), f(10), f(11), f(12), f(13), f(14), f(15)}
+#else
+#define EACH(f) {f(0), f(1), f(2), f(3), f(4), f(5), f(6), f(7)}
+#endif
+#define SAME(l) x
+#define INDEX(l) l
+static inline vf splat(float x) { return (vf)EACH(SAME); }
+static inline vi lanes(void) { return (vi)EACH(INDEX); }  /* 0, 1, ..., LANES - 1 */
 static inline vf pick(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
 
 static inline float from_bf16(uint16_t h) {
@@ -114,7 +134,7 @@ static void widen(const void *row, int dtype, long d, float *dst) {
         memcpy(dst, row, d * sizeof(float));
 }
 
-/* Keys [k0, k0 + blocks * 16) of one head transposed into blocks of [d][16] (keys past
+/* Keys [k0, k0 + blocks * LANES) of one head transposed into blocks of [d][LANES] (keys past
    `kend` are zeros); values of the same keys widened into rows of `d` floats. */
 static void pack_head(const char *k, const char *v, long kstride, long vstride, int dtype,
                       long d, long k0, long kend, long blocks, float *kt, float *vp) {
@@ -132,7 +152,7 @@ static void pack_head(const char *k, const char *v, long kstride, long vstride, 
 }
 
 /* Scores of `rows` queries (float32 rows of q, `d` apart) against key blocks [b0, b1) into
-   s (rows of `sstride`, key block b at column (b - b0) * 16). */
+   s (rows of `sstride`, key block b at column (b - b0) * LANES). */
 static void scores(const float *q, long rows, long d, const float *kt, long b0, long b1,
                    float *s, long sstride, float scale) {
     for (long b = b0; b < b1; b += 2) {
@@ -155,11 +175,11 @@ static void scores(const float *q, long rows, long d, const float *kt, long b0, 
     }
 }
 
-/* One row of scores over key blocks [b0, b1) (keys from b0 * 16) to weights: e^(s - max)
+/* One row of scores over key blocks [b0, b1) (keys from b0 * LANES) to weights: e^(s - max)
    where lo <= key <= hi, 0 elsewhere; returns their sum. Only the blocks that hold lo or hi
    need a mask: every key of the blocks between them is seen. */
 static float softmax_row(float *s, long b0, long b1, long lo, long hi) {
-    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const vi lane = lanes();
     long first = lo / LANES, last = hi / LANES;  /* b0 <= first <= last < b1 */
     for (long b = b0; b < first; ++b) store(s + (b - b0) * LANES, splat(0.0f));
     for (long b = last + 1; b < b1; ++b) store(s + (b - b0) * LANES, splat(0.0f));
@@ -188,23 +208,23 @@ static float softmax_row(float *s, long b0, long b1, long lo, long hi) {
 /* out rows += weights (rows of s from key k0) x values, keys [j0, j1), dims [c0, c0 + w). */
 static void weigh(const float *s, long sstride, long k0, long j0, long j1, const float *vp,
                   long d, long c0, long w, long rows, float *o) {
-    vf acc[4][CHUNK / LANES];
+    vf acc[4][CHUNK_VECS];
     for (long r0 = 0; r0 < rows; r0 += 4) {
         long n = rows - r0 < 4 ? rows - r0 : 4;
         for (int r = 0; r < 4; ++r)
-            for (int c = 0; c < CHUNK / LANES; ++c) acc[r][c] = splat(0.0f);
+            for (int c = 0; c < CHUNK_VECS; ++c) acc[r][c] = splat(0.0f);
         for (long j = j0; j < j1; ++j) {
             const float *row = vp + (j - k0) * d + c0;
-            vf v[CHUNK / LANES];
-            for (int c = 0; c < CHUNK / LANES; ++c) v[c] = c * LANES < w ? load(row + c * LANES)
+            vf v[CHUNK_VECS];
+            for (int c = 0; c < CHUNK_VECS; ++c) v[c] = c * LANES < w ? load(row + c * LANES)
                                                                          : splat(0.0f);
             for (int r = 0; r < 4; ++r) {
                 vf p = splat(r < n ? s[(r0 + r) * sstride + (j - k0)] : 0.0f);
-                for (int c = 0; c < CHUNK / LANES; ++c) acc[r][c] += p * v[c];
+                for (int c = 0; c < CHUNK_VECS; ++c) acc[r][c] += p * v[c];
             }
         }
         for (long r = 0; r < n; ++r)
-            for (int c = 0; c < CHUNK / LANES && c * LANES < w; ++c)
+            for (int c = 0; c < CHUNK_VECS && c * LANES < w; ++c)
                 store(o + (r0 + r) * d + c0 + c * LANES, acc[r][c]);
     }
 }
@@ -215,7 +235,7 @@ long scratch_floats(long lk, long d) {
 }
 
 /* q, k, v, out: element strides {batch, position, head} (the last dimension is contiguous);
-   klen: valid keys of each batch row (NULL: all lk). d must be a multiple of 16. */
+   klen: valid keys of each batch row (NULL: all lk). d must be a multiple of LANES. */
 int attend(const void *q, const void *k, const void *v, void *out, int dtype, long batch,
            long heads, long lq, long lk, long d, const long *qs, const long *ks, const long *vs,
            const long *os, const long *klen, long offset, long left, long right, float scale,

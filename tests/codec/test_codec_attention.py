@@ -164,3 +164,41 @@ def test_fixture_encode_matches_the_reference_with_the_kernel_on(codecs, encode_
                                    rtol=0)
         codes = codecs["on"].encode(encode_cases[f"{name}.waveform_in"], 24000)
         assert torch.equal(codes, encode_cases[f"{name}.codes_all"].long())
+
+
+@pytest.fixture(scope="module")
+def avx2_build(tmp_path_factory):
+    """The kernel built for AVX2 CPUs (8-float vectors, 16 registers), as the AVX2-only kind
+    builds it natively; this CPU runs it where it has AVX2 and FMA."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from mimo_tts.runtime.devices import cpu_flags
+    from mimo_tts.runtime.kernels import FLAGS
+
+    if shutil.which("cc") is None or not {"avx2", "fma"} <= set(cpu_flags()):
+        pytest.skip("needs cc and a CPU with AVX2 and FMA")
+    target = tmp_path_factory.mktemp("avx2") / "attention.so"
+    flags = [f if f != "-march=native" else "-march=haswell" for f in FLAGS]
+    subprocess.run(["cc", *flags, str(attention.SOURCE), "-o", str(target), "-lm"], check=True,
+                   capture_output=True, timeout=120)
+    lib = ctypes.CDLL(str(target))
+    lib.attend.argtypes = attention.library().attend.argtypes
+    lib.attend.restype = ctypes.c_int
+    return lib
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: f"{c[:5]}")
+def test_the_avx2_build_is_exact_and_the_same_at_every_thread_count(avx2_build, monkeypatch,
+                                                                    case):
+    monkeypatch.setattr(attention, "library", lambda: avx2_build)
+    *shape, fields = case
+    q, k, v = _qkv(*shape, torch.float32)
+    keys = Keys(**fields)
+    outs = []
+    for threads in (1, 3):
+        with thread_budget(threads):
+            outs.append(attention.attend(q, k, v, keys))
+    torch.testing.assert_close(outs[0].double(), _reference(q, k, v, keys), atol=2e-6, rtol=0)
+    assert torch.equal(outs[0], outs[1])
