@@ -75,10 +75,17 @@ class Keys:
     right: int = -1
 
 
-def runs(q: Tensor) -> bool:
-    """Whether the kernel can take attention over q [B, H, Lq, D] (not whether it should)."""
-    return (q.device.type == "cpu" and q.dtype in DTYPES and q.shape[-1] % LANES == 0
-            and q.shape[2] >= MIN_QUERIES and library() is not None)
+def _takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """CPU tensors of one of the kernel's dtypes, rows of D (a multiple of LANES) contiguous."""
+    return (q.device.type == "cpu" and q.dtype in DTYPES and q.dtype == k.dtype == v.dtype
+            and q.shape[-1] % LANES == 0 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+            and library() is not None)
+
+
+def runs(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether the kernel should take attention over q [B, H, Lq, D], k, v [B, H, Lk, D] in a
+    layer that chose it: it can (`_takes`), and there are queries enough (MIN_QUERIES)."""
+    return q.shape[2] >= MIN_QUERIES and _takes(q, k, v)
 
 
 def _strides(t: Tensor):
@@ -89,9 +96,10 @@ def _strides(t: Tensor):
 def attend(q: Tensor, k: Tensor, v: Tensor, keys: Keys) -> Tensor:
     """softmax(q k^T / sqrt(D)) v over the keys `keys` allows: q [B, H, Lq, D], k, v
     [B, H, Lk, D] (any strides with D contiguous, one dtype) -> [B, H, Lq, D], a view of a
-    [B, Lq, H, D] tensor (so merging the heads is free). Needs `runs(q)`."""
-    if not (q.dtype == k.dtype == v.dtype and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
-        raise ValueError("attend needs one dtype and a contiguous last dimension")
+    [B, Lq, H, D] tensor (so merging the heads is free). Needs `runs(q, k, v)`."""
+    if not _takes(q, k, v):
+        raise ValueError("attend needs CPU tensors of one dtype (float32 or bfloat16), rows "
+                         f"of a multiple of {LANES} contiguous elements")
     b, heads, size, dim = q.shape
     out = q.new_empty(b, size, heads, dim)
     view = out.transpose(1, 2)

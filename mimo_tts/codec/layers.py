@@ -292,7 +292,7 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Keys | None = None,
     KV_ALIGN; padded keys are masked (a causal query never sees them).
     """
     if isinstance(mask, Keys):
-        if fused and attention.runs(q):
+        if fused and attention.runs(q, k, v):
             return attention.attend(q, k, v, mask)
         mask, causal = mask.mask, mask.causal
     size, pad = k.shape[2], -k.shape[2] % KV_ALIGN

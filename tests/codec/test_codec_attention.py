@@ -202,3 +202,15 @@ def test_the_avx2_build_is_exact_and_the_same_at_every_thread_count(avx2_build, 
             outs.append(attention.attend(q, k, v, keys))
     torch.testing.assert_close(outs[0].double(), _reference(q, k, v, keys), atol=2e-6, rtol=0)
     assert torch.equal(outs[0], outs[1])
+
+
+def test_sdpa_keeps_pytorch_for_what_the_kernel_cannot_take():
+    q, k, v = _qkv(1, 2, 24, 24, 16, torch.float32, seed=5)
+    keys = Keys(causal=True, right=0)
+    strided = torch.randn(1, 2, 24, 32)[..., ::2]  # rows not contiguous
+    for args in ((q.half(), k.half(), v.half()), (strided, k, v), (q, k.double(), v)):
+        assert not attention.runs(*args)
+        with pytest.raises(ValueError):
+            attention.attend(*args, keys)
+    got = sdpa(strided, k, v, keys, fused=True)
+    assert torch.equal(got, F.scaled_dot_product_attention(strided, k, v, is_causal=True))
