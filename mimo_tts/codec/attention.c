@@ -205,27 +205,40 @@ static float softmax_row(float *s, long b0, long b1, long lo, long hi) {
     return lane_sum(sum);
 }
 
-/* out rows += weights (rows of s from key k0) x values, keys [j0, j1), dims [c0, c0 + w). */
-static void weigh(const float *s, long sstride, long k0, long j0, long j1, const float *vp,
-                  long d, long c0, long w, long rows, float *o) {
+/* out rows += weights (rows of s from key k0) x values, keys [j0, j1), dims [c0, c0 +
+   nv * LANES): nv vectors of each of 4 rows in registers (a constant where it is inlined). */
+static inline __attribute__((always_inline)) void weigh_at(
+        const float *s, long sstride, long k0, long j0, long j1, const float *vp, long d,
+        long c0, const int nv, long rows, float *o) {
     vf acc[4][CHUNK_VECS];
     for (long r0 = 0; r0 < rows; r0 += 4) {
         long n = rows - r0 < 4 ? rows - r0 : 4;
         for (int r = 0; r < 4; ++r)
-            for (int c = 0; c < CHUNK_VECS; ++c) acc[r][c] = splat(0.0f);
+            for (int c = 0; c < nv; ++c) acc[r][c] = splat(0.0f);
         for (long j = j0; j < j1; ++j) {
             const float *row = vp + (j - k0) * d + c0;
             vf v[CHUNK_VECS];
-            for (int c = 0; c < CHUNK_VECS; ++c) v[c] = c * LANES < w ? load(row + c * LANES)
-                                                                         : splat(0.0f);
+            for (int c = 0; c < nv; ++c) v[c] = load(row + c * LANES);
             for (int r = 0; r < 4; ++r) {
                 vf p = splat(r < n ? s[(r0 + r) * sstride + (j - k0)] : 0.0f);
-                for (int c = 0; c < CHUNK_VECS; ++c) acc[r][c] += p * v[c];
+                for (int c = 0; c < nv; ++c) acc[r][c] += p * v[c];
             }
         }
         for (long r = 0; r < n; ++r)
-            for (int c = 0; c < CHUNK_VECS && c * LANES < w; ++c)
-                store(o + (r0 + r) * d + c0 + c * LANES, acc[r][c]);
+            for (int c = 0; c < nv; ++c) store(o + (r0 + r) * d + c0 + c * LANES, acc[r][c]);
+    }
+}
+
+/* `weigh_at` for w = nv * LANES dimensions (w is a whole number of vectors, at most CHUNK). */
+static void weigh(const float *s, long sstride, long k0, long j0, long j1, const float *vp,
+                  long d, long c0, long w, long rows, float *o) {
+    switch (w / LANES) {
+    case 1: weigh_at(s, sstride, k0, j0, j1, vp, d, c0, 1, rows, o); break;
+#if CHUNK_VECS > 2
+    case 3: weigh_at(s, sstride, k0, j0, j1, vp, d, c0, 3, rows, o); break;
+    case 4: weigh_at(s, sstride, k0, j0, j1, vp, d, c0, 4, rows, o); break;
+#endif
+    default: weigh_at(s, sstride, k0, j0, j1, vp, d, c0, 2, rows, o); break;
     }
 }
 

@@ -225,6 +225,8 @@ class LocalPlan:
     blocks: int
     span: int
     mask: Tensor
+    size: int  # the frames
+    keys: Keys  # the same band in closed form, over the frames alone (the fused kernel's)
 
     @staticmethod
     def build(spec: AttnSpec, x: Tensor, lengths: Tensor | None) -> LocalPlan:
@@ -235,7 +237,8 @@ class LocalPlan:
         span += -span % KV_ALIGN if _aligns_keys(x) else 0
         blocks = -(-size // block)
         mask = local_mask(x.shape[0], size, left, right, lengths, x.device, span)
-        return LocalPlan(left, block, blocks, span, mask)
+        return LocalPlan(left, block, blocks, span, mask, size,
+                         Keys(lengths=lengths, left=left, right=right))
 
     @property
     def rows(self) -> int:
@@ -245,10 +248,17 @@ class LocalPlan:
         """[B, size, ...] -> [B, rows, ...] with zero padding rows."""
         return F.pad(x, (0, 0) * (x.dim() - 2) + (self.left, self.rows - self.left - x.shape[1]))
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, fused: bool = False) -> Tensor:
         """q, k, v [B, H, rows, D] -> attention output [B, rows, H, D] (zero on padding rows
-        outside the query blocks)."""
+        outside the query blocks; with `fused`, where the kernel takes it, zero on every
+        padding row: no query sees them)."""
         b, h, rows, d = q.shape
+        frames = slice(self.left, self.left + self.size)
+        parts = q[:, :, frames], k[:, :, frames], v[:, :, frames]
+        if fused and attention.runs(*parts):
+            full = q.new_zeros(b, rows, h, d)
+            full[:, frames] = attention.attend(*parts, self.keys).transpose(1, 2)
+            return full
         n = self.blocks * self.block
         q = q[:, :, self.left:self.left + n].unflatten(2, (self.blocks, self.block))
         q = q.transpose(1, 2).reshape(b * self.blocks, h, self.block, d)
@@ -463,7 +473,8 @@ class Attention(nn.Module):
         holds the plan's padded rows."""
         q, k, v = self.project_rotated(x, *rope)
         if isinstance(mask, LocalPlan):
-            return linear(self.out_proj, mask.attend(q, k, v).flatten(2), residual=residual)
+            return linear(self.out_proj, mask.attend(q, k, v, self.fused).flatten(2),
+                          residual=residual)
         if spec.windowed:
             out = local_attention(q, k, v, *band(spec, x.shape[1]), mask)
         else:

@@ -214,3 +214,38 @@ def test_sdpa_keeps_pytorch_for_what_the_kernel_cannot_take():
             attention.attend(*args, keys)
     got = sdpa(strided, k, v, keys, fused=True)
     assert torch.equal(got, F.scaled_dot_product_attention(strided, k, v, is_causal=True))
+
+
+def _windowed_stack(seed=6):
+    """Two random layers of 4 heads of 16 (the full-size vocoder's head width) and their
+    rotary tables."""
+    from torch import nn
+
+    from mimo_tts.codec.layers import Rotary, TransformerLayer
+
+    torch.manual_seed(seed)
+    layers = nn.ModuleList([TransformerLayer(64, 4, 128) for _ in range(2)]).eval()
+    return layers.requires_grad_(False), Rotary(16, 10000.0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_windowed_layers_match_pytorch_and_give_each_row_its_bytes_alone(causal):
+    """The vocoder's banded attention (`LocalPlan`) through the kernel: within float32
+    rounding of PyTorch's blockwise attention, and a padded batch gives each sequence exactly
+    what it gets alone."""
+    from mimo_tts.codec.layers import AttnSpec, run_layers
+
+    layers, rotary = _windowed_stack()
+    spec = AttnSpec(left=7, right=-1 if causal else 3, causal=causal)
+    x = torch.randn(2, 150, 64)
+    lengths = torch.tensor([150, 61])
+    outs = {}
+    for fused in (False, True):
+        for layer in layers:
+            layer.self_attn.fused = fused
+        outs[fused] = run_layers(layers, rotary, x, spec, lengths)[0]
+    for b, n in enumerate(lengths.tolist()):
+        torch.testing.assert_close(outs[True][b, :n], outs[False][b, :n], atol=2e-5, rtol=0)
+        alone = run_layers(layers, rotary, x[b:b + 1, :n], spec)[0]
+        assert torch.equal(outs[True][b:b + 1, :n], alone)
+    assert not torch.equal(outs[True][0], outs[False][0])  # the kernel did run
