@@ -273,11 +273,14 @@ class LocalPlan:
 
 
 def attention_mask(spec: AttnSpec, b: int, size: int, lengths: Tensor | None,
-                   device: torch.device) -> Tensor | Keys:
-    """The mask a stack's layers share: the local band (a bool tensor), else the `Keys` of
-    causal or padded-key attention (no mask at all for PyTorch's where none is needed)."""
+                   device: torch.device) -> Keys:
+    """The `Keys` a stack's layers share: the local band (with its blockwise mask for
+    `local_attention`), causal or padded-key attention (no mask at all for PyTorch's where
+    none is needed)."""
     if spec.windowed:
-        return local_mask(b, size, *band(spec, size), lengths, device)
+        left, right = band(spec, size)
+        return Keys(local_mask(b, size, left, right, lengths, device), lengths=lengths,
+                    left=left, right=right)
     if spec.causal:
         # Keys after a valid causal query are never seen, so right padding needs no mask.
         return Keys(causal=True, right=0)
@@ -476,7 +479,11 @@ class Attention(nn.Module):
             return linear(self.out_proj, mask.attend(q, k, v, self.fused).flatten(2),
                           residual=residual)
         if spec.windowed:
-            out = local_attention(q, k, v, *band(spec, x.shape[1]), mask)
+            if isinstance(mask, Keys) and self.fused and attention.runs(q, k, v):
+                out = attention.attend(q, k, v, mask)
+            else:
+                out = local_attention(q, k, v, *band(spec, x.shape[1]),
+                                      mask.mask if isinstance(mask, Keys) else mask)
         else:
             out = sdpa(q, k, v, mask, causal=spec.causal, fused=self.fused)
         return self.merge(out, residual)

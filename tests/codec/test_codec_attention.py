@@ -249,3 +249,26 @@ def test_windowed_layers_match_pytorch_and_give_each_row_its_bytes_alone(causal)
         alone = run_layers(layers, rotary, x[b:b + 1, :n], spec)[0]
         assert torch.equal(outs[True][b:b + 1, :n], alone)
     assert not torch.equal(outs[True][0], outs[False][0])  # the kernel did run
+
+
+def test_the_streaming_vocoders_band_takes_the_kernel_too():
+    """The incremental vocoder runs its layers on a shared `attention_mask` (not a padded
+    plan): with the kernel its rows match PyTorch's blockwise attention and the padded plan."""
+    from mimo_tts.codec.layers import AttnSpec, attention_mask, run_layers
+
+    layers, rotary = _windowed_stack(seed=7)
+    spec, x = AttnSpec(left=40, right=10), torch.randn(1, 130, 64)
+    rope = rotary.tables(130, x.device, x.dtype)
+    keys = attention_mask(spec, 1, 130, None, x.device)
+    assert isinstance(keys, Keys) and (keys.left, keys.right) == (40, 10)
+    outs = {}
+    for fused in (False, True):
+        h = x
+        for layer in layers:
+            layer.self_attn.fused = fused
+            h = layer(h, rope, spec, keys)
+        outs[fused] = h
+    torch.testing.assert_close(outs[True], outs[False], atol=2e-5, rtol=0)
+    assert not torch.equal(outs[True], outs[False])
+    torch.testing.assert_close(outs[True], run_layers(layers, rotary, x, spec)[0], atol=1e-6,
+                               rtol=0)
