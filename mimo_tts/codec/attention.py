@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import time
 from dataclasses import dataclass
 from importlib.resources import files
 
@@ -25,10 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mimo_tts.errors import UsageError
-from mimo_tts.runtime.devices import CODEC_KERNEL_ENV, KERNEL_MODES, Choice
-from mimo_tts.runtime.kernels import build
-from mimo_tts.runtime.measured import Decision, decide
+from mimo_tts.runtime.devices import CODEC_KERNEL_ENV, Choice
+from mimo_tts.runtime.kernels import bind, settled
+from mimo_tts.runtime.measured import Decision, alternating_best, decide
 
 SOURCE = files("mimo_tts.codec") / "attention.c"
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -44,13 +42,9 @@ _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 @functools.cache
 def _build() -> tuple[ctypes.CDLL | None, str]:
     """(the compiled kernel, "") or (None, why not)."""
-    lib, why = build(SOURCE, "codec_attention")
-    if lib is None:
-        return None, why
-    lib.attend.argtypes = [_P, _P, _P, _P, _I, _L, _L, _L, _L, _L, _P, _P, _P, _P, _P,
-                           _L, _L, _L, ctypes.c_float, _I]
-    lib.attend.restype = _I
-    return lib, ""
+    return bind(SOURCE, "codec_attention", {
+        "attend": ((_P, _P, _P, _P, _I, _L, _L, _L, _L, _L, _P, _P, _P, _P, _P, _L, _L, _L,
+                    ctypes.c_float, _I), _I)})
 
 
 def library() -> ctypes.CDLL | None:
@@ -96,7 +90,8 @@ def _strides(t: Tensor):
 def attend(q: Tensor, k: Tensor, v: Tensor, keys: Keys) -> Tensor:
     """softmax(q k^T / sqrt(D)) v over the keys `keys` allows: q [B, H, Lq, D], k, v
     [B, H, Lk, D] (any strides with D contiguous, one dtype) -> [B, H, Lq, D], a view of a
-    [B, Lq, H, D] tensor (so merging the heads is free). Needs `runs(q, k, v)`."""
+    [B, Lq, H, D] tensor (so merging the heads is free); any number of queries (`runs` adds
+    MIN_QUERIES for the layers)."""
     if not _takes(q, k, v):
         raise ValueError("attend needs CPU tensors of one dtype (float32 or bfloat16), rows "
                          f"of a multiple of {LANES} contiguous elements")
@@ -113,12 +108,6 @@ def attend(q: Tensor, k: Tensor, v: Tensor, keys: Keys) -> Tensor:
     if status:
         raise MemoryError(f"attention kernel: no scratch memory (status {status})")
     return view
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 @functools.cache
@@ -139,34 +128,24 @@ def measure(dtype: torch.dtype) -> tuple[bool, float, float]:
         qkv = torch.randn(b, size, 3, heads, dim, generator=gen).to(dtype)
     q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
     causal = Keys(causal=True, right=0)
-    ours = lambda: attend(q, k, v, causal)  # noqa: E731
-    theirs = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
-    ours(), theirs()
-    best = {"ours": float("inf"), "theirs": float("inf")}
-    for _ in range(5):
-        best["ours"] = min(best["ours"], _timed(ours))
-        best["theirs"] = min(best["theirs"], _timed(theirs))
+    ours, theirs = alternating_best(
+        lambda: attend(q, k, v, causal),
+        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     flops = 2 * 2 * b * heads * dim * size * (size + 1) / 2
-    return (best["ours"] < best["theirs"], round(flops / best["ours"] / 1e9),
-            round(flops / best["theirs"] / 1e9))
+    return ours < theirs, round(flops / ours / 1e9), round(flops / theirs / 1e9)
 
 
 def choose(dtype: torch.dtype, mode: str = "auto") -> Choice:
     """Whether the tokenizer's CPU attention in `dtype` runs through the kernel, and why (not),
     in `mode` (the run's codec kernel mode): "on" wherever it builds, "auto" where it measured
     faster than PyTorch's attention (`faster`), "off" never."""
-    if mode not in KERNEL_MODES:
-        raise UsageError(f"codec kernel mode must be one of {', '.join(KERNEL_MODES)}, "
-                         f"got {mode!r}")
-    if mode == "off":
-        return Choice(False, f"off ({CODEC_KERNEL_ENV}=0)")
-    if dtype not in DTYPES:
-        return Choice(False, f"not for {str(dtype).removeprefix('torch.')}")
-    lib, why = _build()
-    if lib is None:
-        return Choice(False, why)
-    if mode == "on":
-        return Choice(True, f"on ({CODEC_KERNEL_ENV}=1): fused attention")
+    def unavailable() -> str:
+        return (f"not for {str(dtype).removeprefix('torch.')}" if dtype not in DTYPES
+                else _build()[1])
+
+    forced = settled(mode, "codec kernel", CODEC_KERNEL_ENV, unavailable, "fused attention")
+    if forced is not None:
+        return forced
     decision = faster(dtype)
     return Choice(decision.faster, f"auto: fused vs PyTorch attention: "
                                    f"{decision.words('GFLOP/s')}")

@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import time
 from importlib.resources import files
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mimo_tts.errors import UsageError
 from mimo_tts.runtime import pages
-from mimo_tts.runtime.devices import CODEC_KERNEL_ENV, KERNEL_MODES, Choice
-from mimo_tts.runtime.kernels import build
-from mimo_tts.runtime.measured import Decision, decide
+from mimo_tts.runtime.devices import CODEC_KERNEL_ENV, Choice
+from mimo_tts.runtime.kernels import bind, settled
+from mimo_tts.runtime.measured import Decision, alternating_best, decide
 
 SOURCE = files("mimo_tts.codec") / "gemm.c"
 
@@ -32,15 +30,13 @@ _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 @functools.cache
 def _build() -> tuple[ctypes.CDLL | None, str]:
     """(the compiled GEMM with AMX granted, "") or (None, why not)."""
-    lib, why = build(SOURCE, "codec_gemm")
+    lib, why = bind(SOURCE, "codec_gemm", {
+        "packed_bytes": ((_L, _L), _L),
+        "pack_weight": ((_P, _L, _L, _I, _P), None),
+        "split_rows": ((_P, _L, _L, _L, _I, _P, _P), None),
+        "gemm": ((_P, _P, _P, _L, _L, _L, _P, _P, _P, _I), _I)})
     if lib is None:
         return None, why
-    lib.packed_bytes.argtypes = [_L, _L]
-    lib.packed_bytes.restype = _L
-    lib.pack_weight.argtypes = [_P, _L, _L, _I, _P]
-    lib.split_rows.argtypes = [_P, _L, _L, _L, _I, _P, _P]
-    lib.gemm.argtypes = [_P, _P, _P, _L, _L, _L, _P, _P, _P, _I]
-    lib.gemm.restype = _I
     if not lib.amx_enable():
         return None, "no AMX tiles on this CPU (or the kernel refused them)"
     return lib, ""
@@ -130,12 +126,6 @@ def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 @functools.cache
 def faster() -> Decision:
     """Whether the codec's float32 linears run through the GEMM on this machine (`measure`,
@@ -153,14 +143,9 @@ def measure() -> tuple[bool, float, float]:
         proj = nn.Linear(1280, 2560).requires_grad_(False)
         weight, bias = proj.weight.clone(), proj.bias
         packed = PackedGemm(library(), [proj])
-    packed(x), F.linear(x, weight, bias)  # first calls: thread teams, AMX state
-    best = {"gemm": float("inf"), "torch": float("inf")}
-    for _ in range(5):
-        best["gemm"] = min(best["gemm"], _timed(lambda: packed(x)))
-        best["torch"] = min(best["torch"], _timed(lambda: F.linear(x, weight, bias)))
+    ours, theirs = alternating_best(lambda: packed(x), lambda: F.linear(x, weight, bias))
     flops = 2 * 512 * 1280 * 2560
-    return (best["gemm"] < best["torch"], round(flops / best["gemm"] / 1e9),
-            round(flops / best["torch"] / 1e9))
+    return ours < theirs, round(flops / ours / 1e9), round(flops / theirs / 1e9)
 
 
 def choose(beside: int = 0, weights: int = 0, mode: str = "auto") -> Choice:
@@ -175,16 +160,10 @@ def choose(beside: int = 0, weights: int = 0, mode: str = "auto") -> Choice:
     in the machine's memory (`machine.cpu_total`): on a 24 GiB machine with the full-size LM the
     squeezed page cache made Stage-0 re-read its weights from disk (1.48 s a group, not 1.19).
     """
-    if mode not in KERNEL_MODES:
-        raise UsageError(f"codec kernel mode must be one of {', '.join(KERNEL_MODES)}, "
-                         f"got {mode!r}")
-    if mode == "off":
-        return Choice(False, f"off ({CODEC_KERNEL_ENV}=0)")
-    lib, why = _build()
-    if lib is None:
-        return Choice(False, why)
-    if mode == "on":
-        return Choice(True, f"on ({CODEC_KERNEL_ENV}=1): bf16x3 AMX products")
+    forced = settled(mode, "codec kernel", CODEC_KERNEL_ENV, lambda: _build()[1],
+                     "bf16x3 AMX products")
+    if forced is not None:
+        return forced
     if beside:
         from mimo_tts.runtime.machine import PACK_HEADROOM, cpu_total, gib, packed_fits
 

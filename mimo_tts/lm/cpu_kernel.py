@@ -64,7 +64,7 @@ from mimo_tts.lm.model import (
 )
 from mimo_tts.lm.step import EagerStep
 from mimo_tts.runtime import pages
-from mimo_tts.runtime.devices import KERNEL_MODES, Choice
+from mimo_tts.runtime.devices import Choice, check_kernel_mode
 from mimo_tts.runtime.kernels import build
 from mimo_tts.runtime.measured import Decision, decide
 
@@ -584,10 +584,7 @@ def prefill_products(model: MiMoAudioLM) -> tuple[Matmul, Choice]:
 
 
 def check_mode(mode: str) -> str:
-    if mode not in KERNEL_MODES:
-        raise UsageError(f"cpu kernel mode must be one of {', '.join(KERNEL_MODES)}, "
-                         f"got {mode!r}")
-    return mode
+    return check_kernel_mode(mode, "cpu kernel")
 
 
 def choose(model: MiMoAudioLM) -> Choice:

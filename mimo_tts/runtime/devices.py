@@ -265,6 +265,13 @@ def resolve_kernel(env_name: str, env: Mapping[str, str] | None = None) -> Choic
     raise UsageError(f"{env_name}={raw!r}: use auto, 1 (on) or 0 (off)")
 
 
+def check_kernel_mode(mode: str, what: str) -> str:
+    """`mode` where it is one of KERNEL_MODES, else a UsageError naming `what` (the kernel)."""
+    if mode not in KERNEL_MODES:
+        raise UsageError(f"{what} mode must be one of {', '.join(KERNEL_MODES)}, got {mode!r}")
+    return mode
+
+
 def dtype_name(value: object, what: str, source: str) -> str:
     """Canonical dtype name (float32, bfloat16, float16) from a name or a short form."""
     name = str(value).strip().lower()

@@ -2,8 +2,9 @@
 
 `-march=native` code goes into the user cache directory under a name keyed by the source,
 the flags and the CPU's feature flags, and is loaded with ctypes: no PyTorch headers or build
-toolchain at run time. Used by the LM's CPU kernel and the codec's float32 GEMM; whether each
-runs is their own decision (a `devices.Choice`), under the mode `devices.Placement` resolves.
+toolchain at run time. Used by the LM's CPU kernel and the codec's float32 GEMM and fused
+attention; whether each runs is their own decision (a `devices.Choice`), under the mode
+`devices.Placement` resolves (`settled` says what a mode decides without measuring).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable, Mapping, Sequence
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
-from mimo_tts.runtime.devices import cpu_flags
+from mimo_tts.runtime.devices import Choice, check_kernel_mode, cpu_flags
 from mimo_tts.runtime.paths import cache_root, publish, temp_beside
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -49,6 +51,31 @@ def build(source: Traversable, stem: str) -> tuple[ctypes.CDLL | None, str]:
         return None, f"cc failed: {lines[-1] if lines else f'exit {exc.returncode}'}"
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"cannot build or load it ({exc})"
+
+
+def bind(source: Traversable, stem: str,
+         functions: Mapping[str, tuple[Sequence[type], type | None]]) -> tuple[ctypes.CDLL | None,
+                                                                            str]:
+    """`build`, then each named function's ctypes argument types and result type (None: no
+    result)."""
+    lib, why = build(source, stem)
+    for name, (arguments, result) in functions.items() if lib is not None else ():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = list(arguments), result
+    return lib, why
+
+
+def settled(mode: str, kernel: str, env_name: str, unavailable: Callable[[], str],
+            runs: str) -> Choice | None:
+    """What the mode of `kernel` (set by `env_name`) decides without measuring: "off" never;
+    not where `unavailable()` gives a reason ("" where the kernel can run); "on" wherever it
+    can (`runs` says what then runs); None for "auto", which measures."""
+    if check_kernel_mode(mode, kernel) == "off":
+        return Choice(False, f"off ({env_name}=0)")
+    why = unavailable()
+    if why:
+        return Choice(False, why)
+    return Choice(True, f"on ({env_name}=1): {runs}") if mode == "on" else None
 
 
 def _compile(source_text: str, stem: str, target: Path) -> None:

@@ -110,6 +110,20 @@ def _locked(path: Path):
         os.close(fd)
 
 
+def alternating_best(ours: Callable[[], object], theirs: Callable[[], object],
+                     rounds: int = 5) -> tuple[float, float]:
+    """The best seconds of each of two calls over `rounds` alternating rounds, after one
+    warm-up call of each (thread teams, caches, CPU state): what a `measure` compares."""
+    ours(), theirs()
+    best = [float("inf"), float("inf")]
+    for _ in range(rounds):
+        for index, fn in enumerate((ours, theirs)):
+            start = time.perf_counter()
+            fn()
+            best[index] = min(best[index], time.perf_counter() - start)
+    return best[0], best[1]
+
+
 def decide(name: str, probe: str, measure: Callable[[], tuple[bool, float, float]],
            env: Mapping[str, str] | None = None) -> Decision:
     """The choice `name` on this machine: set by the environment, kept from an earlier

@@ -106,3 +106,11 @@ def test_a_bad_setting_is_refused_when_the_placement_resolves():
                               env={measured.CHOICES_ENV: bad})
     resolve_placement(lm_device="cpu", tokenizer_device="cpu",
                       env={measured.CHOICES_ENV: "codec_gemm=off, prefill_upcast=yes"})
+
+
+def test_alternating_best_warms_up_then_alternates_and_keeps_each_best():
+    calls = []
+    best = measured.alternating_best(lambda: calls.append("ours"), lambda: calls.append("theirs"),
+                                     rounds=3)
+    assert calls == ["ours", "theirs"] * 4  # one warm-up call each, then 3 alternating rounds
+    assert all(isinstance(t, float) and 0 <= t < 1 for t in best)
