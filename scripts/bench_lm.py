@@ -25,7 +25,10 @@ Reported, all from one run:
   by the read bandwidth: the best bytes per second of three large read-only operations (a sum
   on ordinary pages, the same sum on huge pages, and a bf16 matrix-vector product, each over
   --bandwidth-mib, far more than the last-level cache), best of several; the tensor copy
-  bandwidth (read + write bytes) is reported for reference.
+  bandwidth (read + write bytes) is reported for reference. Beside the step over that floor
+  (`batch1_over_floor`), each round's best step over the floor at the read sampled just
+  before it (`batch1_over_floor_same_moment`, sorted): the machine's bandwidth can move
+  between the best read of a run and its steps.
 
 With --anchor, the step's product shapes alone (one backbone layer's four, lm_head and the
 patch decoder's four) at 1 and 8 rows: GB/s of weight bytes through the kernel's packed
@@ -158,11 +161,15 @@ class Bandwidth:
         self.vector = torch.ones(4096, dtype=torch.bfloat16, device=device)
         self.read: dict[str, list[float]] = {op: [] for op in self.OPS}
 
-    def sample(self, repeats: int = 2) -> None:
+    def sample(self, repeats: int = 2) -> float:
+        """Time each operation `repeats` times (kept in `read`); -> this sample's best."""
         nbytes = self.src.numel() * self.src.element_size()
         ops = (self.src.sum, self.huge.sum, lambda: torch.mv(self.matrix, self.vector))
+        now = []
         for op, fn in zip(self.OPS, ops, strict=True):
-            self.read[op] += [nbytes / s for s in timed(fn, repeats, self.device)]
+            now += [nbytes / s for s in timed(fn, repeats, self.device)]
+            self.read[op] += now[-repeats:]
+        return max(now)
 
     def best(self) -> float:
         return max(max(v) for v in self.read.values())
@@ -324,6 +331,7 @@ def run(args) -> dict:
     parts: dict = {}
     steps_s: dict = {}
     packing = "not packed"
+    paired: dict = {}
     for kind in kinds:
         swap = None
         if kind == "kernel":  # as load_lm leaves it: the streamed matrices packed in place
@@ -334,7 +342,8 @@ def run(args) -> dict:
         for k in group:
             parts[k] = {b: {} for b in batches}
             steps_s[k] = {b: [] for b in batches}
-        measure(model, batches, group, swap, bandwidth, parts, steps_s, args, repeats, steps)
+        measure(model, batches, group, swap, bandwidth, parts, steps_s, args, repeats, steps,
+                paired)
     anchor = product_anchor(model, args) if args.anchor else None
     in_cache = products_in_cache(batches) if "kernel" in kinds else {}
     bandwidth.sample()
@@ -373,6 +382,11 @@ def run(args) -> dict:
         "throughput_over_batch1": {k: {b: round(b * per[1] / s, 2) for b, s in per.items()}
                                    for k, per in best.items()},
         "batch1_over_floor": {k: round(per[1] / floor, 2) for k, per in best.items()},
+        # Each round's best batch-1 step over the floor at the read sampled just before it:
+        # this VM's memory bandwidth moves from minute to minute, and a step follows it.
+        "batch1_over_floor_same_moment": {
+            k: sorted(round(s * read / sum(weights.values()), 2) for s, read in per[1])
+            for k, per in paired.items() if 1 in per},
         **({"kernel_speedup_step": {b: round(best["eager"][b] / s, 2)
                                     for b, s in best["kernel"].items()}}
            if "kernel" in best and "eager" in best else {}),
@@ -390,9 +404,10 @@ def run(args) -> dict:
 
 
 def measure(model, batches, kinds, swap, bandwidth, parts, steps_s, args, repeats,
-            steps) -> None:
+            steps, paired) -> None:
     """Rounds of each step kind at each batch size (the kinds alternate within a round, so
-    noise hits them alike), the read bandwidth sampled before each."""
+    noise hits them alike), the read bandwidth sampled before each round and again just
+    before its whole steps: `paired[kind][b]` gets (the round's best step, that read)."""
     for b in batches:
         for _ in range(args.rounds):
             for kind in kinds:
@@ -402,7 +417,10 @@ def measure(model, batches, kinds, swap, bandwidth, parts, steps_s, args, repeat
                 for part, times in component_times(model, b, repeats, args.device,
                                                    kind).items():
                     parts[kind][b].setdefault(part, []).extend(times)
-                steps_s[kind][b] += step_times(model, b, steps, args.device, kind)
+                read = bandwidth.sample()
+                times = step_times(model, b, steps, args.device, kind)
+                steps_s[kind][b] += times
+                paired.setdefault(kind, {}).setdefault(b, []).append((min(times), read))
     if swap is not None:
         swap.use(False)
 
