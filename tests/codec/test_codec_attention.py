@@ -131,8 +131,10 @@ def test_choose_follows_the_mode_and_the_kept_measurement(monkeypatch):
 
 @pytest.fixture(scope="module")
 def codecs(tokenizer_dir):
-    """The tiny-a tokenizer with the fused attention forced on and off."""
-    return {mode: load_audio_tokenizer(tokenizer_dir, "cpu", torch.float32, codec_kernel=mode)
+    """The tiny-a tokenizer with the fused attention forced on and off (the AMX GEMM off in
+    both, so only the attention differs)."""
+    return {mode: load_audio_tokenizer(tokenizer_dir, "cpu", torch.float32, use_gemm=False,
+                                       codec_kernel=mode)
             for mode in ("on", "off")}
 
 
