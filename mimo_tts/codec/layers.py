@@ -553,13 +553,16 @@ def prepack(model: nn.Module, use_gemm: bool | None = None, codec_kernel: str = 
     oneDNN's layout (`PackedLinear`), float32 ones for the bf16x3 AMX GEMM where `use_gemm`
     (default: `gemm.choose` in mode `codec_kernel`) picks it (`gemm.PackedGemm`, which replaces
     the float32 weights). Their attention goes through the fused kernel where
-    `attention.choose` in mode `codec_kernel` picks it for their dtype."""
+    `attention.choose` in mode `codec_kernel` picks it for their dtype (that choice is kept as
+    `model.attention_choice`)."""
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer) and
               isinstance(m.fc1, nn.Linear) and m.fc1.weight.device.type == "cpu"]
     dtypes = {m.fc1.weight.dtype for m in layers}
-    fused = {d: attention.choose(d, codec_kernel).active for d in dtypes}
+    chosen = {d: attention.choose(d, codec_kernel) for d in dtypes}
     for m in layers:
-        m.self_attn.fused = fused[m.fc1.weight.dtype]
+        m.self_attn.fused = chosen[m.fc1.weight.dtype].active
+    if len(chosen) == 1:  # what a run records (the sidecar, the -v log)
+        model.attention_choice = next(iter(chosen.values()))
     if torch.bfloat16 in dtypes and packable() and onednn_bf16():
         for m in layers:
             if m.fc1.weight.dtype == torch.bfloat16:

@@ -53,11 +53,12 @@ def build(source: Traversable, stem: str) -> tuple[ctypes.CDLL | None, str]:
         return None, f"cannot build or load it ({exc})"
 
 
+Signature = tuple[Sequence[type], type | None]  # ctypes argument types, result type (None: void)
+
+
 def bind(source: Traversable, stem: str,
-         functions: Mapping[str, tuple[Sequence[type], type | None]]) -> tuple[ctypes.CDLL | None,
-                                                                            str]:
-    """`build`, then each named function's ctypes argument types and result type (None: no
-    result)."""
+         functions: Mapping[str, Signature]) -> tuple[ctypes.CDLL | None, str]:
+    """`build`, then each named function's ctypes `Signature`."""
     lib, why = build(source, stem)
     for name, (arguments, result) in functions.items() if lib is not None else ():
         function = getattr(lib, name)

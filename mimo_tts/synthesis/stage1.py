@@ -88,7 +88,7 @@ class Stage1:
     def __init__(self, codec, threads: int | None = None):
         self.codec, self.threads = codec, threads
         self.gemm = None  # the float32 GEMM's decision (`codec.gemm.choose`) where one was taken
-        self.attention = None  # the fused attention's (`codec.attention.choose`), on the CPU
+        self.attention = None  # the fused attention's choice (`codec.layers.prepack`), on the CPU
         self.samples_per_frame = codec.samples_per_frame
         if codec.config.sampling_rate != SAMPLE_RATE:  # the one rule: every face uses the constant
             raise CheckpointError(f"the audio tokenizer speaks {codec.config.sampling_rate} Hz; "
@@ -132,12 +132,8 @@ class Stage1:
             log(f"tokenizer float32 GEMM: {'on' if choice.active else 'off'}, {choice.reason}")
         stage1 = cls(codec, threads)
         stage1.gemm = choice
-        if str(device) == "cpu":
-            from mimo_tts.codec.attention import choose as choose_attention
-
-            # The choice `prepack` took for the layers (kept per machine: the same answer).
-            stage1.attention = choose_attention(torch_dtype(str(dtype)),
-                                                placement.codec_kernel.value)
+        stage1.attention = getattr(codec.model, "attention_choice", None)  # CPU layers only
+        if stage1.attention is not None:
             log(f"tokenizer attention: {'fused kernel' if stage1.attention.active else 'PyTorch'}"
                 f", {stage1.attention.reason}")
         return stage1
