@@ -8,9 +8,10 @@
    the square is never computed.
 
    Written with GCC vector extensions, one register a vector (16 floats with AVX-512, 8 with
-   AVX2 or plain x86-64), so one source serves every CPU kind. bfloat16 inputs are widened to
-   float32 as they are packed; all arithmetic is float32 and bfloat16 outputs round to nearest
-   even.
+   AVX2 or plain x86-64), so one source serves every CPU kind. float32 runs float32 throughout.
+   bfloat16 takes the CPU's bfloat16 dot instruction where the build has it (head_bf16) and is
+   widened to float32 as it is packed elsewhere; softmax and sums are float32 either way and
+   bfloat16 outputs round to nearest even.
 
    Each (batch, head) is one task: its keys are packed once (transposed in blocks of a vector's
    width), its values widened into rows, then its queries go in blocks of ROWS: scores for the
@@ -56,6 +57,9 @@ static inline void store(float *p, vf x) { *(vfu *)p = x; }
 static inline vf splat(float x) { return (vf)EACH(SAME); }
 static inline vi lanes(void) { return (vi)EACH(INDEX); }  /* 0, 1, ..., LANES - 1 */
 static inline vf pick(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+typedef uint32_t vu __attribute__((vector_size(4 * LANES)));
+typedef uint16_t vh __attribute__((vector_size(2 * LANES)));
+typedef uint16_t vhu __attribute__((vector_size(2 * LANES), aligned(2)));
 
 static inline float from_bf16(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -70,6 +74,15 @@ static inline uint16_t to_bf16(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u)
         return (uint16_t)((u >> 16) | 0x40);  /* NaN stays a quiet NaN */
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* A vector to bfloat16 at dst, rounded as to_bf16 rounds each lane. */
+static inline void store_bf16(uint16_t *dst, vf x) {
+    vu u = (vu)x;
+    vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+    vu r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    r = (nan & ((u >> 16) | 0x40u)) | (~nan & r);
+    *(vhu *)dst = __builtin_convertvector(r, vh);
 }
 
 /* e^x for x <= 0 (scores minus their row's maximum): 2^n * e^r with |r| <= ln 2 / 2, e^r by
@@ -242,6 +255,196 @@ static void weigh(const float *s, long sstride, long k0, long j0, long j1, const
     }
 }
 
+#if LANES == 16 && defined(__AVX512BF16__)
+/* bfloat16 on a CPU with the bfloat16 dot instruction (vdpbf16ps: a lane adds two products of
+   bfloat16 pairs to its float32 sum): q.k over pairs of dimensions, and the weights (rounded
+   to bfloat16, as PyTorch's bfloat16 attention rounds them) times the values over pairs of
+   keys, half the instructions of the float32 path. Pairs of keys start at even key numbers
+   and a key a query does not see weighs +0, so a query's bytes still depend only on its own
+   row and key range. Scores, softmax and sums stay float32. */
+#include <immintrin.h>
+#define DOT_BF16 1
+
+static inline vf dot2(vf acc, uint32_t a, vi b) {
+    return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_set1_epi32((int)a), (__m512bh)b);
+}
+
+typedef int32_t viu __attribute__((vector_size(4 * LANES), aligned(4)));
+static inline vi load_words(const uint32_t *p) { return *(const viu *)p; }
+
+static inline uint32_t word_at(const uint16_t *p) {  /* two bfloat16, any alignment */
+    uint32_t w;
+    memcpy(&w, p, 4);
+    return w;
+}
+
+/* Keys [k0, k0 + blocks * LANES) as blocks of [d / 2][LANES] pairs of dimensions (zeros past
+   kend); values of the same keys as [keys / 2][d] pairs of keys (zeros past kend). */
+static void pack_head_bf16(const uint16_t *k, const uint16_t *v, long kstride, long vstride,
+                           long d, long k0, long kend, long blocks, uint32_t *kt,
+                           uint32_t *vp) {
+    long half = d / 2;
+    for (long b = 0; b < blocks; ++b) {
+        uint32_t *block = kt + b * half * LANES;
+        for (long l = 0; l < LANES; ++l) {
+            long j = k0 + b * LANES + l;
+            for (long c = 0; c < half; ++c)
+                block[c * LANES + l] = j < kend ? word_at(k + j * kstride + 2 * c) : 0;
+        }
+    }
+    const vh none = {0};
+    for (long p = 0; p < blocks * LANES / 2; ++p) {
+        long j = k0 + 2 * p;
+        const uint16_t *a = j < kend ? v + j * vstride : NULL;
+        const uint16_t *b = j + 1 < kend ? v + (j + 1) * vstride : NULL;
+        for (long c = 0; c < d; c += LANES) {
+            vu lo = __builtin_convertvector(a ? *(const vhu *)(a + c) : none, vu);
+            vu hi = __builtin_convertvector(b ? *(const vhu *)(b + c) : none, vu);
+            *(vu *)(vp + p * d + c) = lo | hi << 16;
+        }
+    }
+}
+
+/* `scores` with bfloat16 queries (rows of d / 2 pairs) and keys packed by pack_head_bf16. */
+static void scores_bf16(const uint32_t *q, long rows, long d, const uint32_t *kt, long b0,
+                        long b1, float *s, long sstride, float scale) {
+    long half = d / 2;
+    for (long b = b0; b < b1; b += 2) {
+        int two = b + 1 < b1;
+        const uint32_t *t0 = kt + b * half * LANES, *t1 = two ? t0 + half * LANES : t0;
+        vf acc[ROWS][2];
+        for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = splat(0.0f);
+        for (long c = 0; c < half; ++c) {
+            vi k0 = load_words(t0 + c * LANES), k1 = load_words(t1 + c * LANES);
+            for (int r = 0; r < ROWS; ++r) {
+                uint32_t x = q[r * half + c];
+                acc[r][0] = dot2(acc[r][0], x, k0);
+                acc[r][1] = dot2(acc[r][1], x, k1);
+            }
+        }
+        for (long r = 0; r < rows; ++r) {
+            store(s + r * sstride + (b - b0) * LANES, acc[r][0] * splat(scale));
+            if (two) store(s + r * sstride + (b + 1 - b0) * LANES, acc[r][1] * splat(scale));
+        }
+    }
+}
+
+/* A row of weights over `blocks` key blocks to bfloat16, two keys a word (rounded to nearest
+   even). */
+static void round_row(const float *s, long blocks, uint32_t *w) {
+    for (long b = 0; b < blocks; b += 2) {
+        __m512 lo = (__m512)load(s + b * LANES);
+        __m512 hi = b + 1 < blocks ? (__m512)load(s + (b + 1) * LANES) : _mm512_setzero_ps();
+        __m512bh both = _mm512_cvtne2ps_pbh(hi, lo);
+        memcpy(w + b * LANES / 2, &both, b + 1 < blocks ? LANES * 4 : LANES * 2);
+    }
+}
+
+/* out rows = weights (rows of word pairs, pair p = keys 2p, 2p + 1 from the packed start) x
+   values, key pairs [p0, p1), dims [c0, c0 + nv * LANES). */
+static inline __attribute__((always_inline)) void weigh_bf16_at(
+        const uint32_t *w, long wstride, long p0, long p1, const uint32_t *vp, long d,
+        long c0, const int nv, long rows, float *o) {
+    vf acc[4][CHUNK_VECS];
+    for (long r0 = 0; r0 < rows; r0 += 4) {
+        long n = rows - r0 < 4 ? rows - r0 : 4;
+        for (int r = 0; r < 4; ++r)
+            for (int c = 0; c < nv; ++c) acc[r][c] = splat(0.0f);
+        for (long p = p0; p < p1; ++p) {
+            const uint32_t *row = vp + p * d + c0;
+            vi v[CHUNK_VECS];
+            for (int c = 0; c < nv; ++c) v[c] = load_words(row + c * LANES);
+            for (int r = 0; r < 4; ++r) {
+                uint32_t x = r < n ? w[(r0 + r) * wstride + p] : 0;
+                for (int c = 0; c < nv; ++c) acc[r][c] = dot2(acc[r][c], x, v[c]);
+            }
+        }
+        for (long r = 0; r < n; ++r)
+            for (int c = 0; c < nv; ++c) store(o + (r0 + r) * d + c0 + c * LANES, acc[r][c]);
+    }
+}
+
+static void weigh_bf16(const uint32_t *w, long wstride, long p0, long p1, const uint32_t *vp,
+                       long d, long c0, long width, long rows, float *o) {
+    switch (width / LANES) {
+    case 1: weigh_bf16_at(w, wstride, p0, p1, vp, d, c0, 1, rows, o); break;
+    case 3: weigh_bf16_at(w, wstride, p0, p1, vp, d, c0, 3, rows, o); break;
+    case 4: weigh_bf16_at(w, wstride, p0, p1, vp, d, c0, 4, rows, o); break;
+    default: weigh_bf16_at(w, wstride, p0, p1, vp, d, c0, 2, rows, o); break;
+    }
+}
+#else
+#define DOT_BF16 0
+#endif
+
+/* Output rows (of `ostride` bytes) = the weighted sums of, divided by their weights' sums (zeros
+   where a row saw no key). */
+static void finish(const float *of, const float *sums, long rows, int any, long d, int dtype,
+                   char *out, long ostride) {
+    for (long r = 0; r < rows; ++r) {
+        char *orow = out + r * ostride;
+        int none = !any || !(sums[r] > 0.0f);  /* no key seen: zeros */
+        vf sum = splat(none ? 1.0f : sums[r]);
+        for (long c = 0; c < d; c += LANES) {
+            vf y = none ? splat(0.0f) : load(of + r * d + c) / sum;
+            if (dtype)
+                store_bf16((uint16_t *)orow + c, y);
+            else
+                store((float *)orow + c, y);
+        }
+    }
+}
+
+#if DOT_BF16
+/* One (batch, head) of bfloat16 attention through the dot instruction; scratch as attend's. */
+static void head_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, char *out,
+                      long lq, long kl, long d, const long *qs, const long *ks, const long *vs,
+                      const long *os, long offset, long left, long right, float scale,
+                      long padded, float *scratch) {
+    long half = d / 2;
+    uint32_t *kt = (uint32_t *)scratch, *vp = kt + padded * half;
+    uint32_t *w = vp + padded * half;  /* ROWS rows of padded / 2 words */
+    float *s = (float *)(w + ROWS * padded / 2);
+    uint32_t *qw = (uint32_t *)(s + ROWS * padded);
+    float *of = (float *)(qw + ROWS * half);
+    Range first = keys_of(0, kl, offset, left, right);
+    Range last = keys_of(lq - 1, kl, offset, left, right);
+    long kb0 = first.lo / LANES, kend = last.hi + 1;
+    if (kend > kb0 * LANES)
+        pack_head_bf16(k, v, ks[1], vs[1], d, kb0 * LANES, kend,
+                       (kend - kb0 * LANES + LANES - 1) / LANES, kt, vp);
+    for (long i0 = 0; i0 < lq; i0 += ROWS) {
+        long rows = lq - i0 < ROWS ? lq - i0 : ROWS;
+        Range top = keys_of(i0, kl, offset, left, right);
+        Range bottom = keys_of(i0 + rows - 1, kl, offset, left, right);
+        for (long r = 0; r < ROWS; ++r) {
+            if (r < rows)
+                memcpy(qw + r * half, q + (i0 + r) * qs[1], d * 2);
+            else
+                memset(qw + r * half, 0, d * 2);
+        }
+        float sums[ROWS];
+        long j0 = top.lo, j1 = bottom.hi + 1;
+        if (j1 > j0) {
+            long b0 = j0 / LANES, b1 = (j1 + LANES - 1) / LANES, base = b0 * LANES;
+            scores_bf16(qw, rows, d, kt + (b0 - kb0) * half * LANES, 0, b1 - b0, s, padded,
+                        scale);
+            for (long r = 0; r < rows; ++r) {
+                Range own = keys_of(i0 + r, kl, offset, left, right);
+                sums[r] = own.hi >= own.lo
+                    ? softmax_row(s + r * padded, b0, b1, own.lo, own.hi) : 0.0f;
+                round_row(s + r * padded, b1 - b0, w + r * padded / 2);
+            }
+            for (long c0 = 0; c0 < d; c0 += CHUNK)
+                weigh_bf16(w, padded / 2, (j0 - base) / 2, (j1 - base + 1) / 2,
+                           vp + (base - kb0 * LANES) / 2 * d, d, c0,
+                           d - c0 < CHUNK ? d - c0 : CHUNK, rows, of);
+        }
+        finish(of, sums, rows, j1 > j0, d, 1, out + i0 * os[1] * 2, os[1] * 2);
+    }
+}
+#endif
+
 long scratch_floats(long lk, long d) {
     long padded = (lk + 2 * LANES) / LANES * LANES;
     return padded * d * 2 + ROWS * padded + 2 * ROWS * d;
@@ -272,6 +475,14 @@ int attend(const void *q, const void *k, const void *v, void *out, int dtype, lo
             const char *kb = (const char *)k + (b * ks[0] + h * ks[2]) * esize;
             const char *vb = (const char *)v + (b * vs[0] + h * vs[2]) * esize;
             char *ob = (char *)out + (b * os[0] + h * os[2]) * esize;
+#if DOT_BF16
+            if (dtype) {
+                head_bf16((const uint16_t *)qb, (const uint16_t *)kb, (const uint16_t *)vb, ob,
+                          lq, kl, d, qs, ks, vs, os, offset, left, right, scale, padded,
+                          scratch);
+                continue;
+            }
+#endif
             /* Keys any query of this head sees: lo and hi grow with the query. */
             Range first = keys_of(0, kl, offset, left, right);
             Range last = keys_of(lq - 1, kl, offset, left, right);
@@ -301,19 +512,8 @@ int attend(const void *q, const void *k, const void *v, void *out, int dtype, lo
                         weigh(s, padded, b0 * LANES, j0, j1, vp + (b0 * LANES - kb0 * LANES) * d,
                               d, c0, d - c0 < CHUNK ? d - c0 : CHUNK, rows, of);
                 }
-                for (long r = 0; r < rows; ++r) {
-                    char *orow = ob + (i0 + r) * os[1] * esize;
-                    int none = j1 <= j0 || !(sums[r] > 0.0f);  /* no key seen: zeros */
-                    vf sum = splat(none ? 1.0f : sums[r]);
-                    for (long c = 0; c < d; c += LANES) {
-                        vf y = none ? splat(0.0f) : load(of + r * d + c) / sum;
-                        if (dtype)
-                            for (int l = 0; l < LANES; ++l)
-                                ((uint16_t *)orow)[c + l] = to_bf16(y[l]);
-                        else
-                            store((float *)orow + c, y);
-                    }
-                }
+                finish(of, sums, rows, j1 > j0, d, dtype, ob + i0 * os[1] * esize,
+                       os[1] * esize);
             }
         }
         free(scratch);

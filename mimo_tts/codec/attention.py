@@ -5,8 +5,11 @@ PyTorch's CPU flash attention takes a 512-key sequence as one block, so a causal
 the whole square, and its float32 and bfloat16 inner loops run well below the machine's FMA
 rate. The kernel computes only the keys a query sees (`Keys`: causal, a key-padding length, a
 sliding window), packs each head's keys once, and keeps a query's scores, softmax and weighted
-values in float32 registers and one row of scratch. A query's output depends only on its own
-row and key range: never on the rows beside it, the batch, the thread or the thread count.
+values in float32 registers and one row of scratch. bfloat16 on a CPU with the bfloat16 dot
+instruction (AVX512-BF16) multiplies in pairs of bfloat16, with the softmax weights rounded to
+bfloat16 for the values as PyTorch's bfloat16 attention rounds them. A query's output depends
+only on its own row and key range: never on the rows beside it, the batch, the thread or the
+thread count.
 
 Whether it runs is measured once per machine and dtype against PyTorch's attention
 (`faster`, kept like the other product choices: `runtime.measured`), under the run's codec
