@@ -41,6 +41,10 @@ only ever slow a run down), each timed call first waits (up to --quiet-wait seco
 other jobs' CPU use to drop below --quiet-busy, the bandwidth is sampled between the step
 measurements in the same way, and the calls that found no quiet moment are counted.
 
+With --quant w8a8 --quant-only, the model is packed as `load_lm(quant="w8a8")` packs it (int8 in
+place, one matrix at a time) and only that step is timed, over the bfloat16 floor: the whole
+step at full size (--layers 36) fits in memory that way, where keeping both forms would not.
+
     .venv/bin/python scripts/bench_lm.py [--quick] [--layers 4] [--batch 1,4,8] [--threads N]
 """
 
@@ -326,7 +330,9 @@ def run(args) -> dict:
     model = build_model(layers, args.device, getattr(torch, args.dtype), kernel=args.kernel)
     choice = cpu_kernel.choose(model)
     kinds = (["eager"] if args.eager else []) + (["kernel"] if choice.active else [])
-    weights = weight_bytes_per_step(model)
+    if args.quant_only:  # the model itself packed as --lm-quant w8a8 packs it
+        kinds = [k for k in kinds if k != "kernel"] + ["kernel_w8a8"]
+    weights = weight_bytes_per_step(model)  # bfloat16 bytes: the floor stays bfloat16's
     bandwidth = Bandwidth(args.device, args.bandwidth_mib)
     parts: dict = {}
     steps_s: dict = {}
@@ -334,6 +340,10 @@ def run(args) -> dict:
     paired: dict = {}
     for kind in kinds:
         swap = None
+        if kind == "kernel_w8a8":  # as load_lm(quant="w8a8") leaves it
+            model.quant = "w8a8"
+            cpu_kernel.prepare(model)
+            packing = cpu_kernel.packing(model)
         if kind == "kernel":  # as load_lm leaves it: the streamed matrices packed in place
             cpu_kernel.prepare(model)
             packing = cpu_kernel.packing(model) if model.packed_bytes else packing
@@ -392,7 +402,7 @@ def run(args) -> dict:
            if "kernel" in best and "eager" in best else {}),
         **({f"{args.quant}_over_bf16_step": {b: round(s / best["kernel"][b], 2)
                                              for b, s in best[f"kernel_{args.quant}"].items()}}
-           if f"kernel_{args.quant}" in best else {}),
+           if f"kernel_{args.quant}" in best and "kernel" in best else {}),
         **({"products_gbps": anchor} if anchor is not None else {}),
         **({"products_in_cache_gbps": {b: round(v / 1e9, 1) for b, v in in_cache.items()},
             "products_bound_ms_per_group": {b: round(1e3 * v, 1) for b, v in bound.items()},
@@ -547,6 +557,10 @@ def main() -> None:
     parser.add_argument("--quant", choices=("int8", "w8a8"), default=None,
                         help="also time the kernel step with quantized weights: int8 "
                              "(weight-only, mimo_tts/lm/int8.py) or w8a8 (--lm-quant w8a8)")
+    parser.add_argument("--quant-only", action="store_true",
+                        help="with --quant w8a8: pack the weights as int8 in place and time "
+                             "only that step against the bfloat16 floor (never two copies "
+                             "resident: what the whole step at full size fits in)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="rounds of measurements of each step kind")
     parser.add_argument("--anchor", choices=("kernel", "zentorch"), default=None,
@@ -561,6 +575,8 @@ def main() -> None:
     parser.add_argument("--bandwidth-mib", type=int, default=512,
                         help="size of each bandwidth probe (far above the last-level cache)")
     args = parser.parse_args()
+    if args.quant_only and args.quant != "w8a8":
+        parser.error("--quant-only needs --quant w8a8")
     torch.set_num_threads(args.threads)
     QUIET.wait, QUIET.busy = args.quiet_wait, args.quiet_busy
     print(json.dumps(run(args), indent=2))
