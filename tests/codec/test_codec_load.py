@@ -124,6 +124,30 @@ def test_meta_default_device_still_runs_on_cpu(tokenizer_dir, codec, decode_case
     assert mel.device.type == "cpu"
 
 
+def test_a_cpu_tokenizer_under_a_cpu_default_sends_no_call_through_a_device_hook(
+        codec, decode_cases, monkeypatch):
+    """The device context is entered only where the default device differs: under it every
+    torch call goes through a Python hook (thousands a decode); a meta default still gets it."""
+    import torch.utils._device as device_module
+
+    hooked = []
+    original = device_module.DeviceContext.__torch_function__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        hooked.append(func)
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(device_module.DeviceContext, "__torch_function__", counting)
+    codes = decode_cases["decode_T37.codes"]
+    codec.decode(codes)  # the first call may build RoPE tables (on the CPU, under a context)
+    hooked.clear()
+    wave = codec.decode(codes)
+    assert hooked == [], hooked[:5]
+    with torch.device("meta"):
+        inside = codec.decode(codes)
+    assert hooked and torch.equal(inside, wave)
+
+
 def test_bfloat16_keeps_quantizer_and_istft_in_float32(tokenizer_dir, codec, decode_cases):
     half = load_audio_tokenizer(tokenizer_dir, dtype="bfloat16")
     assert half.dtype == torch.bfloat16
