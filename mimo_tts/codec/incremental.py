@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from mimo_tts.codec.attention import Keys
 from mimo_tts.codec.layers import KV_ALIGN, apply_rotary, attention_mask, layer_norm_fp32, sdpa
+from mimo_tts.codec.tokenizer import device_scope
 from mimo_tts.codec.vocoder import MIN_ENVELOPE
 from mimo_tts.errors import UsageError
 
@@ -398,7 +399,7 @@ def push_streams(decoders: list[IncrementalDecoder], codes: list[Tensor],
     gives them alone. The decoder stack runs once over every stream's new frames
     (`step_streams`); the convolutions, norms and vocoder run per stream."""
     tokenizer = decoders[0].tokenizer
-    with torch.inference_mode(), torch.device(tokenizer.device):
+    with torch.inference_mode(), device_scope(tokenizer.device):
         latents = [d._latent(c, last) for d, c, last in zip(decoders, codes, lasts, strict=True)]
         busy = [i for i, x in enumerate(latents) if x.shape[1]]
         if busy:

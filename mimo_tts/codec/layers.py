@@ -113,14 +113,17 @@ class Rotary(nn.Module):
         self._lock = threading.Lock()
 
     def _build(self, size: int, start: int = 0, dtype=torch.float32) -> tuple[Tensor, Tensor]:
-        with torch.device("cpu"):
-            exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim
-            inv_freq = (1.0 / (self.theta**exponent)).to(dtype)
-            freqs = torch.outer(torch.arange(start, start + size, dtype=dtype), inv_freq)
-            emb = torch.cat([freqs, freqs], dim=-1)  # [size, D]
-            sin = emb.sin()
-            sin[:, : self.head_dim // 2].neg_()
-            return emb.cos().float(), sin.float()
+        # On the CPU whatever the default device (both factories say so: no device context,
+        # whose hook every call would pass through on each stream push)
+        cpu = torch.device("cpu")
+        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float32,
+                                device=cpu) / self.head_dim
+        inv_freq = (1.0 / (self.theta**exponent)).to(dtype)
+        freqs = torch.outer(torch.arange(start, start + size, dtype=dtype, device=cpu), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)  # [size, D]
+        sin = emb.sin()
+        sin[:, : self.head_dim // 2].neg_()
+        return emb.cos().float(), sin.float()
 
     def at(self, start: int, size: int, device: torch.device,
            dtype: torch.dtype) -> tuple[Tensor, Tensor]:

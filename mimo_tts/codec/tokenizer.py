@@ -8,6 +8,7 @@ Shapes: K codebooks, T code frames, C channels, S samples, M mel frames, d model
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import numbers
 import threading
@@ -21,23 +22,23 @@ from mimo_tts.codec.mel import LogMel, prepare_audio
 from mimo_tts.errors import AudioCheckError, InputError
 
 
-def _on_device(method):
-    """Run under inference mode with the tokenizer device as default device.
+def device_scope(device: torch.device) -> contextlib.AbstractContextManager:
+    """`device` as the default device inside: factory calls without an explicit device (ours
+    or a library's, e.g. torchaudio's resampling kernel) land on it even inside a caller's
+    `torch.device("meta")`. Where the default device already is `device` (a CPU tokenizer, as
+    a rule) no device context is entered: it would send every torch call inside through a
+    Python hook (about 13,500 calls a decode, a few microseconds each) to land where it lands
+    anyway."""
+    return contextlib.nullcontext() if torch.get_default_device() == device else device
 
-    Factory calls without an explicit device (ours or a library's, e.g. torchaudio's resampling
-    kernel) then land on the tokenizer device even inside a caller's `torch.device("meta")`.
-    Where the default device already is the tokenizer's (a CPU tokenizer, as a rule), no
-    device context is entered: it would send every torch call of the method through a Python
-    hook (about 13,500 calls a decode, a few microseconds each) to land where it lands anyway.
-    """
+
+def _on_device(method):
+    """Run under inference mode with the tokenizer device as default device (`device_scope`)."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        with torch.inference_mode():
-            if torch.get_default_device() == self.device:
-                return method(self, *args, **kwargs)
-            with torch.device(self.device):
-                return method(self, *args, **kwargs)
+        with torch.inference_mode(), device_scope(self.device):
+            return method(self, *args, **kwargs)
 
     return wrapper
 

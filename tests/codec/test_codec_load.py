@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mimo_tts.codec import CodecConfig, load_audio_tokenizer
+from mimo_tts.codec import CodecConfig, StreamingDecoder, load_audio_tokenizer
 from mimo_tts.errors import EXIT_CHECKPOINT, CheckpointError
 from mimo_tts.runtime.safetensors import read_config
 
@@ -139,9 +139,11 @@ def test_a_cpu_tokenizer_under_a_cpu_default_sends_no_call_through_a_device_hook
 
     monkeypatch.setattr(device_module.DeviceContext, "__torch_function__", counting)
     codes = decode_cases["decode_T37.codes"]
-    codec.decode(codes)  # the first call may build RoPE tables (on the CPU, under a context)
-    hooked.clear()
     wave = codec.decode(codes)
+    for mode in ("incremental", "official"):  # every push of a stream too
+        stream = StreamingDecoder(codec, mode=mode)
+        stream.push(codes[:, :20])
+        stream.push(codes[:, 20:], last=True)
     assert hooked == [], hooked[:5]
     with torch.device("meta"):
         inside = codec.decode(codes)
