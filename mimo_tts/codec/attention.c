@@ -164,29 +164,79 @@ static void pack_head(const char *k, const char *v, long kstride, long vstride, 
     for (long j = k0; j < kend; ++j) widen(v + j * vstride * esize, dtype, d, vp + (j - k0) * d);
 }
 
-/* Scores of `rows` queries (float32 rows of q, `d` apart) against key blocks [b0, b1) into
-   s (rows of `sstride`, key block b at column (b - b0) * LANES). */
-static void scores(const float *q, long rows, long d, const float *kt, long b0, long b1,
-                   float *s, long sstride, float scale) {
-    for (long b = b0; b < b1; b += 2) {
-        int two = b + 1 < b1;
-        const float *t0 = kt + b * d * LANES, *t1 = two ? t0 + d * LANES : t0;
-        vf acc[ROWS][2];
-        for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = splat(0.0f);
-        for (long c = 0; c < d; ++c) {
-            vf k0 = load(t0 + c * LANES), k1 = load(t1 + c * LANES);
-            for (int r = 0; r < ROWS; ++r) {
-                vf x = splat(q[r * d + c]);
-                acc[r][0] += x * k0;
-                acc[r][1] += x * k1;
-            }
-        }
-        for (long r = 0; r < rows; ++r) {
-            store(s + r * sstride + (b - b0) * LANES, acc[r][0] * splat(scale));
-            if (two) store(s + r * sstride + (b + 1 - b0) * LANES, acc[r][1] * splat(scale));
-        }
-    }
+/* The two products of a head, for float32 (one multiply-add a lane: T float, V vf) and for
+   bfloat16 pairs where the CPU has the bfloat16 dot instruction (T a word of two bfloat16, V vi;
+   DOT_BF16 below); MAC(acc, x, v) adds the T x times the vector v to acc.
+
+   scores_SFX: `rows` queries (rows of n T: n = d, or d / 2 pairs) against key blocks [b0, b1)
+   packed as [n][LANES] T into s (rows of `sstride` floats, block b at column (b - b0) * LANES),
+   times `scale`.
+   weigh_SFX: out rows = weights (rows of `wstride` T) x values (rows of d T), entries [p0, p1)
+   of both (keys, or pairs of keys), dims [c0, c0 + width): width / LANES vectors of each of 4
+   rows in registers (a constant where weigh_at_SFX is inlined; at most CHUNK). */
+#define DEFINE_PRODUCTS(SFX, T, V, LOADT, MAC)                                                \
+static void scores_##SFX(const T *q, long rows, long n, const T *kt, long b0, long b1,        \
+                         float *s, long sstride, float scale) {                              \
+    for (long b = b0; b < b1; b += 2) {                                                      \
+        int two = b + 1 < b1;                                                                \
+        const T *t0 = kt + b * n * LANES, *t1 = two ? t0 + n * LANES : t0;                   \
+        vf acc[ROWS][2];                                                                     \
+        for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = splat(0.0f);                  \
+        for (long c = 0; c < n; ++c) {                                                       \
+            V k0 = LOADT(t0 + c * LANES), k1 = LOADT(t1 + c * LANES);                        \
+            for (int r = 0; r < ROWS; ++r) {                                                 \
+                T x = q[r * n + c];                                                          \
+                acc[r][0] = MAC(acc[r][0], x, k0);                                           \
+                acc[r][1] = MAC(acc[r][1], x, k1);                                           \
+            }                                                                                \
+        }                                                                                    \
+        for (long r = 0; r < rows; ++r) {                                                    \
+            store(s + r * sstride + (b - b0) * LANES, acc[r][0] * splat(scale));             \
+            if (two) store(s + r * sstride + (b + 1 - b0) * LANES, acc[r][1] * splat(scale)); \
+        }                                                                                    \
+    }                                                                                        \
+}                                                                                            \
+                                                                                             \
+static inline __attribute__((always_inline)) void weigh_at_##SFX(                           \
+        const T *w, long wstride, long p0, long p1, const T *vp, long d, long c0,            \
+        const int nv, long rows, float *o) {                                                 \
+    vf acc[4][CHUNK_VECS];                                                                   \
+    for (long r0 = 0; r0 < rows; r0 += 4) {                                                  \
+        long n = rows - r0 < 4 ? rows - r0 : 4;                                              \
+        for (int r = 0; r < 4; ++r)                                                          \
+            for (int c = 0; c < nv; ++c) acc[r][c] = splat(0.0f);                            \
+        for (long p = p0; p < p1; ++p) {                                                     \
+            const T *row = vp + p * d + c0;                                                  \
+            V v[CHUNK_VECS];                                                                 \
+            for (int c = 0; c < nv; ++c) v[c] = LOADT(row + c * LANES);                      \
+            for (int r = 0; r < 4; ++r) {                                                    \
+                T x = r < n ? w[(r0 + r) * wstride + p] : (T)0;                              \
+                for (int c = 0; c < nv; ++c) acc[r][c] = MAC(acc[r][c], x, v[c]);            \
+            }                                                                                \
+        }                                                                                    \
+        for (long r = 0; r < n; ++r)                                                         \
+            for (int c = 0; c < nv; ++c) store(o + (r0 + r) * d + c0 + c * LANES, acc[r][c]); \
+    }                                                                                        \
+}                                                                                            \
+                                                                                             \
+static void weigh_##SFX(const T *w, long wstride, long p0, long p1, const T *vp, long d,    \
+                        long c0, long width, long rows, float *o) {                          \
+    switch (width / LANES) {                                                                 \
+    case 1: weigh_at_##SFX(w, wstride, p0, p1, vp, d, c0, 1, rows, o); break;               \
+    WIDER_CASES(weigh_at_##SFX)                                                              \
+    default: weigh_at_##SFX(w, wstride, p0, p1, vp, d, c0, 2, rows, o); break;              \
+    }                                                                                        \
 }
+
+#if CHUNK_VECS > 2
+#define WIDER_CASES(F)                                                                       \
+    case 3: F(w, wstride, p0, p1, vp, d, c0, 3, rows, o); break;                             \
+    case 4: F(w, wstride, p0, p1, vp, d, c0, 4, rows, o); break;
+#else
+#define WIDER_CASES(F)
+#endif
+
+static inline vf fma_splat(vf acc, float x, vf v) { return acc + splat(x) * v; }
 
 /* One row of scores over key blocks [b0, b1) (keys from b0 * LANES) to weights: e^(s - max)
    where lo <= key <= hi, 0 elsewhere; returns their sum. Only the blocks that hold lo or hi
@@ -218,42 +268,7 @@ static float softmax_row(float *s, long b0, long b1, long lo, long hi) {
     return lane_sum(sum);
 }
 
-/* out rows += weights (rows of s from key k0) x values, keys [j0, j1), dims [c0, c0 +
-   nv * LANES): nv vectors of each of 4 rows in registers (a constant where it is inlined). */
-static inline __attribute__((always_inline)) void weigh_at(
-        const float *s, long sstride, long k0, long j0, long j1, const float *vp, long d,
-        long c0, const int nv, long rows, float *o) {
-    vf acc[4][CHUNK_VECS];
-    for (long r0 = 0; r0 < rows; r0 += 4) {
-        long n = rows - r0 < 4 ? rows - r0 : 4;
-        for (int r = 0; r < 4; ++r)
-            for (int c = 0; c < nv; ++c) acc[r][c] = splat(0.0f);
-        for (long j = j0; j < j1; ++j) {
-            const float *row = vp + (j - k0) * d + c0;
-            vf v[CHUNK_VECS];
-            for (int c = 0; c < nv; ++c) v[c] = load(row + c * LANES);
-            for (int r = 0; r < 4; ++r) {
-                vf p = splat(r < n ? s[(r0 + r) * sstride + (j - k0)] : 0.0f);
-                for (int c = 0; c < nv; ++c) acc[r][c] += p * v[c];
-            }
-        }
-        for (long r = 0; r < n; ++r)
-            for (int c = 0; c < nv; ++c) store(o + (r0 + r) * d + c0 + c * LANES, acc[r][c]);
-    }
-}
-
-/* `weigh_at` for w = nv * LANES dimensions (w is a whole number of vectors, at most CHUNK). */
-static void weigh(const float *s, long sstride, long k0, long j0, long j1, const float *vp,
-                  long d, long c0, long w, long rows, float *o) {
-    switch (w / LANES) {
-    case 1: weigh_at(s, sstride, k0, j0, j1, vp, d, c0, 1, rows, o); break;
-#if CHUNK_VECS > 2
-    case 3: weigh_at(s, sstride, k0, j0, j1, vp, d, c0, 3, rows, o); break;
-    case 4: weigh_at(s, sstride, k0, j0, j1, vp, d, c0, 4, rows, o); break;
-#endif
-    default: weigh_at(s, sstride, k0, j0, j1, vp, d, c0, 2, rows, o); break;
-    }
-}
+DEFINE_PRODUCTS(f32, float, vf, load, fma_splat)
 
 #if LANES == 16 && defined(__AVX512BF16__)
 /* bfloat16 on a CPU with the bfloat16 dot instruction (vdpbf16ps: a lane adds two products of
@@ -305,30 +320,6 @@ static void pack_head_bf16(const uint16_t *k, const uint16_t *v, long kstride, l
     }
 }
 
-/* `scores` with bfloat16 queries (rows of d / 2 pairs) and keys packed by pack_head_bf16. */
-static void scores_bf16(const uint32_t *q, long rows, long d, const uint32_t *kt, long b0,
-                        long b1, float *s, long sstride, float scale) {
-    long half = d / 2;
-    for (long b = b0; b < b1; b += 2) {
-        int two = b + 1 < b1;
-        const uint32_t *t0 = kt + b * half * LANES, *t1 = two ? t0 + half * LANES : t0;
-        vf acc[ROWS][2];
-        for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = splat(0.0f);
-        for (long c = 0; c < half; ++c) {
-            vi k0 = load_words(t0 + c * LANES), k1 = load_words(t1 + c * LANES);
-            for (int r = 0; r < ROWS; ++r) {
-                uint32_t x = q[r * half + c];
-                acc[r][0] = dot2(acc[r][0], x, k0);
-                acc[r][1] = dot2(acc[r][1], x, k1);
-            }
-        }
-        for (long r = 0; r < rows; ++r) {
-            store(s + r * sstride + (b - b0) * LANES, acc[r][0] * splat(scale));
-            if (two) store(s + r * sstride + (b + 1 - b0) * LANES, acc[r][1] * splat(scale));
-        }
-    }
-}
-
 /* A row of weights over `blocks` key blocks to bfloat16, two keys a word (rounded to nearest
    even). */
 static void round_row(const float *s, long blocks, uint32_t *w) {
@@ -340,39 +331,7 @@ static void round_row(const float *s, long blocks, uint32_t *w) {
     }
 }
 
-/* out rows = weights (rows of word pairs, pair p = keys 2p, 2p + 1 from the packed start) x
-   values, key pairs [p0, p1), dims [c0, c0 + nv * LANES). */
-static inline __attribute__((always_inline)) void weigh_bf16_at(
-        const uint32_t *w, long wstride, long p0, long p1, const uint32_t *vp, long d,
-        long c0, const int nv, long rows, float *o) {
-    vf acc[4][CHUNK_VECS];
-    for (long r0 = 0; r0 < rows; r0 += 4) {
-        long n = rows - r0 < 4 ? rows - r0 : 4;
-        for (int r = 0; r < 4; ++r)
-            for (int c = 0; c < nv; ++c) acc[r][c] = splat(0.0f);
-        for (long p = p0; p < p1; ++p) {
-            const uint32_t *row = vp + p * d + c0;
-            vi v[CHUNK_VECS];
-            for (int c = 0; c < nv; ++c) v[c] = load_words(row + c * LANES);
-            for (int r = 0; r < 4; ++r) {
-                uint32_t x = r < n ? w[(r0 + r) * wstride + p] : 0;
-                for (int c = 0; c < nv; ++c) acc[r][c] = dot2(acc[r][c], x, v[c]);
-            }
-        }
-        for (long r = 0; r < n; ++r)
-            for (int c = 0; c < nv; ++c) store(o + (r0 + r) * d + c0 + c * LANES, acc[r][c]);
-    }
-}
-
-static void weigh_bf16(const uint32_t *w, long wstride, long p0, long p1, const uint32_t *vp,
-                       long d, long c0, long width, long rows, float *o) {
-    switch (width / LANES) {
-    case 1: weigh_bf16_at(w, wstride, p0, p1, vp, d, c0, 1, rows, o); break;
-    case 3: weigh_bf16_at(w, wstride, p0, p1, vp, d, c0, 3, rows, o); break;
-    case 4: weigh_bf16_at(w, wstride, p0, p1, vp, d, c0, 4, rows, o); break;
-    default: weigh_bf16_at(w, wstride, p0, p1, vp, d, c0, 2, rows, o); break;
-    }
-}
+DEFINE_PRODUCTS(bf16, uint32_t, vi, load_words, dot2)
 #else
 #define DOT_BF16 0
 #endif
@@ -427,7 +386,7 @@ static void head_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, c
         long j0 = top.lo, j1 = bottom.hi + 1;
         if (j1 > j0) {
             long b0 = j0 / LANES, b1 = (j1 + LANES - 1) / LANES, base = b0 * LANES;
-            scores_bf16(qw, rows, d, kt + (b0 - kb0) * half * LANES, 0, b1 - b0, s, padded,
+            scores_bf16(qw, rows, half, kt + (b0 - kb0) * half * LANES, 0, b1 - b0, s, padded,
                         scale);
             for (long r = 0; r < rows; ++r) {
                 Range own = keys_of(i0 + r, kl, offset, left, right);
@@ -501,16 +460,17 @@ int attend(const void *q, const void *k, const void *v, void *out, int dtype, lo
                 long j0 = top.lo, j1 = bottom.hi + 1;
                 if (j1 > j0) {
                     long b0 = j0 / LANES, b1 = (j1 + LANES - 1) / LANES;
-                    scores(qf, rows, d, kt + (b0 - kb0) * d * LANES, 0, b1 - b0, s, padded,
-                           scale);
+                    scores_f32(qf, rows, d, kt + (b0 - kb0) * d * LANES, 0, b1 - b0, s,
+                               padded, scale);
                     for (long r = 0; r < rows; ++r) {
                         Range own = keys_of(i0 + r, kl, offset, left, right);
                         sums[r] = own.hi >= own.lo
                             ? softmax_row(s + r * padded, b0, b1, own.lo, own.hi) : 0.0f;
                     }
                     for (long c0 = 0; c0 < d; c0 += CHUNK)
-                        weigh(s, padded, b0 * LANES, j0, j1, vp + (b0 * LANES - kb0 * LANES) * d,
-                              d, c0, d - c0 < CHUNK ? d - c0 : CHUNK, rows, of);
+                        weigh_f32(s, padded, j0 - b0 * LANES, j1 - b0 * LANES,
+                                  vp + (b0 * LANES - kb0 * LANES) * d, d, c0,
+                                  d - c0 < CHUNK ? d - c0 : CHUNK, rows, of);
                 }
                 finish(of, sums, rows, j1 > j0, d, dtype, ob + i0 * os[1] * esize,
                        os[1] * esize);
