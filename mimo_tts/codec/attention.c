@@ -68,15 +68,7 @@ static inline float from_bf16(uint16_t h) {
     return f;
 }
 
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40);  /* NaN stays a quiet NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-/* A vector to bfloat16 at dst, rounded as to_bf16 rounds each lane. */
+/* A vector to bfloat16 at dst, each lane rounded to nearest even (a NaN stays a quiet NaN). */
 static inline void store_bf16(uint16_t *dst, vf x) {
     vu u = (vu)x;
     vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
