@@ -341,6 +341,8 @@ def run(args) -> dict:
     for kind in kinds:
         swap = None
         if kind == "kernel_w8a8":  # as load_lm(quant="w8a8") leaves it
+            if why := cpu_kernel.w8a8_refusal(model):
+                raise SystemExit(f"bench_lm: --quant-only: {why}")
             model.quant = "w8a8"
             cpu_kernel.prepare(model)
             packing = cpu_kernel.packing(model)
