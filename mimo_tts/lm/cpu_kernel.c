@@ -62,6 +62,36 @@ static void share(long rows, long *r0, long *r1) {
     *r1 = b1 * 16 < rows ? b1 * 16 : rows;
 }
 
+/* ---- bfloat16 rounding on 16 lanes, exactly f2bf's ----------------------------------
+ * The conversion instruction flushes denormal inputs and outputs to zero, which f2bf (and
+ * PyTorch) do not: a value below 2^-126 would round one way in a vector and another in a
+ * tail or on a CPU without the instruction. These do f2bf's integer arithmetic instead. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline __m512 bf16x16(const bf16 *p) {  /* 16 bfloat16 -> 16 floats, exactly */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* f2bf of each lane, widened back: its bits in the high half of the lane, zeros below. */
+static inline __m512 round_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(
+        _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+        _mm512_set1_epi32(0x7fff)));
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));  /* quieted, as f2bf */
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* f2bf of 16 floats stored as 16 bfloat16. */
+static inline void store_bf16x16(bf16 *p, __m512 v) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(
+        _mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16)));
+}
+#endif
+
 /* ---- matrix-vector products: y[j * ldy + r] = round(W[r] . x[j] + b[r]), j < n -------- */
 static inline float bias_at(const bf16 *b, long r) { return b ? bf2f(b[r]) : 0.f; }
 
@@ -192,7 +222,7 @@ static void amx_rows(const bf16 *w, const bf16 *b, long in, long r0, long r1, co
         for (int j = 0; j < n; j++) {
             __m512i at = _mm512_add_epi32(column, _mm512_set1_epi32(j));
             __m512 v = _mm512_add_ps(_mm512_i32gather_ps(at, tile, 4), bias);
-            _mm512_storeu_ps(y + (long)j * ldy + r, _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)));
+            _mm512_storeu_ps(y + (long)j * ldy + r, round_bf16(v));
         }
     }
 }
@@ -445,7 +475,7 @@ static void pk_gemv(int n, const void *w, const bf16 *b, long in, long out, cons
             __m512 v = _mm512_loadu_ps(yj + r);
             if (b) v = _mm512_add_ps(v, _mm512_cvtpbh_ps(
                 (__m256bh)_mm256_loadu_si256((const __m256i *)(b + r))));
-            _mm512_storeu_ps(yj + r, round ? _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)) : v);
+            _mm512_storeu_ps(yj + r, round ? round_bf16(v) : v);
         }
 #endif
         for (; r < r1; r++) {
@@ -469,12 +499,6 @@ static void pk_gemv(int n, const void *w, const bf16 *b, long in, long out, cons
  * does not depend on the tiles, the vector count, the threads or the instruction set. */
 typedef struct { float scale; int32_t zero; } QuantRow;
 
-#if defined(__AVX512F__)
-static inline __m512 bf16x16(const bf16 *p) {  /* 16 bfloat16 -> 16 floats, exactly */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-#endif
 
 /* x [n, in] bfloat16 -> a [n, in] bytes and one QuantRow per vector. The AVX-512 loops do
  * each element's arithmetic as the scalar ones do (min/max keep the running value for a NaN
@@ -876,9 +900,6 @@ static inline __m512 exp_neg(__m512 x) {
     return _mm512_scalef_ps(p, k);
 }
 
-static inline __m512 round_bf16(__m512 v) {
-    return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v));
-}
 #endif
 
 static void act_bf16(const float *gu, bf16 *h, long n, long F, long i0, long i1) {
@@ -895,8 +916,7 @@ static void act_bf16(const float *gu, bf16 *h, long n, long F, long i0, long i1)
         __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
         __m512 num = _mm512_mask_mul_ps(g, neg, g, e);
         __m512 silu = round_bf16(_mm512_div_ps(num, _mm512_add_ps(one, e)));
-        __m256bh out = _mm512_cvtneps_pbh(_mm512_mul_ps(silu, u));
-        _mm256_storeu_si256((__m256i *)(h + i), (__m256i)out);
+        store_bf16x16(h + i, _mm512_mul_ps(silu, u));
     }
 #endif
     for (; i < i1; i++) {
@@ -1056,8 +1076,7 @@ static void to_bf16_rows(int n, const float *y, bf16 *o, long out) {
         bf16 *oj = o + (long)j * out;
 #if defined(__AVX512BF16__)
         for (; r + 16 <= r1; r += 16)
-            _mm256_storeu_si256((__m256i *)(oj + r),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(yj + r)));
+            store_bf16x16(oj + r, _mm512_loadu_ps(yj + r));
 #endif
         for (; r < r1; r++) oj[r] = f2bf(yj[r]);
     }
@@ -1102,8 +1121,7 @@ int gemv_bf16_call(const Gemv *g) {
         long i = i0;
 #if defined(__AVX512BF16__)
         for (; i + 16 <= i1; i += 16)
-            _mm256_storeu_si256((__m256i *)(out + i),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(y + i)));
+            store_bf16x16(out + i, _mm512_loadu_ps(y + i));
 #endif
         for (; i < i1; i++) out[i] = f2bf(y[i]);
     }

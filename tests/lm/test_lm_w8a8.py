@@ -134,6 +134,23 @@ def test_rows_quantize_to_the_same_bytes_on_every_path_tails_and_edges_included(
     assert torch.equal(results[0][3], bias.bfloat16())
 
 
+def test_without_a_bias_each_result_is_the_exact_product_rounded_denormals_kept(path):
+    """Without a bias a result is one rounding of an exact product (the fma's), then
+    bfloat16's: the integer reference gives those bytes exactly. A weight and rows scaled by
+    1e-20 make the combined scales denormal, and many results: they round as f2bf and PyTorch round
+    them, never flushed to zero (as the vector conversion instruction would)."""
+    x, weight, _ = _operands(rows=9)
+    x[4:] *= 1e-20
+    weight *= 1e-20
+    packed = cpu_kernel.pack_w8a8(cpu_kernel.library(), weight)
+    want = _integer_reference(x, packed, torch.zeros(96))
+    denormal = (want.float().abs() < 2 ** -126) & (want != 0)
+    assert denormal[4:].sum() > 300 and not denormal[:4].any()
+    for n in (1, 4, 9):
+        got = cpu_kernel.packed_linear(x[-n:], packed)
+        assert torch.equal(got.view(torch.int16), want[-n:].view(torch.int16)), n
+
+
 def test_a_row_of_zeros_gives_the_bias():
     _, weight, b = _operands()
     packed = cpu_kernel.pack_w8a8(cpu_kernel.library(), weight)
