@@ -1180,3 +1180,108 @@ int pack_bf16(const uint32_t *w, uint32_t *packed, long pairs, long b0, long b1,
     }
     return 0;
 }
+
+/* ---- attention of one query position, bfloat16 (the backbone's decode step) --------------
+ * q [B, h, D] and the caches' keys and values [B, kv, S, D] as they lie (strides in
+ * elements; D contiguous), each kv head serving h / kv query heads (GQA); `mask` [B, S] bytes
+ * (row stride mb, 0 for one row shared by all; NULL: every key) says which keys a row sees.
+ * As PyTorch's bfloat16 attention: scores and softmax in float32, the softmax weights rounded
+ * to bfloat16 for the values, the weighted sum divided by the unrounded weights' total, the
+ * output rounded once. Each (row, kv head) is one thread's, its sums in a fixed order over
+ * the keys it sees: a row's bytes do not depend on the batch, the padding or the threads. */
+typedef struct {
+    const void *q, *k, *v;
+    const uint8_t *mask;
+    void *out;                               /* [B, h, D] contiguous */
+    float *work;                             /* threads * attend_one_floats */
+    long qb, qh, kb, kh, ks, vb, vh, vs, mb;
+    int batch, heads, kv_heads, dim, keys, threads;
+    float scale;
+} AttendOne;
+
+long attend_one_floats(const AttendOne *a) {  /* per thread: queries, scores, sums */
+    long group = a->heads / a->kv_heads;
+    return group * (2L * a->dim + a->keys);
+}
+
+#pragma GCC diagnostic ignored "-Wpsabi"  /* wide vectors where the build lacks AVX-512: inlined */
+#define VL 16
+typedef float vl __attribute__((vector_size(4 * VL)));
+typedef float vlu __attribute__((vector_size(4 * VL), aligned(4)));
+
+typedef uint16_t vlh __attribute__((vector_size(2 * VL), aligned(2)));
+typedef uint32_t vlw __attribute__((vector_size(4 * VL)));
+
+static inline vl widen_bf16(const bf16 *p) {  /* 16 bfloat16 -> 16 floats, exactly */
+    return (vl)(__builtin_convertvector(*(const vlh *)p, vlw) << 16);
+}
+
+typedef float vl8 __attribute__((vector_size(32)));
+typedef float vl4 __attribute__((vector_size(16)));
+
+static inline float lanes_sum(vl x) {  /* a fixed tree over the lanes, in registers */
+    vl8 h = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
+            + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    vl4 f = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    return (f[0] + f[2]) + (f[1] + f[3]);
+}
+
+int attend_one_bf16(const AttendOne *a) {
+    const int group = a->heads / a->kv_heads, D = a->dim, S = a->keys;
+    const int items = a->batch * a->kv_heads;
+    const long per = attend_one_floats(a);
+    _Pragma("omp parallel for schedule(static) num_threads(a->threads)")
+    for (int it = 0; it < items; it++) {
+        int b = it / a->kv_heads, g = it % a->kv_heads;
+        float *qf = a->work + (long)omp_get_thread_num() * per;  /* [group, D] */
+        float *acc = qf + (long)group * D;                       /* [group, D] */
+        float *sc = acc + (long)group * D;                       /* [group, S] */
+        const uint8_t *seen = a->mask ? a->mask + (long)b * a->mb : NULL;
+        const bf16 *kr = (const bf16 *)a->k + (long)b * a->kb + (long)g * a->kh;
+        const bf16 *vr = (const bf16 *)a->v + (long)b * a->vb + (long)g * a->vh;
+        for (int i = 0; i < group; i++) {
+            const bf16 *qi = (const bf16 *)a->q + (long)b * a->qb + (long)(g * group + i) * a->qh;
+            for (int d = 0; d < D; d++) qf[(long)i * D + d] = bf2f(qi[d]), acc[(long)i * D + d] = 0.f;
+        }
+        float top[64], total[64];
+        for (int i = 0; i < group; i++) top[i] = -INFINITY, total[i] = 0.f;
+        for (int t = 0; t < S; t++) {
+            if (seen && !seen[t]) continue;
+            const bf16 *kt = kr + (long)t * a->ks;
+            vl s[64];
+            for (int i = 0; i < group; i++) s[i] = (vl){0};
+            for (int d = 0; d < D; d += VL) {
+                vl kv = widen_bf16(kt + d);
+                for (int i = 0; i < group; i++) s[i] += *(const vlu *)(qf + (long)i * D + d) * kv;
+            }
+            for (int i = 0; i < group; i++) {
+                float x = lanes_sum(s[i]) * a->scale;
+                sc[(long)i * S + t] = x;
+                top[i] = x > top[i] ? x : top[i];
+            }
+        }
+        for (int t = 0; t < S; t++) {
+            if (seen && !seen[t]) continue;
+            const bf16 *vt = vr + (long)t * a->vs;
+            float p[64];
+            for (int i = 0; i < group; i++) {
+                float e = expf(sc[(long)i * S + t] - top[i]);
+                total[i] += e;
+                p[i] = bf2f(f2bf(e));
+            }
+            for (int d = 0; d < D; d += VL) {
+                vl vv = widen_bf16(vt + d);
+                for (int i = 0; i < group; i++) {
+                    vlu *o = (vlu *)(acc + (long)i * D + d);
+                    *o += p[i] * vv;
+                }
+            }
+        }
+        bf16 *out = (bf16 *)a->out + ((long)b * a->heads + (long)g * group) * D;
+        for (int i = 0; i < group; i++)
+            for (int d = 0; d < D; d++)
+                out[(long)i * D + d] = f2bf(acc[(long)i * D + d] / total[i]);
+    }
+    return 0;
+}
+#undef VL

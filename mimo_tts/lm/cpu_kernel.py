@@ -65,8 +65,9 @@ from mimo_tts.lm.model import (
 from mimo_tts.lm.step import EagerStep
 from mimo_tts.runtime import pages
 from mimo_tts.runtime.devices import Choice, check_kernel_mode
+from mimo_tts.runtime.fixed_order import attend_one
 from mimo_tts.runtime.kernels import build
-from mimo_tts.runtime.measured import Decision, decide
+from mimo_tts.runtime.measured import Decision, alternating_best, decide
 
 SOURCE = files("mimo_tts.lm") / "cpu_kernel.c"
 
@@ -92,6 +93,13 @@ class _Step(ctypes.Structure):
     ]
 
 
+class _AttendOne(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("q", "k", "v", "mask", "out", "work")] + [
+        (name, ctypes.c_long) for name in ("qb", "qh", "kb", "kh", "ks", "vb", "vh", "vs", "mb")
+    ] + [(name, ctypes.c_int) for name in ("batch", "heads", "kv_heads", "dim", "keys",
+                                           "threads")] + [("scale", ctypes.c_float)]
+
+
 class _Gemv(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in ("w", "b", "x", "scale", "y", "work")] + [
         ("inputs", ctypes.c_long), ("outputs", ctypes.c_long),
@@ -110,6 +118,9 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     for name in ("gemv_bf16_call", "gemv_f32_call", "gemv_work_floats"):
         getattr(lib, name).argtypes = [ctypes.POINTER(_Gemv)]
     lib.step_work_floats.restype = lib.gemv_work_floats.restype = ctypes.c_long
+    for name in ("attend_one_bf16", "attend_one_floats"):
+        getattr(lib, name).argtypes = [ctypes.POINTER(_AttendOne)]
+    lib.attend_one_floats.restype = ctypes.c_long
     lib.pack_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
                               ctypes.c_long, ctypes.c_int]
     # AMX tiles for every row count where the CPU grants them: a row's sums then do not
@@ -463,6 +474,75 @@ class Products:
         return y.view(*x.shape[:-1], weight.shape[0])
 
 
+MAX_GROUP = 64  # query heads per kv head the kernel's attention holds
+
+
+class Attention:
+    """`attend` (mimo_tts.lm.model.Attend) through the kernel: one bfloat16 query position
+    per row on the CPU, heads a multiple of 16 wide, keys and values with contiguous rows (the
+    cache's); anything else goes to `attend_one`. PyTorch's attention takes 0.24 ms for one
+    row of 64 keys and 7.6 ms for eight rows of 256 (32 heads over 8 kv heads of 128, two
+    threads, AMD EPYC with AVX512-BF16), most of it not arithmetic; here each (row, kv
+    head) is one pass over its keys."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+        if not _attends(q, k, v, mask):
+            return attend_one(q, k, v, mask)
+        b, heads, _, dim = q.shape
+        out = torch.empty(b, heads, 1, dim, dtype=q.dtype)
+        call = _AttendOne(q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                          None if mask is None else mask.data_ptr(), out.data_ptr(), None,
+                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+                          v.stride(0), v.stride(1), v.stride(2),
+                          0 if mask is None or mask.shape[0] == 1 else mask.stride(0),
+                          b, heads, k.shape[1], dim, k.shape[2], torch.get_num_threads(),
+                          float(dim) ** -0.5)
+        work = torch.empty(call.threads * self.lib.attend_one_floats(ctypes.byref(call)),
+                           dtype=torch.float32)
+        call.work = work.data_ptr()
+        self.lib.attend_one_bf16(ctypes.byref(call))
+        return out
+
+
+def _attends(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
+    """Whether the kernel's attention takes these operands (`Attention`)."""
+    b, heads, length, dim = q.shape
+    if not (q.device.type == k.device.type == v.device.type == "cpu" and length == 1
+            and q.dtype == k.dtype == v.dtype == torch.bfloat16 and dim % 16 == 0
+            and k.shape == v.shape and k.shape[0] == b and k.shape[3] == dim
+            and heads % k.shape[1] == 0 and heads // k.shape[1] <= MAX_GROUP
+            and q.stride(3) == k.stride(3) == v.stride(3) == 1):
+        return False
+    return mask is None or (mask.dtype == torch.bool and mask.device.type == "cpu"
+                            and mask.dim() == 4 and mask.shape[0] in (1, b)
+                            and mask.shape[1] == mask.shape[2] == 1
+                            and mask.shape[3] == k.shape[2] and mask.stride(3) == 1)
+
+
+@functools.cache
+def attention_faster() -> Decision:
+    """Whether the kernel's attention of one query (`Attention`) is faster than PyTorch's
+    here (`measure_attention`, measured once per machine and kept: `runtime.measured`)."""
+    return decide("lm_attention", "bfloat16 [1, 32, 1, 128] over [1, 8, 256, 128]",
+                  measure_attention)
+
+
+def measure_attention() -> tuple[bool, float, float]:
+    """(faster, the kernel's calls a second, PyTorch's): best of 5 alternating rounds of 20
+    calls of one row's 32 query heads over 8 kv heads of 256 keys of 128."""
+    lib = library()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 32, 1, 128, generator=gen).bfloat16()
+    k, v = (torch.randn(1, 8, 256, 128, generator=gen).bfloat16() for _ in range(2))
+    ours = Attention(lib)
+    mine, theirs = alternating_best(lambda: [ours(q, k, v) for _ in range(20)],
+                                    lambda: [attend_one(q, k, v) for _ in range(20)])
+    return mine < theirs, round(20 / mine), round(20 / theirs)
+
+
 class LocalStepKernel:
     """One decode position of a fused Qwen2 stack (the patch decoder) through the C kernel.
 
@@ -529,7 +609,9 @@ class CpuKernelStep(EagerStep):
         if lib is None:
             raise RuntimeError(f"the CPU kernel cannot run: {_build()[1]}")
         dense = model.cpu_kernel == "on" or products_faster().faster
-        super().__init__(model, cache, local_cache, valid, Products(lib, dense))
+        attend = (Attention(lib) if model.cpu_kernel == "on" or attention_faster().faster
+                  else attend_one)
+        super().__init__(model, cache, local_cache, valid, Products(lib, dense), attend)
         self.local = LocalStepKernel(model.local_transformer, lib)
 
     def local_logits(self, x: Tensor, step: int, channels: Sequence[int]) -> list[Tensor]:
@@ -624,7 +706,9 @@ def choose(model: MiMoAudioLM) -> Choice:
             f", AMX tiles from {isa['amx_min_rows']} rows")
     if mode == "on":
         return Choice(True, f"on: {how}; every product of <= {MAX_ROWS} rows")
-    decision = products_faster()
+    decision, attention = products_faster(), attention_faster()
     where = "in the kernel" if decision.faster else "in PyTorch (its GEMV was faster here)"
+    attends = "in the kernel" if attention.faster else "in PyTorch (faster here)"
     return Choice(True, f"auto: {how}; patch decoder steps in the kernel, backbone products "
-                        f"{where}: {decision.words('GB/s')}")
+                        f"{where}: {decision.words('GB/s')}; backbone attention {attends}: "
+                        f"{attention.words('calls/s')}")

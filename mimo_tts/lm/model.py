@@ -156,6 +156,9 @@ def upcast_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
 # matmul(x [..., in], weight [out, in], bias [out] | None) -> [..., out]: how a stack multiplies
 # by its weights (`linear`, or the CPU kernel's products, mimo_tts/lm/cpu_kernel.py).
 Matmul = Callable[[Tensor, Tensor, Tensor | None], Tensor]
+# attend(q [B, h, 1, D], k, v [B, kv, S, D], mask [B|1, 1, 1, S] | None) -> [B, h, 1, D]: how a
+# stack attends from one query position (`attend_one`, or the CPU kernel's).
+Attend = Callable[..., Tensor]
 # The keys a step attends to: the first `span` cache slots of every row (under its mask), or
 # row i's first span[i] slots (a continuous batch: each row alone, no mask, as its single run).
 Span = int | Sequence[int]
@@ -260,7 +263,8 @@ class Attention(nn.Module):
             [getattr(self, name) for name in self.PARTS], weight, bias)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None,
-                slot: int | Tensor, span: Span, mask: Tensor | None, matmul: Matmul) -> Tensor:
+                slot: int | Tensor, span: Span, mask: Tensor | None, matmul: Matmul,
+                attend: Attend = attend_one) -> Tensor:
         b, length, _ = x.shape
         heads, kv = self.heads, self.kv_heads
         qkv = matmul(x, self.qkv_weight, self.qkv_bias)
@@ -272,10 +276,10 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer, slot, span if spans is None else max(spans), k, v)
         if spans is not None:  # one row at a time over its own keys, as its single run does
-            out = torch.cat([attend_one(q[r:r + 1], k[r:r + 1, :, :n], v[r:r + 1, :, :n])
+            out = torch.cat([attend(q[r:r + 1], k[r:r + 1, :, :n], v[r:r + 1, :, :n])
                              for r, n in enumerate(spans)])
         elif length == 1:
-            out = attend_one(q, k, v, mask)  # float32: sums split by heads, not keys
+            out = attend(q, k, v, mask)
         else:
             # is_causal aligns top-left: only valid when the queries start at key 0 (prefill).
             causal = self.causal and mask is None and length > 1
@@ -315,9 +319,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.eps)
         self.mlp = MLP(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x, cos, sin, cache, slot, span, mask, matmul: Matmul) -> Tensor:
+    def forward(self, x, cos, sin, cache, slot, span, mask, matmul: Matmul,
+                attend: Attend = attend_one) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slot, span, mask,
-                               matmul)
+                               matmul, attend)
         return x + self.mlp(self.post_attention_layernorm(x), matmul)
 
 
@@ -348,7 +353,8 @@ class Transformer(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor, cache: KVCache | None = None,
                 slot: int | Tensor = 0, span: Span | None = None,
-                mask: Tensor | None = None, matmul: Matmul = linear) -> Tensor:
+                mask: Tensor | None = None, matmul: Matmul = linear,
+                attend: Attend = attend_one) -> Tensor:
         """x [B, L, dim], positions [B or 1, L] -> normed hidden [B, L, dim].
 
         A tensor `slot` (one cache position per row, L = 1, on x's device) needs an explicit
@@ -358,7 +364,7 @@ class Transformer(nn.Module):
         cos = self.rope_cos[positions].unsqueeze(1)  # [B, 1, L, D]
         sin = self.rope_sin[positions].unsqueeze(1)
         for layer in self.layers:
-            x = layer(x, cos, sin, cache, slot, span, mask, matmul)
+            x = layer(x, cos, sin, cache, slot, span, mask, matmul, attend)
         return self.norm(x)
 
 
@@ -519,9 +525,10 @@ class MiMoAudioLM(nn.Module):
     # -- backbone and heads ---------------------------------------------------------------
     def backbone(self, embeds: Tensor, positions: Tensor, cache: KVCache,
                  slot: int | Tensor, span: Span | None = None,
-                 mask: Tensor | None = None, matmul: Matmul = linear) -> Tensor:
+                 mask: Tensor | None = None, matmul: Matmul = linear,
+                 attend: Attend = attend_one) -> Tensor:
         """embeds [B, L, H] at per-row positions [B, L] -> normed hidden [B, L, H]."""
-        return self.model(embeds, positions, cache, slot, span, mask, matmul)
+        return self.model(embeds, positions, cache, slot, span, mask, matmul, attend)
 
     def text_logits(self, hidden: Tensor, matmul: Matmul = linear) -> Tensor:
         """hidden [B, H] -> text logits [B, V] in float32."""

@@ -21,7 +21,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from mimo_tts.lm.model import KVCache, Matmul, MiMoAudioLM, linear
+from mimo_tts.lm.model import Attend, KVCache, Matmul, MiMoAudioLM, linear
+from mimo_tts.runtime.fixed_order import attend_one
 
 # The backbone cache slot a step writes: one for every row, or one per row.
 Slot = int | Sequence[int]
@@ -61,9 +62,10 @@ class EagerStep:
     generation's caches, `valid` its key mask [B, S] (None when no row is padded)."""
 
     def __init__(self, model: MiMoAudioLM, cache: KVCache | None, local_cache: KVCache,
-                 valid: Tensor | None = None, matmul: Matmul = linear):
+                 valid: Tensor | None = None, matmul: Matmul = linear,
+                 attend: Attend = attend_one):
         self.model, self.cache, self.local_cache, self.valid = model, cache, local_cache, valid
-        self.matmul = matmul
+        self.matmul, self.attend = matmul, attend
 
     def embed(self, tokens: Tensor, codes: Tensor, empty_token: int) -> Tensor:
         return self.model.embed_groups(tokens[:, None], codes[:, None], empty_token,
@@ -75,13 +77,14 @@ class EagerStep:
             if self.valid is not None:
                 mark_keys(self.valid, slot, index)
             return self.model.backbone(embeds, positions, self.cache, index,
-                                       [s + 1 for s in slot], None, self.matmul)[:, -1]
+                                       [s + 1 for s in slot], None, self.matmul,
+                                       self.attend)[:, -1]
         mask = None
         if self.valid is not None:
             mark_keys(self.valid, slot, slot)
             mask = self.valid[:, None, None, : slot + 1]  # [B, 1, 1, S]: a view, no copy
         return self.model.backbone(embeds, positions, self.cache, slot, slot + 1, mask,
-                                   self.matmul)[:, -1]
+                                   self.matmul, self.attend)[:, -1]
 
     def text_logits(self, hidden: Tensor) -> Tensor:
         return self.model.text_logits(hidden, self.matmul)

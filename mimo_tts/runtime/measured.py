@@ -9,8 +9,8 @@ in `<cache>/choices/<name>-<key>.json`, keyed by the CPU model, its feature flag
 version and the probe (dtype, shapes): never by the thread count. Every later load on that
 machine reads it. A file that cannot be read or belongs to another key is measured again and
 replaced; measuring holds a lock, so processes starting together agree. MIMO_TTS_PRODUCT_CHOICES
-(`lm_kernel_products=1,prefill_upcast=0,codec_gemm=1,codec_attention=0`) sets any of them
-without measuring, e.g. to give several machines of one kind the same choice.
+(`lm_kernel_products=1,lm_attention=1,prefill_upcast=0,codec_gemm=1,codec_attention=0`) sets any
+of them without measuring, e.g. to give several machines of one kind the same choice.
 """
 
 from __future__ import annotations
