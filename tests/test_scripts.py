@@ -24,3 +24,27 @@ def test_script_help(script):
                          text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "usage" in run.stdout.lower()
+
+
+def test_bench_e2e_takes_every_items_prefill_out_of_a_batchs_group_steps():
+    """A batch prefills each item alone, and an item's generate_s is its prefill plus its
+    share of each batch step: the steps' time is the sum less every prefill."""
+    sys.path.insert(0, str(SCRIPTS[0].parent))
+    try:
+        import bench_e2e
+    finally:
+        sys.path.remove(str(SCRIPTS[0].parent))
+    placement = {"lm_dtype": {"value": "bfloat16"}, "tokenizer_dtype": {"value": "float32"}}
+
+    def sidecar(prefill, share, groups):
+        return {"placement": placement, "audio": {"seconds": 0.16 * groups},
+                "timings": {"prompt_s": 0.0, "generate_s": prefill + share, "decode_s": 1.0,
+                            "load_s": 20.0},
+                "pieces": [{"generated_text_ids": [0] * groups,
+                            "timings": {"prefill_s": prefill}}]}
+
+    # two items, prefills of 2.0 and 3.0 s, then 10 steps of 0.8 s shared between them
+    run = {"sidecars": [sidecar(2.0, 4.0, 10), sidecar(3.0, 4.0, 10)], "peak_rss_gib": 1.0,
+           "wall_s": 40.0}
+    out = bench_e2e.summarise(run, {"lm": {"bfloat16": 2 ** 30}, "tokenizer": {"float32": 2 ** 30}})
+    assert out["s_per_group"] == 0.8 and out["prefills_s"] == 5.0 and out["prefill_s"] == 2.0
