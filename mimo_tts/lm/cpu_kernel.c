@@ -1226,7 +1226,12 @@ static inline float lanes_sum(vl x) {  /* a fixed tree over the lanes, in regist
     return (f[0] + f[2]) + (f[1] + f[3]);
 }
 
+#define MAX_GROUP 64  /* query heads per kv head (Python's MAX_GROUP) */
+
 int attend_one_bf16(const AttendOne *a) {
+    if (a->kv_heads <= 0 || a->heads % a->kv_heads || a->heads / a->kv_heads > MAX_GROUP
+            || a->dim % VL)
+        return -1;
     const int group = a->heads / a->kv_heads, D = a->dim, S = a->keys;
     const int items = a->batch * a->kv_heads;
     const long per = attend_one_floats(a);
@@ -1243,12 +1248,12 @@ int attend_one_bf16(const AttendOne *a) {
             const bf16 *qi = (const bf16 *)a->q + (long)b * a->qb + (long)(g * group + i) * a->qh;
             for (int d = 0; d < D; d++) qf[(long)i * D + d] = bf2f(qi[d]), acc[(long)i * D + d] = 0.f;
         }
-        float top[64], total[64];
+        float top[MAX_GROUP], total[MAX_GROUP];
         for (int i = 0; i < group; i++) top[i] = -INFINITY, total[i] = 0.f;
         for (int t = 0; t < S; t++) {
             if (seen && !seen[t]) continue;
             const bf16 *kt = kr + (long)t * a->ks;
-            vl s[64];
+            vl s[MAX_GROUP];
             for (int i = 0; i < group; i++) s[i] = (vl){0};
             for (int d = 0; d < D; d += VL) {
                 vl kv = widen_bf16(kt + d);
@@ -1263,7 +1268,7 @@ int attend_one_bf16(const AttendOne *a) {
         for (int t = 0; t < S; t++) {
             if (seen && !seen[t]) continue;
             const bf16 *vt = vr + (long)t * a->vs;
-            float p[64];
+            float p[MAX_GROUP];
             for (int i = 0; i < group; i++) {
                 float e = expf(sc[(long)i * S + t] - top[i]);
                 total[i] += e;
@@ -1284,4 +1289,5 @@ int attend_one_bf16(const AttendOne *a) {
     }
     return 0;
 }
+#undef MAX_GROUP
 #undef VL

@@ -503,7 +503,8 @@ class Attention:
         work = torch.empty(call.threads * self.lib.attend_one_floats(ctypes.byref(call)),
                            dtype=torch.float32)
         call.work = work.data_ptr()
-        self.lib.attend_one_bf16(ctypes.byref(call))
+        if self.lib.attend_one_bf16(ctypes.byref(call)):
+            raise RuntimeError("the kernel refused operands `_attends` let through")
         return out
 
 

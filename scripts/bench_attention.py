@@ -1,0 +1,141 @@
+"""Benchmark the backbone's attention of one query: the CPU kernel's against PyTorch's; JSON.
+
+Two measurements, both with the two attentions alternated call by call in one process:
+
+- alone: `cpu_kernel.Attention` and `attend_one` (PyTorch's bfloat16 attention) on the
+  backbone's head layout (32 query heads over 8 kv heads of 128 at full size, read from the
+  model config) for rows x keys in --shapes; with each one's largest error against a float64
+  softmax;
+- in a step: the kernel step's backbone (`--layers` layers and lm_head, random weights at the
+  real width, packed as a load packs them) at batch 1 and 8 after prompts of --groups groups,
+  with its `attend` set to each in turn.
+
+Example: python scripts/bench_attention.py --layers 36 --groups 48,200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_lm  # noqa: E402
+
+from mimo_tts.lm import cpu_kernel  # noqa: E402
+from mimo_tts.lm.generate import GenerationOptions, prefill  # noqa: E402
+from mimo_tts.lm.model import KVCache  # noqa: E402
+from mimo_tts.runtime.fixed_order import attend_one  # noqa: E402
+
+
+def best_of(fns: dict, rounds: int, calls: int) -> dict[str, float]:
+    """Best seconds per call of each function, rounds alternating their order."""
+    best = dict.fromkeys(fns, float("inf"))
+    for fn in fns.values():
+        fn()
+    for r in range(rounds):
+        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fns[name]()
+            best[name] = min(best[name], (time.perf_counter() - start) / calls)
+    return best
+
+
+def alone(kernel, heads: int, kv: int, dim: int, shapes, rounds: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for rows, keys in shapes:
+        q = torch.randn(rows, heads, 1, dim, generator=gen).bfloat16()
+        k, v = (torch.randn(rows, kv, keys, dim, generator=gen).bfloat16() for _ in range(2))
+        out.append({"rows": rows, "keys": keys} | _pair(kernel, q, k, v, rounds))
+        print(f"alone {rows} x {keys}: {out[-1]['ms']}", file=sys.stderr, flush=True)
+    return out
+
+
+def _pair(kernel, q, k, v, rounds: int) -> dict:
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                          enable_gqa=q.shape[1] != k.shape[1])
+    best = best_of({"kernel": lambda: kernel(q, k, v), "torch": lambda: attend_one(q, k, v)},
+                   rounds, 50)
+    return {"ms": {n: round(t * 1e3, 3) for n, t in best.items()},
+            "torch_over_kernel": round(best["torch"] / best["kernel"], 2),
+            "error_vs_float64": {
+                "kernel": float((kernel(q, k, v).double() - want).abs().max()),
+                "torch": float((attend_one(q, k, v).double() - want).abs().max())}}
+
+
+def in_step(model, kernel, batches, groups, rounds: int) -> list[dict]:
+    out = []
+    for batch in batches:
+        for g in groups:
+            out.append(_step_pair(model, kernel, batch, g, rounds))
+            print(f"in a step, batch {batch}, {out[-1]['keys']} keys: "
+                  f"{out[-1]['backbone_ms']}", file=sys.stderr, flush=True)
+    return out
+
+
+@torch.inference_mode()
+def _step_pair(model, kernel, batch: int, groups: int, rounds: int) -> dict:
+    prompts = [bench_lm.audio_prompt(model, groups, seed) for seed in range(batch)]
+    options = GenerationOptions(text_sampler=bench_lm.GREEDY, audio_sampler=bench_lm.GREEDY,
+                                max_new_groups=64)
+    state = prefill(model, prompts, options, bench_lm.SPECIAL)
+    local = KVCache(model.cfg.patch_decoder, batch, model.cfg.local_steps,
+                    dtype=state.hidden.dtype, device="cpu")
+    step = cpu_kernel.CpuKernelStep(model, state.cache, local, state.valid)
+    embeds, slot = state.hidden.unsqueeze(1), state.prompt_len
+
+    def backbone(attend):
+        step.attend = attend
+        return step.backbone(embeds, state.lengths, slot)
+
+    best = best_of({"kernel": lambda: backbone(kernel), "torch": lambda: backbone(attend_one)},
+                   rounds, 1)
+    return {"batch": batch, "keys": slot + 1,
+            "backbone_ms": {n: round(t * 1e3, 1) for n, t in best.items()},
+            "saved_ms": round((best["torch"] - best["kernel"]) * 1e3, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4, help="backbone layers in the step (0: "
+                    "the attention alone only)")
+    ap.add_argument("--groups", default="48,200", help="prompt groups before the step")
+    ap.add_argument("--batch", default="1,8", help="batch sizes of the step")
+    ap.add_argument("--shapes", default="1x64,8x64,8x256,1x700",
+                    help="rows x keys of the attention alone")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lib = cpu_kernel.library()
+    if lib is None:
+        print(f"bench_attention: the CPU kernel cannot run here: {cpu_kernel._build()[1]}",
+              file=sys.stderr)
+        sys.exit(1)
+    kernel = cpu_kernel.Attention(lib)
+    model = bench_lm.build_model(max(args.layers, 1), "cpu", torch.bfloat16)
+    cfg = model.cfg.backbone
+    shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
+    report = {"cpu": bench_lm._cpu_name(), "threads": torch.get_num_threads(),
+              "heads": cfg.heads, "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+              "alone": alone(kernel, cfg.heads, cfg.kv_heads, cfg.head_dim, shapes,
+                             args.rounds)}
+    if args.layers:
+        cpu_kernel.prepare(model)
+        report["backbone_layers"] = args.layers
+        report["in_step"] = in_step(model, kernel, [int(b) for b in args.batch.split(",")],
+                                    [int(g) for g in args.groups.split(",")], args.rounds)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
