@@ -11,13 +11,16 @@ AVX512-BF16 `vdpbf16ps`, AVX2 with bfloat16 widened to float32, plain C, AMX til
 packed blocks). Each output sums its column pairs in one fixed order, whatever the rows,
 tiles or threads: a row's bytes are the same alone, in a batch and on any thread count.
 
-Two entry points of cpu_kernel.c (beside this file):
+Three entry points of cpu_kernel.c (beside this file):
 - `gemv_*_call`: one product of a weight by some rows (1-16, or any number for packed
   weights: a prefill's), streaming the weight once for all rows (AMX tiles for every row count
   where the CPU grants them, so a row sums alike alone or in a batch), the bias added and the
   result rounded to the model dtype. The backbone's fused q/k/v, o_proj, gate/up and
-  down_proj, lm_head, the patch encoder and the channel heads multiply through it; attention,
-  norms and the rest stay PyTorch.
+  down_proj, lm_head, the patch encoder and the channel heads multiply through it; norms and
+  the rest stay PyTorch.
+- `attend_one_bf16`: the backbone's bfloat16 attention from one query position (`Attention`),
+  each (row, kv head) one thread's pass over the keys it sees, where it measured faster than
+  PyTorch's (`attention_faster`: some 10x here, whose fixed costs dominate one query).
 - `step_*`: the patch decoder (16 small layers, 11 positions per group), every layer of one
   position in one call with one thread team (each thread with its own copy of the residual
   stream, so the threads meet only where a product's outputs are read): in eager PyTorch each
@@ -602,7 +605,8 @@ class LocalStepKernel:
 class CpuKernelStep(EagerStep):
     """The decode step with the patch decoder's positions in one kernel call each and the
     products of 1-16 rows in the kernel: int8 ones always, the others where `choose` found
-    them faster than PyTorch's (or mode "on"); built by `generate.decode_step`."""
+    them faster than PyTorch's (or mode "on"); the backbone's one-query attention in the
+    kernel where it measured faster (or mode "on"); built by `generate.decode_step`."""
 
     def __init__(self, model: MiMoAudioLM, cache: KVCache | None, local_cache: KVCache,
                  valid: Tensor | None = None):

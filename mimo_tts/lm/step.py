@@ -9,7 +9,8 @@ names them; three classes implement it and `generate.decode_step` picks one per 
   graphs on CUDA devices;
 - `CpuKernelStep` (mimo_tts/lm/cpu_kernel.py): the fused C kernel on CPU.
 
-The model's modules make no such choice; a step passes them how to multiply (`matmul`).
+The model's modules make no such choice; a step passes them how to multiply (`matmul`) and
+how to attend from one query position (`attend`).
 Shapes: B batch, n rows of the patch decoder (<= B), H hidden, D local_dim, V vocab.
 """
 
