@@ -103,17 +103,42 @@ def _step_pair(model, kernel, batch: int, groups: int, rounds: int) -> dict:
             "saved_ms": round((best["torch"] - best["kernel"]) * 1e3, 1)}
 
 
+def _numbers(text: str) -> list[int]:
+    """ "1,8" -> [1, 8]: positive whole numbers, or argparse's one-line error."""
+    try:
+        values = [int(n) for n in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not numbers separated by commas") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every number must be 1 or more")
+    return values
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    """ "1x64,8x256" -> [(1, 64), (8, 256)], or argparse's one-line error."""
+    try:
+        shapes = [tuple(_numbers(part.replace("x", ","))) for part in text.split(",")]
+    except argparse.ArgumentTypeError:
+        shapes = []
+    if not shapes or any(len(shape) != 2 for shape in shapes):
+        raise argparse.ArgumentTypeError(f"{text!r} is not ROWSxKEYS separated by commas")
+    return shapes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4, help="backbone layers in the step (0: "
                     "the attention alone only)")
-    ap.add_argument("--groups", default="48,200", help="prompt groups before the step")
-    ap.add_argument("--batch", default="1,8", help="batch sizes of the step")
-    ap.add_argument("--shapes", default="1x64,8x64,8x256,1x700",
+    ap.add_argument("--groups", type=_numbers, default="48,200",
+                    help="prompt groups before the step")
+    ap.add_argument("--batch", type=_numbers, default="1,8", help="batch sizes of the step")
+    ap.add_argument("--shapes", type=_shapes, default="1x64,8x64,8x256,1x700",
                     help="rows x keys of the attention alone")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
+    if args.layers < 0 or args.rounds < 1 or (args.threads is not None and args.threads < 1):
+        ap.error("--layers must be 0 or more, --rounds and --threads 1 or more")
     if args.threads:
         torch.set_num_threads(args.threads)
     lib = cpu_kernel.library()
@@ -124,16 +149,14 @@ def main() -> None:
     kernel = cpu_kernel.Attention(lib)
     model = bench_lm.build_model(max(args.layers, 1), "cpu", torch.bfloat16)
     cfg = model.cfg.backbone
-    shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     report = {"cpu": bench_lm._cpu_name(), "threads": torch.get_num_threads(),
               "heads": cfg.heads, "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-              "alone": alone(kernel, cfg.heads, cfg.kv_heads, cfg.head_dim, shapes,
+              "alone": alone(kernel, cfg.heads, cfg.kv_heads, cfg.head_dim, args.shapes,
                              args.rounds)}
     if args.layers:
         cpu_kernel.prepare(model)
         report["backbone_layers"] = args.layers
-        report["in_step"] = in_step(model, kernel, [int(b) for b in args.batch.split(",")],
-                                    [int(g) for g in args.groups.split(",")], args.rounds)
+        report["in_step"] = in_step(model, kernel, args.batch, args.groups, args.rounds)
     print(json.dumps(report, indent=2))
 
 
