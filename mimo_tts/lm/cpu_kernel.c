@@ -623,44 +623,75 @@ static void pq_tile256(const uint32_t *w, long Q, const uint32_t *a, long as, in
 
 #if defined(__AVX512VNNI__)
 /* AVX512-VNNI: one vpdpbusd adds a vector's quad times a block's 16 row quads into 16 sums;
- * R blocks by m <= 8 vectors, m * R accumulators (8 x 3 = 24 at most). */
+ * R blocks by m <= 8 vectors, m * R accumulators (8 x 3 = 24 at most). The sums are named
+ * variables, not an array: with an array GCC 12 kept them in other registers (or on the
+ * stack) and copied each back every iteration. m, R and `prefetch` are constants in each
+ * copy, so the unused names and the branches fold away. */
+#define PQ_INIT(J, RR) __m512i s##J##RR = _mm512_setzero_si512();                            \
+    if ((J) < m && (RR) < R && !first)                                                       \
+        s##J##RR = _mm512_loadu_si512(acc + (long)(J) * lda + 16 * (RR));
+#define PQ_INIT_ROW(J) PQ_INIT(J, 0) PQ_INIT(J, 1) PQ_INIT(J, 2) PQ_INIT(J, 3)
+#define PQ_W(RR) __m512i w##RR = _mm512_setzero_si512();                                     \
+    if ((RR) < R) w##RR = _mm512_loadu_si512(w + ((long)(RR) * Q + q) * 16);
+#define PQ_DOT(J, RR) if ((J) < m && (RR) < R) s##J##RR = _mm512_dpbusd_epi32(s##J##RR, a##J, w##RR);
+#define PQ_ROW(J) if ((J) < m) {                                                             \
+        __m512i a##J = _mm512_set1_epi32((int)a[(long)(J) * as + q]);                        \
+        PQ_DOT(J, 0) PQ_DOT(J, 1) PQ_DOT(J, 2) PQ_DOT(J, 3) }
+#define PQ_STORE(J, RR) if ((J) < m && (RR) < R)                                             \
+        _mm512_storeu_si512(acc + (long)(J) * lda + 16 * (RR), s##J##RR);
+#define PQ_STORE_ROW(J) PQ_STORE(J, 0) PQ_STORE(J, 1) PQ_STORE(J, 2) PQ_STORE(J, 3)
+#define PQ_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
 static inline __attribute__((always_inline)) void pq_tile512_at(
         const uint32_t *w, long Q, const uint32_t *a, long as, const int m, const int R,
-        long q0, long q1, int32_t *acc, long lda, int first, const uint32_t *ahead) {
-    __m512i s[8][4];
-    for (int j = 0; j < m; j++)
-        for (int r = 0; r < R; r++)
-            s[j][r] = first ? _mm512_setzero_si512()
-                            : _mm512_loadu_si512(acc + (long)j * lda + 16 * r);
+        long q0, long q1, int32_t *acc, long lda, int first, const uint32_t *ahead,
+        const int prefetch) {
+    PQ_ROWS(PQ_INIT_ROW)
     for (long q = q0; q < q1; q++) {
-        __m512i wv[4];
-        for (int r = 0; r < R; r++) wv[r] = _mm512_loadu_si512(w + ((long)r * Q + q) * 16);
-        if (ahead)
+        PQ_W(0) PQ_W(1) PQ_W(2) PQ_W(3)
+        if (prefetch)
             for (int r = 0; r < R; r++)
                 _mm_prefetch((const char *)(ahead + ((long)r * Q + q) * 16), _MM_HINT_T1);
-        for (int j = 0; j < m; j++) {
-            __m512i av = _mm512_set1_epi32((int)a[(long)j * as + q]);
-            for (int r = 0; r < R; r++) s[j][r] = _mm512_dpbusd_epi32(s[j][r], av, wv[r]);
-        }
+        PQ_ROWS(PQ_ROW)
     }
-    for (int j = 0; j < m; j++)
-        for (int r = 0; r < R; r++) _mm512_storeu_si512(acc + (long)j * lda + 16 * r, s[j][r]);
+    PQ_ROWS(PQ_STORE_ROW)
 }
+#undef PQ_INIT
+#undef PQ_INIT_ROW
+#undef PQ_W
+#undef PQ_DOT
+#undef PQ_ROW
+#undef PQ_STORE
+#undef PQ_STORE_ROW
+#undef PQ_ROWS
+
+/* One function per tile shape (all of them inlined into the switch made GCC 12 keep some
+ * sums on the stack). */
+#define PQ512_FN(M, RR)                                                                      \
+static __attribute__((noinline)) void pq512_##M##_##RR(                                     \
+        const uint32_t *w, long Q, const uint32_t *a, long as, long q0, long q1,             \
+        int32_t *acc, long lda, int first, const uint32_t *ahead) {                          \
+    if (ahead) pq_tile512_at(w, Q, a, as, M, RR, q0, q1, acc, lda, first, ahead, 1);        \
+    else pq_tile512_at(w, Q, a, as, M, RR, q0, q1, acc, lda, first, NULL, 0);               \
+}
+#define PQ512_SHAPES(X)                                                                      \
+    X(1, 1) X(1, 2) X(1, 3) X(1, 4) X(2, 1) X(2, 2) X(2, 3) X(2, 4) X(3, 1) X(3, 2) X(3, 3)  \
+    X(3, 4) X(4, 1) X(4, 2) X(4, 3) X(4, 4) X(5, 1) X(5, 2) X(5, 3) X(5, 4) X(6, 1) X(6, 2)  \
+    X(6, 3) X(6, 4) X(7, 1) X(7, 2) X(7, 3) X(8, 1) X(8, 2) X(8, 3)
+PQ512_SHAPES(PQ512_FN)
+#undef PQ512_FN
 
 static void pq_tile512(const uint32_t *w, long Q, const uint32_t *a, long as, int m, int R,
                        long q0, long q1, int32_t *acc, long lda, int first,
                        const uint32_t *ahead) {
-#define PQ512(M, RR) case (M) * 8 + (RR): \
-    pq_tile512_at(w, Q, a, as, M, RR, q0, q1, acc, lda, first, ahead); break;
-#define PQ512_R(M) PQ512(M, 1) PQ512(M, 2) PQ512(M, 3) PQ512(M, 4)
+#define PQ512_CASE(M, RR) case (M) * 8 + (RR): \
+    pq512_##M##_##RR(w, Q, a, as, q0, q1, acc, lda, first, ahead); break;
     switch (m * 8 + R) {
-    PQ512_R(1) PQ512_R(2) PQ512_R(3) PQ512_R(4) PQ512_R(5) PQ512_R(6)
-    PQ512(7, 1) PQ512(7, 2) PQ512(7, 3) PQ512(8, 1) PQ512(8, 2) PQ512(8, 3)
+    PQ512_SHAPES(PQ512_CASE)
     default: pq_tile_c(w, Q, a, as, m, R, q0, q1, acc, lda, first, NULL);
     }
-#undef PQ512_R
-#undef PQ512
+#undef PQ512_CASE
 }
+#undef PQ512_SHAPES
 #endif
 
 /* Blocks [b0, b1) against n byte vectors a (as quads apart) into acc [n, lda] (int32 sums);
@@ -701,7 +732,7 @@ static void pq_gemv(int n, const void *w, const float *rowdata, const bf16 *b, l
         /* blocks per tile by vectors, measured (AMD EPYC, AVX512-VNNI, GCC 12): past 16
          * accumulators the compiler keeps some on the stack and 8 vectors by 3 blocks ran
          * at half the speed of 8 by 2 */
-        pq_blocks(pq_tile512, 8, n <= 4 ? 4 : n == 5 ? 3 : 2, wp, Q, r0 / 16, r1 / 16, ap, Q, n,
+        pq_blocks(pq_tile512, 8, n <= 4 ? 4 : n == 5 || n > 8 ? 3 : 2, wp, Q, r0 / 16, r1 / 16, ap, Q, n,
                   acc, ldy);
     else
 #endif
