@@ -46,6 +46,9 @@ place, one matrix at a time) and only that step is timed, over the bfloat16 floo
 step at full size (--layers 36) fits in memory that way, where keeping both forms would not.
 
     .venv/bin/python scripts/bench_lm.py [--quick] [--layers 4] [--batch 1,4,8] [--threads N]
+With --prefill GROUPS, each step kind also times the prefill of one prompt of GROUPS positions
+(`prefill_ms`, best and median of 3 per round): the compute-bound part of a short item, which
+issue 31 asks at >= 60% of the machine's matmul peak.
 """
 
 from __future__ import annotations
@@ -314,6 +317,22 @@ def step_times(model, batch: int, steps: int, device: str, kind: str) -> list[fl
     return gaps[1:]
 
 
+@torch.inference_mode()
+def prefill_times(model, groups: int, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` prefills of one prompt of `groups` positions (the last
+    8 audio groups) after a warm-up, run as the model stands (its products, packed or not)."""
+    prompts = [audio_prompt(model, groups, 0)]
+    options = GenerationOptions(text_sampler=GREEDY, audio_sampler=GREEDY, max_new_groups=1)
+    prefill(model, prompts, options, SPECIAL)
+    times = []
+    for _ in range(repeats):
+        QUIET()
+        start = time.perf_counter()
+        prefill(model, prompts, options, SPECIAL)
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def _ms(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
     middle = ordered[len(ordered) // 2]
@@ -338,6 +357,7 @@ def run(args) -> dict:
     steps_s: dict = {}
     packing = "not packed"
     paired: dict = {}
+    prefills: dict = {}
     for kind in kinds:
         swap = None
         if kind == "kernel_w8a8":  # as load_lm(quant="w8a8") leaves it
@@ -356,6 +376,13 @@ def run(args) -> dict:
             steps_s[k] = {b: [] for b in batches}
         measure(model, batches, group, swap, bandwidth, parts, steps_s, args, repeats, steps,
                 paired)
+        if args.prefill:
+            for k in group:
+                if swap is not None:
+                    swap.use(k.startswith("kernel_"))
+                prefills[k] = _ms(prefill_times(model, args.prefill, 3 * args.rounds))
+            if swap is not None:
+                swap.use(False)
     anchor = product_anchor(model, args) if args.anchor else None
     in_cache = products_in_cache(batches) if "kernel" in kinds else {}
     bandwidth.sample()
@@ -406,6 +433,7 @@ def run(args) -> dict:
                                              for b, s in best[f"kernel_{args.quant}"].items()}}
            if f"kernel_{args.quant}" in best and "kernel" in best else {}),
         **({"products_gbps": anchor} if anchor is not None else {}),
+        **({"prefill_groups": args.prefill, "prefill_ms": prefills} if prefills else {}),
         **({"products_in_cache_gbps": {b: round(v / 1e9, 1) for b, v in in_cache.items()},
             "products_bound_ms_per_group": {b: round(1e3 * v, 1) for b, v in bound.items()},
             "throughput_over_batch1_at_most": {
@@ -559,6 +587,9 @@ def main() -> None:
     parser.add_argument("--quant", choices=("int8", "w8a8"), default=None,
                         help="also time the kernel step with quantized weights: int8 "
                              "(weight-only, mimo_tts/lm/int8.py) or w8a8 (--lm-quant w8a8)")
+    parser.add_argument("--prefill", type=int, default=0, metavar="GROUPS",
+                        help="also time the prefill of one prompt of GROUPS positions (the "
+                             "last 8 audio groups) for each step kind (0: not)")
     parser.add_argument("--quant-only", action="store_true",
                         help="with --quant w8a8: pack the weights as int8 in place and time "
                              "only that step against the bfloat16 floor (never two copies "
@@ -579,6 +610,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.quant_only and args.quant != "w8a8":
         parser.error("--quant-only needs --quant w8a8")
+    if args.prefill and args.prefill <= 8 or args.prefill < 0:
+        parser.error("--prefill needs more than 8 groups (the prompt ends in 8 audio groups)")
     torch.set_num_threads(args.threads)
     QUIET.wait, QUIET.busy = args.quiet_wait, args.quiet_busy
     print(json.dumps(run(args), indent=2))

@@ -48,3 +48,15 @@ def test_bench_e2e_takes_every_items_prefill_out_of_a_batchs_group_steps():
            "wall_s": 40.0}
     out = bench_e2e.summarise(run, {"lm": {"bfloat16": 2 ** 30}, "tokenizer": {"float32": 2 ** 30}})
     assert out["s_per_group"] == 0.8 and out["prefills_s"] == 5.0 and out["prefill_s"] == 2.0
+
+
+@pytest.mark.parametrize("value", ["4", "8", "-1"])
+def test_bench_lm_refuses_a_prefill_without_text_before_building_a_model(value):
+    """The prefill's prompt ends in 8 audio groups: --prefill asks for more (or 0), and
+    says so in one line, exit 2, before the minutes of building the model."""
+    script = next(p for p in SCRIPTS if p.name == "bench_lm.py")
+    run = subprocess.run([sys.executable, str(script), "--prefill", value], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2
+    assert "--prefill needs more than 8 groups" in run.stderr
+    assert "Traceback" not in run.stderr
