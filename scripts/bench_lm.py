@@ -45,10 +45,11 @@ With --quant w8a8 --quant-only, the model is packed as `load_lm(quant="w8a8")` p
 place, one matrix at a time) and only that step is timed, over the bfloat16 floor: the whole
 step at full size (--layers 36) fits in memory that way, where keeping both forms would not.
 
-    .venv/bin/python scripts/bench_lm.py [--quick] [--layers 4] [--batch 1,4,8] [--threads N]
 With --prefill GROUPS, each step kind also times the prefill of one prompt of GROUPS positions
 (`prefill_ms`, best and median of 3 per round): the compute-bound part of a short item, which
 issue 31 asks at >= 60% of the machine's matmul peak.
+
+    .venv/bin/python scripts/bench_lm.py [--quick] [--layers 4] [--batch 1,4,8] [--threads N]
 """
 
 from __future__ import annotations
