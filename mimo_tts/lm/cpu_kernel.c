@@ -969,6 +969,34 @@ static void act_bf16(const float *gu, bf16 *h, long n, long F, long i0, long i1)
 #define ROUND_bf16(v) bf2f(f2bf(v))
 #define ROUND_f32(v) (v)
 
+/* A query's dot product with one cached key: 8 lanes of float sums (a whole head of 8 or 16
+ * in one or two vector multiply-adds instead of a serial chain of hd scalar ones), summed by
+ * a fixed tree, the odd tail after them; the same order for every row, batch and thread. */
+typedef float f8v __attribute__((vector_size(32)));
+typedef uint16_t h8v __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t u8v __attribute__((vector_size(32)));
+static inline float sum8(f8v a) {
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+static inline f8v load8_f32(const float *p) { f8v v; memcpy(&v, p, sizeof v); return v; }
+static inline f8v load8_bf16(const bf16 *p) {  /* 8 bfloat16 -> 8 floats, exactly */
+    h8v h;
+    memcpy(&h, p, sizeof h);
+    return (f8v)(__builtin_convertvector(h, u8v) << 16);
+}
+#define DEFINE_DOT(T, SFX)                                                                   \
+static inline float dot_##SFX(const float *q, const T *k, int hd) {                          \
+    f8v acc = {0};                                                                           \
+    int d = 0;                                                                               \
+    for (; d + 8 <= hd; d += 8) acc += load8_f32(q + d) * load8_##SFX(k + d);                \
+    float dot = sum8(acc);                                                                   \
+    for (; d < hd; d++) dot += q[d] * LOAD_##SFX(k, d);                                      \
+    return dot;                                                                              \
+}
+DEFINE_DOT(bf16, bf16)
+DEFINE_DOT(float, f32)
+#undef DEFINE_DOT
+
 #define DEFINE_STEP(T, SFX)                                                                  \
 /* RMSNorm of n rows of float x into T h: w * round(x * rsqrt(mean(x^2) + eps)). */          \
 static void norm_##SFX(const float *x, const void *w, T *h, int n, int dim, float eps) {     \
@@ -1004,9 +1032,7 @@ static void attend_##SFX(const Step *s, int layer, int j, int h, const float *qk
     }                                                                                        \
     float scale = 1.0f / sqrtf((float)hd), top = -INFINITY, total = 0.f;                     \
     for (int t = 0; t <= s->slot; t++) {                                                     \
-        float dot = 0.f;                                                                     \
-        for (int d = 0; d < hd; d++) dot += qr[d] * LOAD_##SFX(kc, (long)t * hd + d);        \
-        scores[t] = dot * scale;                                                             \
+        scores[t] = dot_##SFX(qr, kc + (long)t * hd, hd) * scale;                            \
         top = scores[t] > top ? scores[t] : top;                                             \
     }                                                                                        \
     for (int t = 0; t <= s->slot; t++) {                                                     \

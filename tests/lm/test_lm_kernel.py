@@ -4,6 +4,7 @@ them, its products, and its decision with the reason it gives."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -17,6 +18,7 @@ from mimo_tts.lm.load import load_lm
 from mimo_tts.lm.model import KVCache
 from mimo_tts.lm.sampling import GREEDY
 from mimo_tts.runtime.devices import CPU_KERNEL_ENV, resolve_placement
+from tests.full_size import lm_config_cut, write_random_lm
 
 TOL = 1e-4
 CASES = [("lm_forward", "prefill_tts_en"), ("lm_forward", "prefill_tts_instruct"),
@@ -133,6 +135,28 @@ def test_kernel_equals_eager_float32(kernel_lm, rows):
                      generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(_steps(kernel_lm, xs, True), _steps(kernel_lm, xs, False),
                                atol=1e-5, rtol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, width", [(2, 32), (4, 40), (8, 32)])
+def test_kernel_equals_eager_at_other_head_sizes(lm_dir, tmp_path, heads, width):
+    """The patch decoder's scores take a head in lanes of 8 and then its tail: head sizes 16
+    (two lanes' worth), 10 (one and a tail of 2) and 4 (the tail alone), on a random
+    checkpoint of tiny-a's layout with the patch decoder's heads and width changed."""
+    cfg = lm_config_cut(json.loads((lm_dir / "config.json").read_text()),
+                        local_attn_heads=heads, local_dim=width, input_local_dim=width,
+                        torch_dtype="float32")
+    write_random_lm(tmp_path / "lm", cfg)
+    model = load_lm(tmp_path / "lm", cpu_kernel="on")
+    assert model.cfg.patch_decoder.head_dim == width // heads
+    with torch.no_grad():  # random weights: scores near 0 and a faint attention output
+        for layer in model.local_transformer.layers:
+            layer.self_attn.qkv_weight.mul_(30)
+            layer.self_attn.o_proj.weight.mul_(30)
+    xs = torch.randn(11, 3, 1, width, generator=torch.Generator().manual_seed(4))
+    # a lane or a tail term lost moves the result by ~4e-5; the right sums agree to ~2e-8
+    torch.testing.assert_close(_steps(model, xs, True), _steps(model, xs, False),
+                               atol=2e-6, rtol=0)
 
 
 @needs_kernel
