@@ -633,7 +633,8 @@ static void pq_tile256(const uint32_t *w, long Q, const uint32_t *a, long as, in
 #define PQ_INIT_ROW(J) PQ_INIT(J, 0) PQ_INIT(J, 1) PQ_INIT(J, 2) PQ_INIT(J, 3)
 #define PQ_W(RR) __m512i w##RR = _mm512_setzero_si512();                                     \
     if ((RR) < R) w##RR = _mm512_loadu_si512(w + ((long)(RR) * Q + q) * 16);
-#define PQ_DOT(J, RR) if ((J) < m && (RR) < R) s##J##RR = _mm512_dpbusd_epi32(s##J##RR, a##J, w##RR);
+#define PQ_DOT(J, RR) if ((J) < m && (RR) < R)                                              \
+        s##J##RR = _mm512_dpbusd_epi32(s##J##RR, a##J, w##RR);
 #define PQ_ROW(J) if ((J) < m) {                                                             \
         __m512i a##J = _mm512_set1_epi32((int)a[(long)(J) * as + q]);                        \
         PQ_DOT(J, 0) PQ_DOT(J, 1) PQ_DOT(J, 2) PQ_DOT(J, 3) }
@@ -729,11 +730,11 @@ static void pq_gemv(int n, const void *w, const float *rowdata, const bf16 *b, l
     int32_t *acc = (int32_t *)y;
 #if defined(__AVX512VNNI__)
     if (isa_cap >= ISA_AVX512_BF16)
-        /* blocks per tile by vectors, measured (AMD EPYC, AVX512-VNNI, GCC 12): past 16
-         * accumulators the compiler keeps some on the stack and 8 vectors by 3 blocks ran
-         * at half the speed of 8 by 2 */
-        pq_blocks(pq_tile512, 8, n <= 4 ? 4 : n == 5 || n > 8 ? 3 : 2, wp, Q, r0 / 16, r1 / 16, ap, Q, n,
-                  acc, ldy);
+        /* blocks per tile by vectors, measured (AMD EPYC, AVX512-VNNI, GCC 12): 3 blocks
+         * (fewer broadcasts per vpdpbusd) where the weights are reused over more than 8
+         * vectors (a prefill), 2 at 6-8 vectors, where they stream from memory once */
+        pq_blocks(pq_tile512, 8, n <= 4 ? 4 : n == 5 || n > 8 ? 3 : 2, wp, Q, r0 / 16,
+                  r1 / 16, ap, Q, n, acc, ldy);
     else
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
