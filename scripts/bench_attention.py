@@ -1,6 +1,6 @@
 """Benchmark the backbone's attention of one query: the CPU kernel's against PyTorch's; JSON.
 
-Two measurements, both with the two attentions alternated call by call in one process:
+Two measurements, both with the two attentions alternated in one process (best of --rounds):
 
 - alone: `cpu_kernel.Attention` and `attend_one` (PyTorch's bfloat16 attention) on the
   backbone's head layout (32 query heads over 8 kv heads of 128 at full size, read from the
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,20 +31,7 @@ from mimo_tts.lm import cpu_kernel  # noqa: E402
 from mimo_tts.lm.generate import GenerationOptions, prefill  # noqa: E402
 from mimo_tts.lm.model import KVCache  # noqa: E402
 from mimo_tts.runtime.fixed_order import attend_one  # noqa: E402
-
-
-def best_of(fns: dict, rounds: int, calls: int) -> dict[str, float]:
-    """Best seconds per call of each function, rounds alternating their order."""
-    best = dict.fromkeys(fns, float("inf"))
-    for fn in fns.values():
-        fn()
-    for r in range(rounds):
-        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-            start = time.perf_counter()
-            for _ in range(calls):
-                fns[name]()
-            best[name] = min(best[name], (time.perf_counter() - start) / calls)
-    return best
+from mimo_tts.runtime.measured import alternating_best  # noqa: E402
 
 
 def alone(kernel, heads: int, kv: int, dim: int, shapes, rounds: int) -> list[dict]:
@@ -62,8 +48,10 @@ def alone(kernel, heads: int, kv: int, dim: int, shapes, rounds: int) -> list[di
 def _pair(kernel, q, k, v, rounds: int) -> dict:
     want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
                                           enable_gqa=q.shape[1] != k.shape[1])
-    best = best_of({"kernel": lambda: kernel(q, k, v), "torch": lambda: attend_one(q, k, v)},
-                   rounds, 50)
+    calls = 50
+    best = dict(zip(("kernel", "torch"), (t / calls for t in alternating_best(
+        lambda: [kernel(q, k, v) for _ in range(calls)],
+        lambda: [attend_one(q, k, v) for _ in range(calls)], rounds)), strict=True))
     return {"ms": {n: round(t * 1e3, 3) for n, t in best.items()},
             "torch_over_kernel": round(best["torch"] / best["kernel"], 2),
             "error_vs_float64": {
@@ -96,8 +84,8 @@ def _step_pair(model, kernel, batch: int, groups: int, rounds: int) -> dict:
         step.attend = attend
         return step.backbone(embeds, state.lengths, slot)
 
-    best = best_of({"kernel": lambda: backbone(kernel), "torch": lambda: backbone(attend_one)},
-                   rounds, 1)
+    best = dict(zip(("kernel", "torch"), alternating_best(
+        lambda: backbone(kernel), lambda: backbone(attend_one), rounds), strict=True))
     return {"batch": batch, "keys": slot + 1,
             "backbone_ms": {n: round(t * 1e3, 1) for n, t in best.items()},
             "saved_ms": round((best["torch"] - best["kernel"]) * 1e3, 1)}

@@ -611,7 +611,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quant_only and args.quant != "w8a8":
         parser.error("--quant-only needs --quant w8a8")
-    if args.prefill and args.prefill <= 8 or args.prefill < 0:
+    if args.prefill < 0 or 0 < args.prefill <= 8:
         parser.error("--prefill needs more than 8 groups (the prompt ends in 8 audio groups)")
     torch.set_num_threads(args.threads)
     QUIET.wait, QUIET.busy = args.quiet_wait, args.quiet_busy
