@@ -33,7 +33,8 @@ The C source is compiled once per machine with the system C compiler (`-march=na
 3 s) into the user cache directory and loaded with ctypes: no PyTorch headers or build
 toolchain (torch.utils.cpp_extension) at run time, and one small file to read. Loading asks
 Linux for AMX tile state for the whole process. By default (`auto`) the kernel runs only
-where it beats eager PyTorch (bfloat16 on AVX512-BF16 CPUs); `load_lm(..., cpu_kernel=
+where it beats eager PyTorch (bfloat16 on AVX512-BF16 CPUs, and on AVX2 CPUs where its
+products measured faster); `load_lm(..., cpu_kernel=
 "on"/"off")` overrides that (the CLI and the library pass `Placement.cpu_kernel`, which
 MIMO_TTS_CPU_KERNEL=1/0 sets), and `choose(model)` says whether it runs and why (not).
 Shapes in the C source: n rows, D dim, F ffn dim, S cache length.
@@ -678,9 +679,11 @@ def choose(model: MiMoAudioLM) -> Choice:
     """The kernel decision for `model` as it is now, under its `cpu_kernel` mode.
 
     "on": wherever it can run (CPU, bf16/f32, the patch decoder with equal q/kv heads and a
-    head size the kernel holds); "auto": only where it measured faster than eager PyTorch,
-    i.e. bfloat16 weights on a CPU with AVX512-BF16 dot products (its float32 and scalar
-    bfloat16 loops are slower than oneDNN's); "off": never.
+    head size the kernel holds); "auto": only where it is faster than eager PyTorch, i.e.
+    bfloat16 weights on a CPU with AVX512-BF16 dot products, or with AVX2 where its products
+    measured faster than PyTorch's (`products_faster`; PyTorch's bfloat16 runs slowly there:
+    on an AVX2-only EPYC its one-row product reads ~14 GB/s); never on float32 weights or the
+    plain C loops, which are slower than oneDNN's; "off": never.
     """
     mode = check_mode(model.cpu_kernel)
     if mode == "off":
@@ -703,9 +706,14 @@ def choose(model: MiMoAudioLM) -> Choice:
     if mode == "auto" and weight.dtype != torch.bfloat16:
         return Choice(False, f"auto: {str(weight.dtype).removeprefix('torch.')} weights run "
                              "faster in eager PyTorch")
-    if mode == "auto" and not isa["avx512_bf16"]:
-        return Choice(False, "auto: this CPU has no AVX512-BF16 dot products")
-    how = "AVX512-BF16 dot products" if isa["avx512_bf16"] else "scalar loops"
+    path = isa["packed_isa"]  # the widest path compiled in, or the one `set_isa` left
+    if mode == "auto" and path == "plain C":
+        return Choice(False, "auto: this CPU has neither AVX512-BF16 nor AVX2")
+    if mode == "auto" and path == "AVX2" and not products_faster().faster:
+        return Choice(False, "auto: AVX2 only, where the kernel's products measured slower "
+                             f"than PyTorch's: {products_faster().words('GB/s')}")
+    how = {"AVX512-BF16": "AVX512-BF16 dot products",
+           "AVX2": "AVX2, bfloat16 widened to float32"}.get(path, "scalar loops")
     if isa["amx"] and isa["amx_min_rows"] <= MAX_ROWS:
         how += ", AMX tiles" if isa["amx_min_rows"] == 1 else (
             f", AMX tiles from {isa['amx_min_rows']} rows")

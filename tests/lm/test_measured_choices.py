@@ -77,3 +77,33 @@ def test_an_opposite_timing_at_a_later_load_changes_nothing(fresh, lm_dir, speci
         path.unlink()
     third = _load_and_run(lm_dir, prompt, special, options, threads=2)
     assert third[0] == (False, False) and sorted(ran) == ["products", "upcast"]
+
+
+@pytest.mark.skipif(not cpu_kernel.features()["avx2"], reason="the kernel has no AVX2 path here")
+def test_the_avx2_path_runs_the_kernel_where_its_products_measured_faster(
+        fresh, lm_dir, special, case_tensors, greedy_options, monkeypatch):
+    """A CPU whose widest path is AVX2 (forced here with `set_isa`): auto runs the kernel,
+    weights packed, exactly as "on" does, when its products timed faster than PyTorch's, and
+    leaves the weights and the steps to PyTorch when they timed slower."""
+    prompt = case_tensors("lm_generate")["gen_tts_en_free_greedy.input_ids"]
+    options = greedy_options(max_new_groups=3)
+    cpu_kernel.set_isa(1)
+    try:
+        assert cpu_kernel.features()["packed_isa"] == "AVX2"
+        for faster in (True, False):
+            for path in (fresh / "choices").glob("*.json"):
+                path.unlink()
+            cpu_kernel.products_faster.cache_clear()
+            ran = _timings(monkeypatch, faster)
+            model = load_lm(lm_dir, "cpu", torch.bfloat16)
+            choice = cpu_kernel.choose(model)
+            assert "products" in ran and choice.active == faster
+            assert choice.reason.startswith("auto: AVX2")
+            assert bool(model.packed_bytes) == faster
+            (auto,) = gen.generate(model, [prompt], options, special)
+            twin = load_lm(lm_dir, "cpu", torch.bfloat16,
+                           cpu_kernel="on" if faster else "off")
+            (same,) = gen.generate(twin, [prompt], options, special)
+            assert auto.new_ids.numel() > 0 and torch.equal(auto.new_ids, same.new_ids)
+    finally:
+        cpu_kernel.set_isa(2)
