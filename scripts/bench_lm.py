@@ -49,6 +49,12 @@ With --prefill GROUPS, each step kind also times the prefill of one prompt of GR
 (`prefill_ms`, best and median of 3 per round): the compute-bound part of a short item, which
 issue 31 asks at >= 60% of the machine's matmul peak.
 
+With --march LEVEL (e.g. x86-64-v3: AVX2 and FMA, no AVX-512), the C kernels are built for
+that x86-64 level instead of this CPU, so another kind's path (the AVX2 tiles) runs here; its
+build and its measured choices (`products_faster`, ...) go to their own cache folder, so that
+neither this CPU's build nor its decisions are reused. PyTorch's own kernels (the eager step,
+oneDNN) still use every instruction of this CPU, so the eager times are not the other kind's.
+
     .venv/bin/python scripts/bench_lm.py [--quick] [--layers 4] [--batch 1,4,8] [--threads N]
 """
 
@@ -58,6 +64,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import time
 
 import torch
@@ -71,6 +78,8 @@ from mimo_tts.lm.model import KVCache, MiMoAudioLM, unpack_rows
 from mimo_tts.lm.sampling import GREEDY
 from mimo_tts.lm.step import EagerStep
 from mimo_tts.lm.text import SpecialTokens
+from mimo_tts.runtime import kernels
+from mimo_tts.runtime.paths import CACHE_ENV, cache_root
 
 FULL_CONFIG = FULL_SIZE / "lm-config.json"
 # Published ids (spec §5); only `empty` and the stop tokens matter here.
@@ -401,7 +410,8 @@ def run(args) -> dict:
         "timed_calls_without_quiet_cpu": f"{QUIET.noisy} of {QUIET.calls}",
         "backbone_layers": layers,
         "cpu_kernel": {"mode": args.kernel, "active": choice.active, "reason": choice.reason,
-                       "weights": packing, **cpu_kernel.features()},
+                       "weights": packing, "built_for": args.march or "this CPU (native)",
+                       **cpu_kernel.features()},
         "weight_gib_per_step": {k: round(v / 2**30, 3) for k, v in weights.items()},
         "read_bandwidth_gbps": {
             op: {"best": round(max(v) / 1e9, 2), "median": round(sorted(v)[len(v) // 2] / 1e9, 2)}
@@ -568,6 +578,14 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def build_for(level: str) -> None:
+    """Build the C kernels for x86-64 `level` (not this CPU), with their own cache folder for
+    the builds and the measured choices (set before either is first used)."""
+    kernels.FLAGS = tuple(f"-march={level}" if flag.startswith("-march=") else flag
+                          for flag in kernels.FLAGS)
+    os.environ[CACHE_ENV] = str(cache_root() / f"march-{level}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 layers, few repeats")
@@ -608,7 +626,14 @@ def main() -> None:
                         help="skip the eager step (row-major weights, before packing)")
     parser.add_argument("--bandwidth-mib", type=int, default=512,
                         help="size of each bandwidth probe (far above the last-level cache)")
+    parser.add_argument("--march", default=None, metavar="LEVEL",
+                        help="build the C kernels for this x86-64 level (x86-64-v3: AVX2, no "
+                             "AVX-512) to time that path on this CPU")
     args = parser.parse_args()
+    if args.march is not None:
+        if not re.fullmatch(r"x86-64(-v[234])?", args.march):
+            parser.error("--march takes x86-64, x86-64-v2, x86-64-v3 or x86-64-v4")
+        build_for(args.march)
     if args.quant_only and args.quant != "w8a8":
         parser.error("--quant-only needs --quant w8a8")
     if args.prefill < 0 or 0 < args.prefill <= 8:

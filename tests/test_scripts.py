@@ -60,3 +60,15 @@ def test_bench_lm_refuses_a_prefill_without_text_before_building_a_model(value):
     assert run.returncode == 2
     assert "--prefill needs more than 8 groups" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_bench_lm_refuses_an_unknown_march_before_building_a_model():
+    """--march names an x86-64 level for the kernels' build; anything else (a flag smuggled
+    into the compiler's command line, say) is refused in one line, exit 2."""
+    script = next(p for p in SCRIPTS if p.name == "bench_lm.py")
+    for value in ("native -O0", "skylake", "x86-64-v5"):
+        run = subprocess.run([sys.executable, str(script), "--march", value],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2, value
+        assert "--march takes x86-64, x86-64-v2, x86-64-v3 or x86-64-v4" in run.stderr
+        assert "Traceback" not in run.stderr
