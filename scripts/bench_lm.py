@@ -41,9 +41,10 @@ only ever slow a run down), each timed call first waits (up to --quiet-wait seco
 other jobs' CPU use to drop below --quiet-busy, the bandwidth is sampled between the step
 measurements in the same way, and the calls that found no quiet moment are counted.
 
-With --quant w8a8 --quant-only, the model is packed as `load_lm(quant="w8a8")` packs it (int8 in
-place, one matrix at a time) and only that step is timed, over the bfloat16 floor: the whole
-step at full size (--layers 36) fits in memory that way, where keeping both forms would not.
+With --quant w8a8 (or w4a8) --quant-only, the model is packed as `load_lm(quant=...)` packs it
+(int8 or 4-bit groups in place, one matrix at a time) and only that step is timed, over the
+bfloat16 floor: the whole step at full size (--layers 36) fits in memory that way, where keeping
+both forms would not.
 
 With --prefill GROUPS, each step kind also times the prefill of one prompt of GROUPS positions
 (`prefill_ms`, best and median of 3 per round): the compute-bound part of a short item, which
@@ -231,27 +232,31 @@ def audio_prompt(model: MiMoAudioLM, groups: int, seed: int,
 
 
 STEPS = {"eager": EagerStep, "kernel": cpu_kernel.CpuKernelStep,
-         "kernel_int8": cpu_kernel.CpuKernelStep, "kernel_w8a8": cpu_kernel.CpuKernelStep}
-DECODE_STEP = {"eager": "eager", "kernel": "auto", "kernel_int8": "auto", "kernel_w8a8": "auto"}
+         "kernel_int8": cpu_kernel.CpuKernelStep, "kernel_w8a8": cpu_kernel.CpuKernelStep,
+         "kernel_w4a8": cpu_kernel.CpuKernelStep}
+DECODE_STEP = {"eager": "eager", "kernel": "auto", "kernel_int8": "auto", "kernel_w8a8": "auto",
+               "kernel_w4a8": "auto"}
+PACKED_QUANTS = ("w8a8", "w4a8")
 
 
 class QuantSwap:
     """The model's matrices in two forms (--quant): `use(True)` points the blocks at the
     quantized ones, `use(False)` back at the model dtype's (packed or not), so both run from
     one model. int8: the weight-only matrices (mimo_tts/lm/int8.py `matrices`), row-major;
-    w8a8: every streamed matrix packed as `load_lm(quant="w8a8")` packs it."""
+    w8a8 or w4a8: every streamed matrix packed as `load_lm(quant=...)` packs it."""
 
     def __init__(self, model: MiMoAudioLM, quant: str):
         lib = cpu_kernel.library()
+        fits, packer = cpu_kernel.QUANT_PACKERS.get(quant, (None, None))
         if quant == "int8":
             self.slots = matrices(model)
         else:
             self.slots = [(o, n) for o, n, _ in model.streamed_matrices()
-                          if cpu_kernel.packable_w8a8(_dense(getattr(o, n)))]
+                          if fits(_dense(getattr(o, n)))]
         self.dense = [getattr(m, n) for m, n in self.slots]
         self.quantized = [_like(w, quantize_rows(_dense(w)) if quant == "int8"
-                                else cpu_kernel.pack_w8a8(lib, _dense(w),  # huge pages
-                                                         cpu_kernel.huge_bytes(w.numel())))
+                                else packer(lib, _dense(w),  # huge pages
+                                            cpu_kernel.huge_bytes(w.numel())))
                           for w in self.dense]
 
     def use(self, quantized: bool) -> None:
@@ -359,8 +364,8 @@ def run(args) -> dict:
     model = build_model(layers, args.device, getattr(torch, args.dtype), kernel=args.kernel)
     choice = cpu_kernel.choose(model)
     kinds = (["eager"] if args.eager else []) + (["kernel"] if choice.active else [])
-    if args.quant_only:  # the model itself packed as --lm-quant w8a8 packs it
-        kinds = [k for k in kinds if k != "kernel"] + ["kernel_w8a8"]
+    if args.quant_only:  # the model itself packed as --lm-quant w8a8/w4a8 packs it
+        kinds = [k for k in kinds if k != "kernel"] + [f"kernel_{args.quant}"]
     weights = weight_bytes_per_step(model)  # bfloat16 bytes: the floor stays bfloat16's
     bandwidth = Bandwidth(args.device, args.bandwidth_mib)
     parts: dict = {}
@@ -370,10 +375,11 @@ def run(args) -> dict:
     prefills: dict = {}
     for kind in kinds:
         swap = None
-        if kind == "kernel_w8a8":  # as load_lm(quant="w8a8") leaves it
-            if why := cpu_kernel.w8a8_refusal(model):
+        if kind in (f"kernel_{q}" for q in PACKED_QUANTS):  # as load_lm(quant=...) leaves it
+            quant = kind.removeprefix("kernel_")
+            if why := cpu_kernel.packed_quant_refusal(model, quant):
                 raise SystemExit(f"bench_lm: --quant-only: {why}")
-            model.quant = "w8a8"
+            model.quant = quant
             cpu_kernel.prepare(model)
             packing = cpu_kernel.packing(model)
         if kind == "kernel":  # as load_lm leaves it: the streamed matrices packed in place
@@ -603,14 +609,14 @@ def main() -> None:
     parser.add_argument("--kernel", choices=("auto", "on", "off"), default="auto",
                         help="the fused CPU kernel step beside the eager one: where load_lm "
                              "would use it (auto), always (on), or never (off)")
-    parser.add_argument("--quant", choices=("int8", "w8a8"), default=None,
+    parser.add_argument("--quant", choices=("int8", *PACKED_QUANTS), default=None,
                         help="also time the kernel step with quantized weights: int8 "
-                             "(weight-only, mimo_tts/lm/int8.py) or w8a8 (--lm-quant w8a8)")
+                             "(weight-only, mimo_tts/lm/int8.py), w8a8 or w4a8 (--lm-quant)")
     parser.add_argument("--prefill", type=int, default=0, metavar="GROUPS",
                         help="also time the prefill of one prompt of GROUPS positions (the "
                              "last 8 audio groups) for each step kind (0: not)")
     parser.add_argument("--quant-only", action="store_true",
-                        help="with --quant w8a8: pack the weights as int8 in place and time "
+                        help="with --quant w8a8 or w4a8: pack the weights so in place and time "
                              "only that step against the bfloat16 floor (never two copies "
                              "resident: what the whole step at full size fits in)")
     parser.add_argument("--rounds", type=int, default=2,
@@ -634,8 +640,8 @@ def main() -> None:
         if not re.fullmatch(r"x86-64(-v[234])?", args.march):
             parser.error("--march takes x86-64, x86-64-v2, x86-64-v3 or x86-64-v4")
         build_for(args.march)
-    if args.quant_only and args.quant != "w8a8":
-        parser.error("--quant-only needs --quant w8a8")
+    if args.quant_only and args.quant not in PACKED_QUANTS:
+        parser.error("--quant-only needs --quant w8a8 or w4a8")
     if args.prefill < 0 or 0 < args.prefill <= 8:
         parser.error("--prefill needs more than 8 groups (the prompt ends in 8 audio groups)")
     torch.set_num_threads(args.threads)

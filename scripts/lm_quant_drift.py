@@ -1,13 +1,14 @@
 """The quantized LM's drift from the unquantized one; prints a JSON table.
 
 Each quantization (--quant: int8 weight-only, mimo_tts/lm/int8.py; w8a8, int8 weights by int8
-activations in the CPU kernel, `--lm-quant w8a8`) against the same model unquantized, on two
-models: tiny-a (the reference fixture checkpoint: float32 and bfloat16 for int8, bfloat16 for
-w8a8, which needs it; beside them, to read them by, tiny-a's own drift in bfloat16 from
+activations in the CPU kernel, `--lm-quant w8a8`; w4a8, 4-bit weights in groups of 32 by int8
+activations, `--lm-quant w4a8`) against the same model unquantized, on two models: tiny-a (the
+reference fixture checkpoint: float32 and bfloat16 for int8, bfloat16 for w8a8 and w4a8, which
+need it; beside them, to read them by, tiny-a's own drift in bfloat16 from
 float32) and the real width with random weights (scripts/bench_lm.py's model,
 --layers backbone layers, bfloat16). On the same prompts the two are compared on:
-- the text logits after the prompt: max |error|, as is and relative to max |logit|, and
-  whether the greedy token agrees;
+- the text logits after the prompt: max |error|, as is and relative to max |logit|, the RMS
+  error relative to the logits' RMS, and whether the greedy token agrees;
 - the patch decoder's first-step logits (channel 0, the same input for both; later steps
   are fed each model's own codes) and the share of the first group's greedy codes that
   agree;
@@ -19,7 +20,7 @@ float32) and the real width with random weights (scripts/bench_lm.py's model,
   distance and its signal-to-distance ratio in dB (identical codes: identical audio).
 Both models run the CPU kernel where `auto` picks it.
 
-    .venv/bin/python scripts/lm_quant_drift.py [--quant int8,w8a8] [--layers 2] [--groups 8]
+    .venv/bin/python scripts/lm_quant_drift.py [--quant int8,w8a8,w4a8] [--layers 2] [--groups 8]
 """
 
 from __future__ import annotations
@@ -113,6 +114,9 @@ def table(ref: list[dict], quant: list[dict], frames: int, tokenizer=None,
             "text_logit_max_error": round(text_err, 4),
             "text_logit_relative_error": round(text_err / a["text"].float().abs().max().item(),
                                                4),
+            "text_logit_relative_rms_error": round(
+                ((b["text"].float() - a["text"].float()).pow(2).mean()
+                 / a["text"].float().pow(2).mean()).sqrt().item(), 4),
             "text_greedy_agrees": int(a["text"].argmax()) == int(b["text"].argmax()),
             "first_step_logit_max_error": round(chan_err, 4),
             "first_step_logit_relative_error": round(chan_err / chan_scale, 4),
@@ -132,6 +136,8 @@ def table(ref: list[dict], quant: list[dict], frames: int, tokenizer=None,
     return {
         "prompts": len(rows),
         "worst_text_logit_relative_error": max(r["text_logit_relative_error"] for r in rows),
+        "worst_text_logit_relative_rms_error": max(r["text_logit_relative_rms_error"]
+                                                   for r in rows),
         "worst_first_step_logit_relative_error": max(r["first_step_logit_relative_error"]
                                                   for r in rows),
         "text_greedy_agreement": round(sum(r["text_greedy_agrees"] for r in rows) / len(rows), 3),
@@ -184,7 +190,8 @@ def full_width(layers: int, groups: int, quants: list[str], audio: bool) -> dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quant", default="int8,w8a8", help="quantizations, comma-separated")
+    parser.add_argument("--quant", default="int8,w8a8,w4a8",
+                        help="quantizations, comma-separated")
     parser.add_argument("--layers", type=int, default=2, help="full-width backbone layers")
     parser.add_argument("--groups", type=int, default=8, help="groups of free generation")
     parser.add_argument("--threads", type=int, default=os.cpu_count())

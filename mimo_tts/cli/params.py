@@ -178,8 +178,10 @@ CATALOGUE = (
     Option("no_memory_check", f"{LOADS} decode", "Load even when the memory preflight says the "
            "run does not fit (exit 4 otherwise).", panel=DEV),
     Option("lm_quant", "synth book serve wyoming", "Opt-in LM quantization on CPU: {choices} "
-           "(int8: weight-only; w8a8: int8 weights by int8 activations, bfloat16 models, the "
-           "fastest; both slightly less exact; default off).", "QUANT", DEV, choices=LM_QUANTS),
+           "(int8: weight-only; w8a8: int8 weights by int8 activations, bfloat16 models; w4a8: "
+           "4-bit weights in groups of 32 by int8 activations, bfloat16 models, the fastest "
+           "and least exact; all less exact than the default, off).", "QUANT", DEV,
+           choices=LM_QUANTS),
     Option("lm_threads", "synth book serve wyoming", "CPU threads for Stage-0 (default: torch's; "
            "--stream on one CPU splits the cores between the stages).", "N", DEV),
     Option("tokenizer_threads", "synth book serve wyoming", "CPU threads for Stage-1 decode and "

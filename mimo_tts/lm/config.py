@@ -29,8 +29,10 @@ TASK_STOP_TOKENS: dict[str, tuple[str, ...]] = {
     "in_context_learning_s2s": ("eos", "eostm"),
 }
 # Opt-in quantizations of the LM, never the default: "int8" weight-only (mimo_tts/lm/int8.py);
-# "w8a8" int8 weights by int8 activations in the CPU kernel (mimo_tts/lm/cpu_kernel.py).
-LM_QUANTS = ("int8", "w8a8")
+# "w8a8" int8 weights by int8 activations in the CPU kernel (mimo_tts/lm/cpu_kernel.py);
+# "w4a8" 4-bit weights in groups of 32 columns by int8 activations, in the same kernel.
+LM_QUANTS = ("int8", "w8a8", "w4a8")
+KERNEL_QUANTS = ("w8a8", "w4a8")  # the CPU kernel's own: packed at load, bfloat16 models
 FLOAT32_TINY = 2.0**-126  # the smallest normal float32 (torch.finfo(torch.float32).tiny)
 
 
@@ -44,9 +46,9 @@ def quant_refusal(quant: str | None, device: str, dtype: str, cpu_kernel: str = 
         return f"is not one of {', '.join(LM_QUANTS)}"
     if device != "cpu":
         return f"runs on CPU only, the LM is placed on {device}"
-    if quant == "w8a8" and dtype != "bfloat16":
+    if quant in KERNEL_QUANTS and dtype != "bfloat16":
         return f"needs bfloat16 weights, the LM is asked in {dtype} (--dtype bfloat16)"
-    if quant == "w8a8" and cpu_kernel == "off":
+    if quant in KERNEL_QUANTS and cpu_kernel == "off":
         return "runs in the CPU kernel, which is off"
     return ""
 

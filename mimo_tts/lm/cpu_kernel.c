@@ -802,8 +802,11 @@ static void pq_gemv(int n, const void *w, const float *rowdata, const bf16 *b, l
     }
 }
 
-/* Bytes of scratch the quantized vectors take: n * in bytes, then n QuantRows (aligned). */
-static long quant_bytes(int n, long in) { return ((long)n * in + 63) / 64 * 64 + (long)n * 8; }
+/* Bytes of scratch the quantized vectors take: n * in bytes (aligned), then n QuantRows
+ * (w8a8), or the group sums of 32 columns and n scales (w4a8, below): room for either. */
+static long quant_bytes(int n, long in) {
+    return ((long)n * in + 63) / 64 * 64 + (long)n * 8 + (long)n * (in / 32) * 4;
+}
 
 /* The calling thread quantizes x into its own part of `scratch` (thread t's at t *
  * quant_bytes): every thread computes the same bytes, so no thread waits for another. */
@@ -812,6 +815,327 @@ static void quant_own(int n, long in, const bf16 *x, void *scratch, uint8_t **a,
     *a = (uint8_t *)scratch + omp_get_thread_num() * bytes;
     *q = (QuantRow *)(*a + bytes - (long)n * 8);
     quant_rows(n, in, x, *a, *q);
+}
+
+/* ---- packed 4-bit weights in groups by int8 activations (--lm-quant w4a8) ---------------
+ * A packed 4-bit W [out, in] (out % 16 == 0, in % 32 == 0): block b holds, for each column
+ * octet o < in / 8, one 64-byte line whose byte 4l + i holds W[16b + l, 8o + i] in its low
+ * nibble and W[16b + l, 8o + 4 + i] in its high one (i < 4), each as u = Wq + 8 (0..15).
+ * Four lines are a group of 32 columns with one scale per row: W[r, k] = s[r, g] Wq[r, k]
+ * (symmetric, max |w| / 7 rounded to float16, |Wq| <= 8). The scales lie apart, float16
+ * [out / 16, in / 32, 16]: a block's group's 16 rows in one 32-byte run. Each vector is
+ * quantized when the product starts (`quant_sym`, every thread its own copy):
+ * a[j] = clamp(nearbyint(x / sa[j]), -127, 127) as signed bytes, sa[j] = max |x[j]| / 127,
+ * A[j, g] = the sum of group g's bytes. One vpdpbusd multiplies 4 unsigned nibbles of 16 rows
+ * by 4 of those bytes, so for each group
+ *   D[j, r, g] = sum_k u[r, k] a[j, k] = sum_k Wq[r, k] a[j, k] + 8 A[j, g]   (int32, exact)
+ *   f[j, r] = fma((float)(D - 8 A[j, g]), s[r, g], f[j, r])   (g = 0, 1, ... in order; f = 0)
+ *   y[j, r] = fma(f[j, r], sa[j], b[r]),
+ * so a row's result does not depend on the tiles, the vector count, the threads or the
+ * instruction set. */
+#define W4_GROUP 32
+#define W4_CHUNK 32  /* groups per pass when vectors take several passes (128 lines a block) */
+
+static inline float h2f(uint16_t h) {  /* float16 -> float, exactly */
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+    union { uint32_t u; float f; } c;
+    if (e == 0) {
+        float v = ldexpf((float)mant, -24);
+        return sign ? -v : v;
+    }
+    c.u = sign | (e == 31 ? 0x7f800000u | (mant << 13) : ((e + 112) << 23) | (mant << 13));
+    return c.f;
+}
+
+/* x [n, in] bfloat16 -> a [n, in] signed bytes, sa [n], A [n, in / 32]. The AVX-512 loops do
+ * each element's arithmetic as the scalar ones do (as `quant_rows`), so the bytes are the
+ * same on every path. */
+static void quant_sym(int n, long in, const bf16 *x, int8_t *a, float *sa, int32_t *A) {
+    for (int j = 0; j < n; j++) {
+        const bf16 *xj = x + (long)j * in;
+        int8_t *aj = a + (long)j * in;
+        float top = 0.f;
+        long k = 0;
+#if defined(__AVX512F__)
+        int wide = isa_cap >= ISA_AVX512_BF16;
+        if (wide) {
+            __m512 vtop = _mm512_setzero_ps();
+            for (; k + 16 <= in; k += 16)  /* NaN: the second, the running one */
+                vtop = _mm512_max_ps(_mm512_abs_ps(bf16x16(xj + k)), vtop);
+            top = _mm512_reduce_max_ps(vtop);
+        }
+#endif
+        for (; k < in; k++) {
+            float v = fabsf(bf2f(xj[k]));
+            top = v > top ? v : top;
+        }
+        float scale = top / 127.f;
+        if (!(scale > 0.f)) scale = 1.f;  /* all zeros (or not finite: garbage either way) */
+        float inv = 1.f / scale;
+        k = 0;
+#if defined(__AVX512F__)
+        if (wide) {
+            const __m512 vinv = _mm512_set1_ps(inv);
+            const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+            for (; k + 16 <= in; k += 16) {
+                __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(bf16x16(xj + k), vinv),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+                _mm_storeu_si128((__m128i *)(aj + k),
+                                 _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+            }
+        }
+#endif
+        for (; k < in; k++) {
+            float v = nearbyintf(bf2f(xj[k]) * inv);
+            aj[k] = (int8_t)(v >= -127.f ? (v <= 127.f ? v : 127.f) : -127.f);
+        }
+        for (long g = 0; g < in / W4_GROUP; g++) {
+            int32_t sum = 0;
+            for (int i = 0; i < W4_GROUP; i++) sum += aj[g * W4_GROUP + i];
+            A[(long)j * (in / W4_GROUP) + g] = sum;
+        }
+        sa[j] = scale;
+    }
+}
+
+/* A tile: R blocks of W (O lines each, `s` their scales, G groups each) by m vectors (a, as
+ * bytes apart; their group sums A, G apart) over groups [g0, g1), into f [m, ldf] (float). */
+typedef void (*TileW4)(const uint8_t *w, long O, const uint16_t *s, long G, const int8_t *a,
+                       long as, const int32_t *A, int m, int R, long g0, long g1, float *f,
+                       long ldf);
+
+/* Any CPU: one block at a time. */
+static void pw_tile_c(const uint8_t *w, long O, const uint16_t *s, long G, const int8_t *a,
+                      long as, const int32_t *A, int m, int R, long g0, long g1, float *f,
+                      long ldf) {
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < m; j++) {
+            float *fj = f + (long)j * ldf + 16 * r;
+            const int8_t *aj = a + (long)j * as;
+            for (long g = g0; g < g1; g++) {
+                int32_t d[16] = {0};
+                for (long o = 4 * g; o < 4 * g + 4; o++) {
+                    const uint8_t *line = w + ((long)r * O + o) * 64;
+                    for (int l = 0; l < 16; l++)
+                        for (int i = 0; i < 4; i++)
+                            d[l] += (int32_t)(line[4 * l + i] & 15) * aj[8 * o + i]
+                                    + (int32_t)(line[4 * l + i] >> 4) * aj[8 * o + 4 + i];
+                }
+                const uint16_t *sg = s + ((long)r * G + g) * 16;
+                int32_t corr = 8 * A[(long)j * G + g];
+                for (int l = 0; l < 16; l++)
+                    fj[l] = fmaf((float)(d[l] - corr), h2f(sg[l]), g == 0 ? 0.f : fj[l]);
+            }
+        }
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* AVX2 (no VNNI): vpmaddubsw multiplies the unsigned nibbles by the signed bytes and adds
+ * pairs into 16-bit lanes; a group's 16 such products per lane stay within 16 bits
+ * (|sum| <= 16 * 15 * 127 = 30480), so the lanes add in 16 bits over the group's 4 lines and
+ * vpmaddwd by ones makes each row's int32 sum once a group. One block by m <= 2 vectors. */
+#define PW2_LINE(J) if ((J) < m) {                                                           \
+        const int32_t *aq = (const int32_t *)(a + (long)(J) * as + 8 * o);                  \
+        const __m256i al = _mm256_set1_epi32(aq[0]), ah = _mm256_set1_epi32(aq[1]);        \
+        t##J##0 = _mm256_add_epi16(t##J##0, _mm256_add_epi16(                               \
+            _mm256_maddubs_epi16(lo0, al), _mm256_maddubs_epi16(hi0, ah)));                 \
+        t##J##1 = _mm256_add_epi16(t##J##1, _mm256_add_epi16(                               \
+            _mm256_maddubs_epi16(lo1, al), _mm256_maddubs_epi16(hi1, ah))); }
+#define PW2_FLUSH(J, H) if ((J) < m) {                                                       \
+        float *fj = f + (long)(J) * ldf + 8 * (H);                                           \
+        __m256i d = _mm256_sub_epi32(_mm256_madd_epi16(t##J##H, ones),                       \
+                                     _mm256_set1_epi32(8 * A[(long)(J) * G + g]));           \
+        __m256 acc = g == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(fj);                    \
+        _mm256_storeu_ps(fj, _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sc##H, acc)); }
+static inline __attribute__((always_inline)) void pw_tile256_at(
+        const uint8_t *w, const uint16_t *s, long G, const int8_t *a, long as,
+        const int32_t *A, const int m, long g0, long g1, float *f, long ldf) {
+    const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    for (long g = g0; g < g1; g++) {
+        __m256i t00 = _mm256_setzero_si256(), t01 = t00, t10 = t00, t11 = t00;
+        for (long o = 4 * g; o < 4 * g + 4; o++) {
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(w + o * 64));
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(w + o * 64 + 32));
+            const __m256i lo0 = _mm256_and_si256(v0, nib);
+            const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nib);
+            const __m256i lo1 = _mm256_and_si256(v1, nib);
+            const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nib);
+            PW2_LINE(0) PW2_LINE(1)
+        }
+        const __m256 sc0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + g * 16)));
+        const __m256 sc1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + g * 16 + 8)));
+        PW2_FLUSH(0, 0) PW2_FLUSH(0, 1) PW2_FLUSH(1, 0) PW2_FLUSH(1, 1)
+    }
+}
+#undef PW2_LINE
+#undef PW2_FLUSH
+
+static __attribute__((noinline)) void pw256_1(const uint8_t *w, const uint16_t *s, long G,
+                                              const int8_t *a, long as, const int32_t *A,
+                                              long g0, long g1, float *f, long ldf) {
+    pw_tile256_at(w, s, G, a, as, A, 1, g0, g1, f, ldf);
+}
+
+static __attribute__((noinline)) void pw256_2(const uint8_t *w, const uint16_t *s, long G,
+                                              const int8_t *a, long as, const int32_t *A,
+                                              long g0, long g1, float *f, long ldf) {
+    pw_tile256_at(w, s, G, a, as, A, 2, g0, g1, f, ldf);
+}
+
+static void pw_tile256(const uint8_t *w, long O, const uint16_t *s, long G, const int8_t *a,
+                       long as, const int32_t *A, int m, int R, long g0, long g1, float *f,
+                       long ldf) {
+    for (int r = 0; r < R; r++) {
+        const uint8_t *wr = w + (long)r * O * 64;
+        const uint16_t *sr = s + (long)r * G * 16;
+        if (m == 2) pw256_2(wr, sr, G, a, as, A, g0, g1, f + 16 * r, ldf);
+        else if (m == 1) pw256_1(wr, sr, G, a, as, A, g0, g1, f + 16 * r, ldf);
+        else pw_tile_c(wr, O, sr, G, a, as, A, m, 1, g0, g1, f + 16 * r, ldf);
+    }
+}
+#endif
+
+#if defined(__AVX512VNNI__)
+/* AVX512-VNNI: per line and block, the low and high nibbles (two ands and a shift) by the
+ * broadcast quads of each vector, two vpdpbusd; at a group's end each int32 sum becomes a
+ * float term of f (in memory, L1). R blocks by m vectors as named sums (as `pq_tile512_at`). */
+#define PW_INIT(J, RR) __m512i s##J##RR = _mm512_setzero_si512();
+#define PW_INIT_ROW(J) PW_INIT(J, 0) PW_INIT(J, 1) PW_INIT(J, 2) PW_INIT(J, 3)
+#define PW_W(RR) __m512i lo##RR = _mm512_setzero_si512(), hi##RR = lo##RR;                    \
+    if ((RR) < R) {                                                                          \
+        const __m512i v = _mm512_loadu_si512(w + ((long)(RR) * O + o) * 64);                \
+        lo##RR = _mm512_and_si512(v, nib);                                                   \
+        hi##RR = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib); }
+#define PW_DOT(J, RR) if ((J) < m && (RR) < R) {                                             \
+        s##J##RR = _mm512_dpbusd_epi32(s##J##RR, lo##RR, al);                                \
+        s##J##RR = _mm512_dpbusd_epi32(s##J##RR, hi##RR, ah); }
+#define PW_ROW(J) if ((J) < m) {                                                             \
+        const int32_t *aq = (const int32_t *)(a + (long)(J) * as + 8 * o);                  \
+        const __m512i al = _mm512_set1_epi32(aq[0]), ah = _mm512_set1_epi32(aq[1]);        \
+        PW_DOT(J, 0) PW_DOT(J, 1) PW_DOT(J, 2) PW_DOT(J, 3) }
+#define PW_SC(RR) __m512 sc##RR = _mm512_setzero_ps();                                       \
+    if ((RR) < R) sc##RR = _mm512_cvtph_ps(                                                  \
+        _mm256_loadu_si256((const __m256i *)(s + ((long)(RR) * G + g) * 16)));
+#define PW_FLUSH(J, RR) if ((J) < m && (RR) < R) {                                           \
+        float *fj = f + (long)(J) * ldf + 16 * (RR);                                         \
+        const __m512i d = _mm512_sub_epi32(s##J##RR,                                         \
+                                           _mm512_set1_epi32(8 * A[(long)(J) * G + g]));     \
+        const __m512 acc = g == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(fj);              \
+        _mm512_storeu_ps(fj, _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc##RR, acc));           \
+        s##J##RR = _mm512_setzero_si512(); }
+#define PW_FLUSH_ROW(J) PW_FLUSH(J, 0) PW_FLUSH(J, 1) PW_FLUSH(J, 2) PW_FLUSH(J, 3)
+#define PW_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+static inline __attribute__((always_inline)) void pw_tile512_at(
+        const uint8_t *w, long O, const uint16_t *s, long G, const int8_t *a, long as,
+        const int32_t *A, const int m, const int R, long g0, long g1, float *f, long ldf) {
+    const __m512i nib = _mm512_set1_epi8(15);
+    PW_ROWS(PW_INIT_ROW)
+    for (long g = g0; g < g1; g++) {
+        for (long o = 4 * g; o < 4 * g + 4; o++) {
+            PW_W(0) PW_W(1) PW_W(2) PW_W(3)
+            PW_ROWS(PW_ROW)
+        }
+        PW_SC(0) PW_SC(1) PW_SC(2) PW_SC(3)
+        PW_ROWS(PW_FLUSH_ROW)
+    }
+}
+#undef PW_INIT
+#undef PW_INIT_ROW
+#undef PW_W
+#undef PW_DOT
+#undef PW_ROW
+#undef PW_SC
+#undef PW_FLUSH
+#undef PW_FLUSH_ROW
+#undef PW_ROWS
+
+#define PW512_FN(M, RR)                                                                      \
+static __attribute__((noinline)) void pw512_##M##_##RR(                                     \
+        const uint8_t *w, long O, const uint16_t *s, long G, const int8_t *a, long as,       \
+        const int32_t *A, long g0, long g1, float *f, long ldf) {                            \
+    pw_tile512_at(w, O, s, G, a, as, A, M, RR, g0, g1, f, ldf);                              \
+}
+#define PW512_SHAPES(X)                                                                      \
+    X(1, 1) X(1, 2) X(1, 3) X(1, 4) X(2, 1) X(2, 2) X(2, 3) X(2, 4) X(3, 1) X(3, 2) X(3, 3)  \
+    X(3, 4) X(4, 1) X(4, 2) X(4, 3) X(4, 4) X(5, 1) X(5, 2) X(6, 1) X(6, 2) X(7, 1) X(7, 2)  \
+    X(8, 1) X(8, 2)
+PW512_SHAPES(PW512_FN)
+#undef PW512_FN
+
+static void pw_tile512(const uint8_t *w, long O, const uint16_t *s, long G, const int8_t *a,
+                       long as, const int32_t *A, int m, int R, long g0, long g1, float *f,
+                       long ldf) {
+#define PW512_CASE(M, RR) case (M) * 8 + (RR): \
+    pw512_##M##_##RR(w, O, s, G, a, as, A, g0, g1, f, ldf); break;
+    switch (m * 8 + R) {
+    PW512_SHAPES(PW512_CASE)
+    default: pw_tile_c(w, O, s, G, a, as, A, m, R, g0, g1, f, ldf);
+    }
+#undef PW512_CASE
+}
+#undef PW512_SHAPES
+#endif
+
+/* Blocks [b0, b1) against n vectors into f [n, ldf]; with more vectors than a tile holds,
+ * the groups go in chunks (partial sums kept in f), each chunk's lines re-read from cache. */
+static void pw_blocks(TileW4 tile, int mmax, int R, const uint8_t *w, long O, const uint16_t *s,
+                      long G, long b0, long b1, const int8_t *a, long as, const int32_t *A,
+                      int n, float *f, long ldf) {
+    long chunk = n <= mmax ? G : W4_CHUNK;
+    for (long b = b0; b < b1; b += R) {
+        int r = b1 - b < R ? (int)(b1 - b) : R;
+        for (long g0 = 0; g0 < G; g0 += chunk) {
+            long g1 = g0 + chunk < G ? g0 + chunk : G;
+            for (int j0 = 0; j0 < n; j0 += mmax) {
+                int m = n - j0 < mmax ? n - j0 : mmax;
+                tile(w + b * O * 64, O, s + b * G * 16, G, a + (long)j0 * as, as,
+                     A + (long)j0 * G, m, r, g0, g1, f + (long)j0 * ldf + b * 16, ldf);
+            }
+        }
+    }
+}
+
+/* y[j * ldy + r] = the w4a8 product (above) + b[r] for this thread's share of W's rows,
+ * rounded to bfloat16 when `round`, from the quantized vectors (`quant_sym`). No barrier. */
+static void pw_gemv(int n, const void *w, const void *scales, const bf16 *b, long in, long out,
+                    const int8_t *a, const float *sa, const int32_t *A, float *y, long ldy,
+                    int round) {
+    long r0, r1, O = in / 8, G = in / W4_GROUP;
+    share(out, &r0, &r1);
+    if (r1 <= r0) return;
+    const uint8_t *wp = (const uint8_t *)w;
+    const uint16_t *sp = (const uint16_t *)scales;
+#if defined(__AVX512VNNI__)
+    if (isa_cap >= ISA_AVX512_BF16)
+        pw_blocks(pw_tile512, n <= 4 ? 4 : 8, n <= 4 ? 4 : 2, wp, O, sp, G, r0 / 16, r1 / 16,
+                  a, in, A, n, y, ldy);
+    else
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    if (isa_cap >= ISA_AVX2)
+        pw_blocks(pw_tile256, 2, 1, wp, O, sp, G, r0 / 16, r1 / 16, a, in, A, n, y, ldy);
+    else
+#endif
+        pw_blocks(pw_tile_c, 4, 1, wp, O, sp, G, r0 / 16, r1 / 16, a, in, A, n, y, ldy);
+    for (int j = 0; j < n; j++) {
+        float *yj = y + (long)j * ldy;
+        for (long r = r0; r < r1; r++) {
+            float v = fmaf(yj[r], sa[j], bias_at(b, r));
+            yj[r] = round ? bf2f(f2bf(v)) : v;
+        }
+    }
+}
+
+/* The calling thread quantizes x (`quant_sym`) into its own part of `scratch` (thread t's at
+ * t * quant_bytes: bytes, then the group sums, then the scales). */
+static void quant_own_w4(int n, long in, const bf16 *x, void *scratch, int8_t **a, float **sa,
+                         int32_t **A) {
+    long bytes = quant_bytes(n, in);
+    *a = (int8_t *)scratch + omp_get_thread_num() * bytes;
+    *A = (int32_t *)(*a + ((long)n * in + 63) / 64 * 64);
+    *sa = (float *)(*A + (long)n * (in / W4_GROUP));
+    quant_sym(n, in, x, *a, *sa, *A);
 }
 
 /* ---- int8 weights with one float scale per row (weight-only quantization) --------------
@@ -899,6 +1223,15 @@ static void rows_i8(const int8_t *w, const float *scale, const void *b, int bf, 
 static void gemv_bf16(int n, const void *w, const float *scale, const void *b, long in,
                       long out, const bf16 *x, float *y, bf16 *xp, int packed) {
     long r0, r1;
+    if (packed == 3) {  /* w4a8: `scale` is the weight's float16 group scales */
+        int8_t *a;
+        float *sa;
+        int32_t *A;
+        quant_own_w4(n, in, x, xp, &a, &sa, &A);
+        pw_gemv(n, w, scale, (const bf16 *)b, in, out, a, sa, A, y, out, 1);
+        #pragma omp barrier
+        return;
+    }
     if (packed == 2) {  /* w8a8: `scale` is the weight's rowdata */
         uint8_t *a;
         QuantRow *q;
@@ -1165,7 +1498,8 @@ typedef struct {
     long in, out;
     int rows, threads;
     int packed;              /* W is packed (16-row blocks, above): 1 bfloat16, 2 int8 (w8a8;
-                                `scale` is then its rowdata) */
+                                `scale` is then its rowdata), 3 4-bit (w4a8; `scale` is then
+                                its float16 group scales) */
 } Gemv;
 
 long gemv_work_floats(const Gemv *g) {
@@ -1196,6 +1530,19 @@ int gemv_bf16_call(const Gemv *g) {
     float *y = g->work;
     bf16 *xp = (bf16 *)(y + (long)n * g->out), *out = (bf16 *)g->y;
     long total = (long)n * g->out;
+    if (g->packed == 3) {
+        _Pragma("omp parallel num_threads(g->threads)")
+        {
+            int8_t *a;
+            float *sa;
+            int32_t *A;
+            quant_own_w4(n, g->in, (const bf16 *)g->x, xp, &a, &sa, &A);
+            pw_gemv(n, g->w, g->scale, (const bf16 *)g->b, g->in, g->out, a, sa, A, y, g->out,
+                    0);
+            to_bf16_rows(n, y, out, g->out);
+        }
+        return 0;
+    }
     if (g->packed == 2) {
         _Pragma("omp parallel num_threads(g->threads)")
         {

@@ -229,8 +229,9 @@ def _gemv(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Tensor | None,
           threads: int) -> Tensor:
     """x [rows, in] (contiguous) . weight[out, in]^T + bias -> [rows, out] in x's dtype;
     an int8 weight brings its row scales (mimo_tts/lm/int8.py); a packed one (3-D) is
-    [out / 16, in / 2, 32] bfloat16 (`pack`) or [out / 16, in / 4, 64] int8 with its rowdata
-    as `.scale` (`pack_w8a8`: x's rows are quantized to bytes in the kernel)."""
+    [out / 16, in / 2, 32] bfloat16 (`pack`), [out / 16, in / 4, 64] int8 with its rowdata
+    as `.scale` (`pack_w8a8`) or [out / 16, in / 8, 64] uint8 with its group scales as
+    `.scale` (`pack_w4a8`); for the last two x's rows are quantized to bytes in the kernel."""
     packed = packed_kind(weight)
     rows = x.shape[0]
     out, inputs = packed_shape(weight) if packed else weight.shape
@@ -273,16 +274,21 @@ def packable(weight: Tensor | None) -> bool:
             and weight.shape[1] % 2 == 0 and weight.shape[1] > 0)
 
 
+PACKED_KINDS = {torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}
+
+
 def packed_kind(weight: Tensor) -> int:
     """The kernel's code for a weight's layout: 0 plain, 1 packed bfloat16 (`pack`), 2 packed
-    int8 (`pack_w8a8`)."""
-    return 0 if weight.dim() != 3 else 2 if weight.dtype == torch.int8 else 1
+    int8 (`pack_w8a8`), 3 packed 4-bit (`pack_w4a8`)."""
+    return 0 if weight.dim() != 3 else PACKED_KINDS[weight.dtype]
 
 
 def packed_shape(weight: Tensor) -> tuple[int, int]:
-    """(out, in) of a packed weight: bfloat16 [out / 16, in / 2, 32] or int8 [out / 16,
-    in / 4, 64]."""
-    return weight.shape[0] * PACK_ROWS, weight.shape[1] * weight.shape[2] // PACK_ROWS
+    """(out, in) of a packed weight: bfloat16 [out / 16, in / 2, 32], int8 [out / 16, in / 4,
+    64] or 4-bit [out / 16, in / 8, 64] (two columns a byte)."""
+    per_byte = 2 if weight.dtype == torch.uint8 else 1
+    return (weight.shape[0] * PACK_ROWS,
+            weight.shape[1] * weight.shape[2] * per_byte // PACK_ROWS)
 
 
 def packable_w8a8(weight: Tensor | None) -> bool:
@@ -311,6 +317,68 @@ def pack_w8a8(lib: ctypes.CDLL, weight: Tensor, out: Tensor | None = None) -> Te
     return out
 
 
+W4_GROUP = 32  # columns per float16 scale of a 4-bit row (cpu_kernel.c, W4_GROUP)
+
+
+def packable_w4a8(weight: Tensor | None) -> bool:
+    """A bfloat16 CPU matrix of whole 16-row blocks and 32-column groups (`pack_w4a8`)."""
+    return packable(weight) and weight.shape[1] % W4_GROUP == 0
+
+
+def w4a8_bytes(rows: int, cols: int) -> int:
+    """Bytes of a `pack_w4a8` matrix: half a byte an element, then its float16 scales."""
+    return rows * cols // 2 + rows * cols // W4_GROUP * 2
+
+
+def pack_w4a8(lib: ctypes.CDLL | None, weight: Tensor, out: Tensor | None = None) -> Tensor:
+    """weight [out, in] -> uint8 [out / 16, in / 8, 64] packed for the kernel's w4a8 products
+    (cpu_kernel.c says the layout) into `out` (`w4a8_bytes` bytes: the 4-bit lines, then the
+    float16 group scales [out / 16, in / 32, 16], carried as `.scale`) or a new tensor. Each
+    group of 32 columns of a row: symmetric, scale max |w| / 7 rounded to float16, values
+    round(w / scale) in -8..7 stored plus 8. `lib` is unused (the layout is written here)."""
+    del lib
+    rows, cols = weight.shape
+    blocks, lines, groups = rows // PACK_ROWS, cols // 8, cols // W4_GROUP
+    nbytes = w4a8_bytes(rows, cols)
+    buf = torch.empty(nbytes, dtype=torch.uint8) if out is None else out.view(torch.uint8)
+    packed = buf[:rows * cols // 2].view(blocks, lines, 64)
+    scales = buf[rows * cols // 2:nbytes].view(torch.float16).view(blocks, groups, PACK_ROWS)
+    for start in range(0, rows, int8.CHUNK):  # bounds the float32 copy, as int8's
+        w = weight.detach()[start:start + int8.CHUNK].float()
+        n = w.shape[0]
+        grouped = w.view(n, groups, W4_GROUP)
+        scale = (grouped.abs().amax(dim=2) / 7).to(torch.float16)  # [n, groups]
+        wide = scale.float()[:, :, None]
+        q = torch.where(wide > 0, torch.round(grouped / wide), 0.0).clamp(-8, 7)
+        u = (q + 8).to(torch.uint8).view(n // PACK_ROWS, PACK_ROWS, lines, 2, 4)
+        line = u[:, :, :, 0] | (u[:, :, :, 1] << 4)  # [block, row, line, 4]
+        b0, b1 = start // PACK_ROWS, (start + n) // PACK_ROWS
+        packed[b0:b1] = line.permute(0, 2, 1, 3).reshape(n // PACK_ROWS, lines, 64)
+        scales[b0:b1] = scale.view(n // PACK_ROWS, PACK_ROWS, groups).transpose(1, 2)
+    packed.scale = scales
+    return packed
+
+
+def unpack_w4a8(packed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """A `pack_w4a8` weight as [out, in] in `dtype`: its 4-bit values times the group
+    scales."""
+    blocks, lines, _ = packed.shape
+    byte = packed.view(blocks, lines, PACK_ROWS, 4).to(torch.int16)
+    halves = torch.stack((byte & 15, byte >> 4), dim=3) - 8  # [block, line, row, 2, 4]
+    values = halves.permute(0, 2, 1, 3, 4).reshape(blocks * PACK_ROWS, lines * 8)
+    scale = packed.scale.transpose(1, 2).reshape(blocks * PACK_ROWS, -1).float()
+    return (values.float() * scale.repeat_interleave(W4_GROUP, dim=1)).to(dtype)
+
+
+def unpack_packed(packed: Tensor, dtype: torch.dtype) -> Tensor:
+    """Any packed weight as [out, in] in `dtype` (for a product outside the kernel)."""
+    if packed.dtype == torch.int8:
+        return unpack_w8a8(packed, dtype)
+    if packed.dtype == torch.uint8:
+        return unpack_w4a8(packed, dtype)
+    return unpack_rows(packed).to(dtype)
+
+
 def unpack_w8a8(packed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """A `pack_w8a8` weight as [out, in] in `dtype`: its int8 values times the row scales."""
     blocks, quads, _ = packed.shape
@@ -333,24 +401,36 @@ def pack(lib: ctypes.CDLL, weight: Tensor, out: Tensor | None = None) -> Tensor:
     return out
 
 
-def pack_model(model: MiMoAudioLM, w8a8: bool = False) -> int:
+QUANT_PACKERS = {None: (packable, pack), "w8a8": (packable_w8a8, pack_w8a8),
+                 "w4a8": (packable_w4a8, pack_w4a8)}
+
+
+def _packed_bytes(weight: Tensor, quant: str | None) -> int:
+    rows, cols = weight.shape
+    if quant == "w4a8":
+        return w4a8_bytes(rows, cols)
+    return rows * cols * (1 if quant == "w8a8" else 2)
+
+
+def pack_model(model: MiMoAudioLM, quant: str | None = None) -> int:
     """Pack every matrix a decode step streams (`MiMoAudioLM.streamed_matrices`) in place, one
     at a time: the packed copy (huge pages) replaces the original and its checkpoint-named
     parts become row views of it, so there are never two resident copies beyond the matrix
     in hand. -> bytes packed. Only bfloat16 matrices of whole blocks (`packable`); int8 ones
-    (--lm-quant int8) stay as they are. `w8a8`: packed as int8 (`pack_w8a8`), half the
-    bytes."""
+    (--lm-quant int8) stay as they are. `quant` "w8a8": packed as int8 (`pack_w8a8`), half
+    the bytes; "w4a8": as 4-bit groups (`pack_w4a8`), some 0.28x the bytes."""
     lib = library()
-    fits, packer, width = (packable_w8a8, pack_w8a8, 1) if w8a8 else (packable, pack, 2)
+    fits, packer = QUANT_PACKERS[quant]
     todo = [(owner, name, parts) for owner, name, parts in model.streamed_matrices()
             if lib is not None and fits(getattr(owner, name))]
-    sizes = [-(-getattr(o, n).numel() * width // mmap.PAGESIZE) * mmap.PAGESIZE
+    sizes = [-(-_packed_bytes(getattr(o, n), quant) // mmap.PAGESIZE) * mmap.PAGESIZE
              for o, n, _ in todo]
     arena, offset, total = huge_bytes(sum(sizes)), 0, 0  # one mapping, filled as packed
     with torch.no_grad():
         for (owner, name, parts), size in zip(todo, sizes, strict=True):
             weight = getattr(owner, name)
-            packed = packer(lib, weight, arena[offset:offset + size][:weight.numel() * width])
+            packed = packer(lib, weight,
+                            arena[offset:offset + size][:_packed_bytes(weight, quant)])
             offset += size
             if isinstance(weight, nn.Parameter):
                 scale = getattr(packed, "scale", None)
@@ -360,7 +440,7 @@ def pack_model(model: MiMoAudioLM, w8a8: bool = False) -> int:
             setattr(owner, name, packed)
             _view_parts(packed, parts)
             pages.drop(weight)  # the file's copy, now packed
-            total += packed.numel() * packed.element_size()
+            total += _packed_bytes(weight, quant)
             del weight
     return total
 
@@ -380,24 +460,32 @@ def prepare(model: MiMoAudioLM) -> None:
     kernel will multiply by them, i.e. `choose` makes it active on bfloat16 weights and its
     products either are asked for ("on") or measured faster than PyTorch's (`products_faster`);
     `packing(model)` reports what was packed."""
-    if getattr(model, "quant", None) == "w8a8":
-        why = w8a8_refusal(model)
+    quant = getattr(model, "quant", None)
+    if quant in ("w8a8", "w4a8"):
+        why = packed_quant_refusal(model, quant)
         if why:
-            raise UsageError(f"--lm-quant w8a8: {why}")
-        model.packed_bytes = pack_model(model, w8a8=True)
+            raise UsageError(f"--lm-quant {quant}: {why}")
+        model.packed_bytes = pack_model(model, quant)
     elif (model.lm_head.weight.dtype == torch.bfloat16 and choose(model).active
             and (model.cpu_kernel == "on" or products_faster().faster)):
         model.packed_bytes = pack_model(model)
 
 
-def w8a8_refusal(model: MiMoAudioLM) -> str:
-    """Why the w8a8 profile cannot run on `model` as placed ("" where it can): it needs the
-    kernel (built, not "off"), bfloat16 weights on the CPU."""
+def packed_quant_refusal(model: MiMoAudioLM, quant: str = "w8a8") -> str:
+    """Why the w8a8 or w4a8 profile cannot run on `model` as placed ("" where it can): it
+    needs the kernel (built, not "off"), bfloat16 weights on the CPU, and for w4a8 every
+    streamed matrix in whole 32-column groups."""
     weight = model.lm_head.weight
-    why = quant_refusal("w8a8", weight.device.type, str(weight.dtype).removeprefix("torch."),
+    why = quant_refusal(quant, weight.device.type, str(weight.dtype).removeprefix("torch."),
                         model.cpu_kernel)
     if why:
         return why
+    if quant == "w4a8":
+        for owner, name, _ in model.streamed_matrices():
+            matrix = getattr(owner, name)
+            if matrix.dim() == 2 and matrix.shape[1] % W4_GROUP:
+                return (f"a matrix of {matrix.shape[1]} columns is not in whole groups of "
+                        f"{W4_GROUP} (use w8a8)")
     lib, why = _build()
     return "" if lib is not None else f"the CPU kernel cannot be built: {why}"
 
@@ -406,7 +494,8 @@ def packing(model: MiMoAudioLM) -> str:
     """The sidecar's line on the packed weights: how much, and how much on huge pages."""
     weights = packed_weights(model)
     huge = min(huge_page_bytes(weights), model.packed_bytes)  # a merged mapping counts more
-    kind = " of int8 (w8a8)" if weights and weights[0].dtype == torch.int8 else ""
+    kind = {torch.int8: " of int8 (w8a8)", torch.uint8: " of 4-bit groups (w4a8)"}.get(
+        weights[0].dtype, "") if weights else ""
     return (f"{model.packed_bytes / 2**30:.2f} GiB{kind} packed in 16-row blocks "
             f"({len(weights)} matrices), {huge / 2**30:.2f} GiB of it on huge pages")
 
@@ -445,13 +534,12 @@ def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
     rows = x.numel() // inputs
     lib = library()
     if (lib is not None and rows > 0 and x.device.type == "cpu" and weight.device.type == "cpu"
-            and x.dtype == torch.bfloat16 and weight.dtype in (torch.bfloat16, torch.int8)
+            and x.dtype == torch.bfloat16 and weight.dtype in PACKED_KINDS
             and weight.is_contiguous()
             and (bias is None or (bias.is_contiguous() and bias.dtype == x.dtype))):
         flat = x.reshape(rows, inputs).contiguous()
         return _gemv(lib, flat, weight, bias, torch.get_num_threads()).view(*x.shape[:-1], out)
-    dense = (unpack_w8a8(weight, x.dtype) if weight.dtype == torch.int8
-             else unpack_rows(weight).to(x.dtype))
+    dense = unpack_packed(weight, x.dtype)
     return F.linear(x, dense, None if bias is None else bias.to(x.dtype))
 
 

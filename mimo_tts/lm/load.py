@@ -34,7 +34,8 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu",
     weights, the matrices a step streams are packed for it (`cpu_kernel.prepare`).
     `quant="int8"`: int8 weight-only matrices (mimo_tts/lm/int8.py); `quant="w8a8"`: the
     streamed matrices packed as int8 for the kernel's int8-by-int8 products (bfloat16 weights;
-    `cpu_kernel.pack_w8a8`). Both CPU only, opt-in."""
+    `cpu_kernel.pack_w8a8`); `quant="w4a8"`: packed as 4-bit groups for the kernel's
+    4-bit-by-int8 products (`cpu_kernel.pack_w4a8`). All CPU only, opt-in."""
     mode = check_mode(cpu_kernel)
     try:
         dtype = torch_dtype(str(dtype).removeprefix("torch."))
@@ -62,7 +63,7 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu",
         model = model.to(device=device)
         if quant == "int8":
             quantize_lm(model)
-        model.quant = quant  # "w8a8": quantized as packed, below
+        model.quant = quant  # "w8a8", "w4a8": quantized as packed, below
     except (RuntimeError, AssertionError) as exc:  # bad index, OOM, CUDA unavailable
         raise DeviceError(f"cannot place the LM on {device}: {exc}") from None
     model.cpu_kernel = mode

@@ -431,7 +431,7 @@ class MiMoAudioLM(nn.Module):
         # Mode of the fused CPU kernel ("auto", "on", "off"; set by load_lm): the decode step
         # asks mimo_tts.lm.cpu_kernel.choose(model) whether, and why (not), it runs.
         self.cpu_kernel = "off"
-        self.quant: str | None = None  # "int8" or "w8a8" (`load_lm(quant=...)`)
+        self.quant: str | None = None  # "int8", "w8a8" or "w4a8" (`load_lm(quant=...)`)
         # Bytes of streamed matrices the CPU kernel packed at load (cpu_kernel.pack_model).
         self.packed_bytes = 0
 

@@ -226,22 +226,22 @@ def weights_bytes(path: Path, dtype: str) -> int:
 
 
 def resident_bytes(path: Path, dtype: str, device: str, unread=None,
-                   partial: dict | None = None, int8=None) -> int:
+                   partial: dict | None = None, quantized=None) -> int:
     """Bytes of the loaded weights that become resident in a run, in `dtype`.
 
     Weights copied to a device or converted to another dtype are all resident. On the CPU, a
     tensor stored in the run dtype stays memory-mapped, and only the pages a run reads become
     resident: none of those matching `unread`, and at most `partial[name]` bytes of the others
-    named there (an embedding's rows). Those matching `int8` are quantized copies, one byte an
-    element. Everything else counts whole, as in `weights_bytes`.
+    named there (an embedding's rows). Those matching `quantized` (a pattern and the bytes an
+    element) are quantized copies. Everything else counts whole, as in `weights_bytes`.
     """
     total = 0
     for name, (count, stored) in header_numel(path).items():
         if UNLOADED.fullmatch(name):
             continue
         keep = FLOAT32_BUFFERS.fullmatch(name)
-        if int8 is not None and int8.fullmatch(name):
-            total += count
+        if quantized is not None and quantized[0].fullmatch(name):
+            total += int(count * quantized[1])
             continue
         size = count * (4 if keep else DTYPE_BYTES[dtype])
         mapped = device == "cpu" and stored == STORED["float32" if keep else dtype]
@@ -253,15 +253,17 @@ def resident_bytes(path: Path, dtype: str, device: str, unread=None,
     return total
 
 
-# The LM matrices each opt-in quantization keeps as int8 (one byte an element, copied out of
-# the mapping): `lm.int8.matrices` for int8, every streamed matrix for w8a8
-# (`MiMoAudioLM.streamed_matrices`).
+# The LM matrices each opt-in quantization keeps as quantized copies (out of the mapping), and
+# their bytes an element: `lm.int8.matrices` for int8, every streamed matrix for w8a8 and w4a8
+# (`MiMoAudioLM.streamed_matrices`; w4a8: half a byte and a float16 scale per 32).
 _PROJ = r"(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight"
-QUANTIZED = {
-    "int8": re.compile(rf"(model|local_transformer)\.layers\.\d+\.{_PROJ}|lm_head\.weight"),
-    "w8a8": re.compile(rf"(model|local_transformer|input_local_transformer)\.layers\.\d+\.{_PROJ}"
+_STREAMED = re.compile(rf"(model|local_transformer|input_local_transformer)\.layers\.\d+\.{_PROJ}"
                        r"|lm_head\.weight|(speech_group|hidden_states)_downcast\.weight"
-                       r"|speech_embeddings_to_local\.weight"),
+                       r"|speech_embeddings_to_local\.weight")
+QUANTIZED = {
+    "int8": (re.compile(rf"(model|local_transformer)\.layers\.\d+\.{_PROJ}|lm_head\.weight"), 1.0),
+    "w8a8": (_STREAMED, 1.0),
+    "w4a8": (_STREAMED, 0.5 + 2 / 32),
 }
 
 
@@ -289,7 +291,7 @@ def lm_need(path: Path, device: str, dtype: str, lengths: Lengths,
     rows = lengths.batch * groups * cfg.group_size
     embedding = {"model.embed_tokens.weight": rows * (hidden * size + PAGE)}
     weights = resident_bytes(path, dtype, device, partial=embedding,
-                             int8=QUANTIZED.get(quant or ""))
+                             quantized=QUANTIZED.get(quant or ""))
     return StageNeed("LM", device, dtype, {"weights": weights, "kv_cache": kv_bytes,
                                            "workspace": work}, path)
 

@@ -286,30 +286,33 @@ def test_stage1_workspace_is_bounded_by_its_padded_pass(full_size):
     assert one < many == fill < 2 * GIB
 
 
-@pytest.mark.parametrize("quant", ["int8", "w8a8"])
-def test_a_quantized_lm_counts_its_int8_matrices_at_a_byte(tiny_a, full_size, quant):
-    """The estimate's int8 matrices are exactly those the loader quantizes (tiny-a loaded in
-    bfloat16: every checkpoint tensor it leaves int8 is one the estimate counts at a byte, and
-    those it leaves in bfloat16 are the matrices its blocks cannot hold); at full size
-    the weights' part drops by the quantized elements' second byte."""
+@pytest.mark.parametrize("quant", ["int8", "w8a8", "w4a8"])
+def test_a_quantized_lm_counts_its_quantized_matrices_at_their_bytes(tiny_a, full_size, quant):
+    """The estimate's quantized matrices are exactly those the loader quantizes (tiny-a loaded
+    in bfloat16: every checkpoint tensor it leaves int8 or 4-bit is one the estimate counts, and
+    those it leaves in bfloat16 are the matrices its blocks cannot hold); at full size the
+    weights' part drops by the quantized elements' bytes (w4a8: 0.5625 a weight, its scales
+    counted)."""
     import torch
 
     from mimo_tts.lm.load import load_lm
     from mimo_tts.synthesis.preflight import QUANTIZED
 
+    pattern, per_element = QUANTIZED[quant]
+    assert per_element == {"int8": 1.0, "w8a8": 1.0, "w4a8": 0.5625}[quant]
     lm_dir = tiny_a / "lm"
     names = header_numel(lm_dir)
     model = load_lm(lm_dir, dtype=torch.bfloat16, quant=quant)
     params = dict(model.named_parameters(remove_duplicate=False))
-    int8 = {n for n in names if n in params and params[n].dtype == torch.int8}
-    counted = {n for n in names if QUANTIZED[quant].fullmatch(n)}
-    assert int8 and int8 <= counted
-    for name in counted - int8:  # not whole 16-row blocks (tiny-a's lm_head: 420 rows)
+    small = {n for n in names if n in params and params[n].dtype in (torch.int8, torch.uint8)}
+    counted = {n for n in names if pattern.fullmatch(n)}
+    assert small and small <= counted
+    for name in counted - small:  # not whole 16-row blocks (tiny-a's lm_head: 420 rows)
         assert params[name].shape[0] % 16, name
     lm = full_size[0]
     header = header_numel(lm)
-    quantized = sum(header[n][0] for n in header if QUANTIZED[quant].fullmatch(n))
+    quantized = sum(int(header[n][0] * per_element) for n in header if pattern.fullmatch(n))
     plain = lm_need(lm, "cpu", "bfloat16", Lengths(1, 100, 100)).parts["weights"]
-    assert quantized > 6.7e9
+    assert quantized > 6.7e9 * per_element
     assert lm_need(lm, "cpu", "bfloat16", Lengths(1, 100, 100), quant).parts["weights"] == \
-        plain - sum(header[n][0] * 2 for n in header if QUANTIZED[quant].fullmatch(n)) + quantized
+        plain - sum(header[n][0] * 2 for n in header if pattern.fullmatch(n)) + quantized

@@ -1,0 +1,264 @@
+"""The opt-in w4a8 profile (`--lm-quant w4a8`, mimo_tts/lm/cpu_kernel.py `pack_w4a8`): 4-bit
+weights in groups of 32 columns with float16 scales, packed in 16-row blocks, times each row's
+activations quantized to signed bytes in the kernel. A group's sums are exact integers and
+the groups add in one order, so a row's bytes are the same alone or in a batch of any width,
+on any thread count and on every instruction-set path; a whole w4a8 model stays near float32
+and never runs unasked."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mimo_tts.errors import UsageError
+from mimo_tts.lm import cpu_kernel
+from mimo_tts.lm.generate import generate
+from mimo_tts.lm.load import load_lm
+from mimo_tts.lm.native import NativeEngine
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+LEVELS = {"avx512": 2, "avx2": 1, "c": 0}
+GROUP = cpu_kernel.W4_GROUP
+
+
+def _paths() -> list[str]:
+    isa = cpu_kernel.features()
+    return (["avx512"] if isa["avx512_bf16"] else []) + (["avx2"] if isa["avx2"] else []) + ["c"]
+
+
+@pytest.fixture(params=_paths())
+def path(request):
+    cpu_kernel.set_isa(LEVELS[request.param])
+    yield request.param
+    cpu_kernel.set_isa(2)
+
+
+def _operands(out=96, width=320, rows=17, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, width, generator=gen).bfloat16(),
+            torch.randn(out, width, generator=gen).bfloat16(),
+            torch.randn(out, generator=gen).bfloat16())
+
+
+def _values_and_scales(packed):
+    """The packed weight's integer values [out, in] (float64) and group scales [out, in / 32]
+    (float64), read from its bytes, not through the kernel."""
+    blocks, lines, _ = packed.shape
+    byte = packed.view(blocks, lines, 16, 4).to(torch.int64)
+    values = torch.stack((byte & 15, byte >> 4), dim=3) - 8  # [block, line, row, half, 4]
+    values = values.permute(0, 2, 1, 3, 4).reshape(blocks * 16, lines * 8).double()
+    scales = packed.scale.transpose(1, 2).reshape(blocks * 16, -1).double()
+    return values, scales
+
+
+def _integer_reference(x, packed, bias):
+    """The w4a8 product as the kernel defines it: each row of x quantized to signed bytes
+    (max |x| / 127), each group's sum of bytes by 4-bit values exact, the groups' terms added
+    in order in float32 (one rounding each, as the fma), the row scale and bias applied once,
+    rounded to bfloat16."""
+    values, scales = _values_and_scales(packed)
+    out, width = values.shape
+    xf = x.float()
+    scale = xf.abs().amax(1) / 127
+    scale = torch.where(scale > 0, scale, 1.0)  # a row of zeros: any scale, the kernel's is 1
+    a = torch.round(xf * (1 / scale)[:, None]).clamp(-127, 127).double()
+    sums = torch.einsum("ngk,ogk->nog", a.view(-1, width // GROUP, GROUP),
+                        values.view(out, width // GROUP, GROUP))  # exact in float64
+    f = torch.zeros(x.shape[0], out, dtype=torch.float32)
+    for g in range(width // GROUP):
+        f = (sums[:, :, g] * scales[None, :, g] + f.double()).float()
+    return (f.double() * scale.double()[:, None] + bias.double()).float().bfloat16()
+
+
+def test_packing_keeps_the_4bit_values_and_their_group_scales():
+    _, weight, _ = _operands()
+    packed = cpu_kernel.pack_w4a8(cpu_kernel.library(), weight)
+    assert packed.dtype == torch.uint8 and packed.shape == (6, 40, 64)
+    assert packed.scale.dtype == torch.float16 and packed.scale.shape == (6, 10, 16)
+    assert cpu_kernel.packed_shape(packed) == (96, 320)
+    values, scales = _values_and_scales(packed)
+    assert values.abs().max() <= 8
+    per_group = values.view(96, 10, GROUP).abs().amax(2)
+    assert (per_group == 7).all()  # max |w| / 7 (float16): the largest of a group is +-7
+    want = (weight.double().view(96, 10, GROUP).abs().amax(2) / 7).half().double()
+    assert torch.equal(scales, want)
+    dense = cpu_kernel.unpack_w4a8(packed)
+    assert torch.equal(dense.double(), values * scales.repeat_interleave(GROUP, dim=1))
+    half_step = scales.repeat_interleave(GROUP, dim=1) / 2
+    assert ((dense.double() - weight.double()).abs() <= half_step * 1.001 + 1e-6).all()
+    assert cpu_kernel.w4a8_bytes(96, 320) == packed.numel() + packed.scale.numel() * 2
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_products_equal_the_integer_arithmetic_on_every_path(path, bias):
+    x, weight, b = _operands()
+    b = b if bias else None
+    packed = cpu_kernel.pack_w4a8(cpu_kernel.library(), weight)
+    want = _integer_reference(x, packed, torch.zeros(96) if b is None else b)
+    got = cpu_kernel.packed_linear(x, packed, b)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+    # 15 levels a group: on Gaussian weights the error is some 10% of a product's size
+    exact = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    assert (got.float() - exact).pow(2).mean() < 0.15 ** 2 * exact.pow(2).mean()
+
+
+def test_a_row_is_the_same_bytes_at_every_width_thread_count_and_path():
+    """Widths 1-17 and 40 (tiles of 1-8 vectors, chunks of groups past 8) on a matrix of 33
+    groups (the chunks' edge), 1-3 threads, each path."""
+    x, weight, b = _operands(rows=40, width=33 * GROUP)
+    packed = cpu_kernel.pack_w4a8(cpu_kernel.library(), weight)
+    alone = torch.cat([cpu_kernel.packed_linear(x[r:r + 1], packed, b) for r in range(40)])
+    before = torch.get_num_threads()
+    try:
+        for level in sorted({LEVELS[p] for p in _paths()}):
+            cpu_kernel.set_isa(level)
+            for n in (*range(1, 18), 40):
+                assert torch.equal(cpu_kernel.packed_linear(x[:n], packed, b), alone[:n]), \
+                    (level, n)
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                assert torch.equal(cpu_kernel.packed_linear(x, packed, b), alone), threads
+            torch.set_num_threads(before)
+    finally:
+        cpu_kernel.set_isa(2)
+        torch.set_num_threads(before)
+    torch.testing.assert_close(alone.float(), _integer_reference(x, packed, b).float(),
+                               rtol=2 ** -7, atol=1e-6)
+
+
+def test_edge_rows_quantize_alike_on_every_path():
+    """Rows one-signed, of signed zeros, tiny or huge, and a weight with an all-zero group
+    and a tiny one (its float16 scale denormal or zero): every path gives the same bytes and
+    the integer reference's."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 4 * GROUP, generator=gen)
+    x[1] = -x[1].abs()
+    x[2] = x[2].abs()
+    x[3, ::2], x[3, 1::2] = 0.0, -0.0  # zeros of both signs: the bias alone
+    x[4] *= 1e-30
+    x[5] *= 1e30
+    x = x.bfloat16()
+    weight = torch.randn(32, 4 * GROUP, generator=gen)
+    weight[0, :GROUP] = 0.0
+    weight[1, GROUP:2 * GROUP] *= 1e-6  # scale ~4e-7: a float16 denormal
+    weight[2, 2 * GROUP:3 * GROUP] *= 1e-12  # below float16's least: scale 0, values 0
+    weight = weight.bfloat16()
+    packed = cpu_kernel.pack_w4a8(cpu_kernel.library(), weight)
+    values, scales = _values_and_scales(packed)
+    assert scales[0, 0] == 0 and scales[2, 2] == 0 and not values[2, 2 * GROUP:3 * GROUP].any()
+    assert 0 < scales[1, 1] < 2 ** -14
+    bias = torch.zeros(32)
+    results = []
+    try:
+        for level in sorted({LEVELS[p] for p in _paths()}):
+            cpu_kernel.set_isa(level)
+            results.append(cpu_kernel.packed_linear(x, packed))
+    finally:
+        cpu_kernel.set_isa(2)
+    for got in results:
+        assert torch.equal(got, results[0])
+    torch.testing.assert_close(results[0].float(), _integer_reference(x, packed, bias).float(),
+                               rtol=2 ** -7, atol=1e-6)
+    assert torch.equal(results[0][3], bias.bfloat16())
+
+
+def test_a_row_of_zeros_gives_the_bias():
+    _, weight, b = _operands()
+    packed = cpu_kernel.pack_w4a8(cpu_kernel.library(), weight)
+    assert torch.equal(cpu_kernel.packed_linear(torch.zeros(2, 320).bfloat16(), packed, b),
+                       b.expand(2, 96))
+
+
+def test_outside_the_kernel_a_packed_weight_multiplies_as_its_dense_form():
+    x, weight, b = _operands(rows=3)
+    packed = cpu_kernel.pack_w4a8(cpu_kernel.library(), weight)
+    dense = cpu_kernel.unpack_w4a8(packed, torch.float32)
+    got = cpu_kernel.packed_linear(x.float(), packed, b.float())  # float32: not the kernel's
+    torch.testing.assert_close(got, F.linear(x.float(), dense, b.float()))
+
+
+@pytest.fixture(scope="module")
+def w4a8_lm(lm_dir):
+    return load_lm(lm_dir, dtype=torch.bfloat16, quant="w4a8")
+
+
+def test_load_packs_the_streamed_matrices_as_4bit_groups(w4a8_lm):
+    packed = [getattr(o, n) for o, n, _ in w4a8_lm.streamed_matrices()
+              if getattr(o, n).dim() == 3]
+    assert packed and all(w.dtype == torch.uint8 and w.scale.dtype == torch.float16
+                          and w.scale.numel() * 4 == w.numel() // 8 * 2 for w in packed)
+    assert w4a8_lm.quant == "w4a8"
+    assert w4a8_lm.packed_bytes == sum(cpu_kernel.w4a8_bytes(*cpu_kernel.packed_shape(w))
+                                       for w in packed)
+    described = NativeEngine(w4a8_lm, None).describe()
+    assert described["lm_quant"] == "w4a8"
+    assert "of 4-bit groups (w4a8)" in described["lm_weights"]
+    step = cpu_kernel.LocalStepKernel(w4a8_lm.local_transformer, cpu_kernel.library())
+    assert step.packed == 3
+
+
+def test_w4a8_is_opt_in_and_refused_where_it_cannot_run(lm, lm_dir):
+    assert lm.quant is None
+    with pytest.raises(UsageError, match="needs bfloat16"):
+        load_lm(lm_dir, quant="w4a8")
+    with pytest.raises(UsageError, match="CPU only"):
+        load_lm(lm_dir, device="cuda", dtype=torch.bfloat16, quant="w4a8")
+    with pytest.raises(UsageError, match="kernel, which is off"):
+        load_lm(lm_dir, dtype=torch.bfloat16, quant="w4a8", cpu_kernel="off")
+
+
+def test_a_matrix_not_in_whole_groups_is_refused_with_the_way_out(lm_dir):
+    model = load_lm(lm_dir, dtype=torch.bfloat16, cpu_kernel="off")
+    model.cpu_kernel = "auto"
+    assert cpu_kernel.packed_quant_refusal(model, "w4a8") == ""
+    owner, name, _ = model.streamed_matrices()[0]
+    setattr(owner, name, torch.nn.Parameter(torch.zeros(16, 48, dtype=torch.bfloat16),
+                                            requires_grad=False))
+    why = cpu_kernel.packed_quant_refusal(model, "w4a8")
+    assert "48 columns" in why and "w8a8" in why
+    assert cpu_kernel.packed_quant_refusal(model, "w8a8") == ""
+
+
+def test_w4a8_generation_tracks_float32_and_batches_equal_single_runs(
+        lm_dir, w4a8_lm, special, case_tensors, greedy_options):
+    """The first group's logits follow float32's (tiny-a's random weights, 2 groups a row:
+    some 50% RMS apart, cosine 0.85; a wrong nibble, row or scale gives noise, cosine near 0;
+    the drift at full width is reported by scripts/lm_quant_drift.py); a batch of two prompts
+    gives each the bytes of its own run, through the kernel step and the eager one alike."""
+    prompt = case_tensors("lm_generate")["gen_tts_en_free_greedy.input_ids"]
+    other = prompt[:, : prompt.shape[1] - 8]
+    options = greedy_options(max_new_groups=3, keep_logits=True)
+    exact = generate(load_lm(lm_dir), [prompt], options, special)[0]
+    runs = {mode: generate(w4a8_lm, [prompt, other],
+                           greedy_options(max_new_groups=3, keep_logits=True, decode_step=mode),
+                           special) for mode in ("auto", "eager")}
+    single = [generate(w4a8_lm, [p], options, special)[0] for p in (prompt, other)]
+    for mode, batch in runs.items():
+        for got, want in zip(batch, single, strict=True):
+            assert torch.equal(got.new_ids, want.new_ids), mode
+    got, want = single[0].step_logits[0].float(), exact.step_logits[0].float()
+    assert F.cosine_similarity(got, want, dim=0) > 0.75
+    assert (got - want).pow(2).mean() < 0.75 ** 2 * want.pow(2).mean()
+
+
+def test_the_cli_runs_w4a8_and_keeps_it_apart_from_w8a8_results(mimo, tmp_path):
+    """`synth --lm-quant w4a8` records the profile in the sidecar and in the resume key: the
+    w8a8 run of the same text in the same folder neither skips as done nor replaces the w4a8
+    file (exit 5 without --overwrite); a float32 model is refused before loading."""
+    run = ("synth", "--model", "tiny", "--max-new-groups", "4", "-t", "Hello there.",
+           "--output-dir", "out", "--dtype", "bfloat16")
+    done = mimo(*run, "--lm-quant", "w4a8")
+    assert done.returncode == 0, done.stderr
+    sidecar = next((tmp_path / "out" / "tts_sft").glob("*.json"))
+    wav = sidecar.with_suffix(".wav").read_bytes()
+    text = sidecar.read_text()
+    assert '"lm_quant": "w4a8"' in text and "4-bit groups (w4a8)" in text
+    again = mimo(*run, "--lm-quant", "w8a8")
+    assert again.returncode == 5 and b"exists from other inputs" in again.stderr
+    assert sidecar.with_suffix(".wav").read_bytes() == wav
+    refused = mimo(*run[:-2], "--lm-quant", "w4a8")
+    assert refused.returncode == 2 and b"needs bfloat16" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
