@@ -1022,20 +1022,19 @@ static void pw_tile256(const uint8_t *w, long O, const uint16_t *s, long G, cons
         const __m512i d = _mm512_sub_epi32(s##J##RR,                                         \
                                            _mm512_set1_epi32(8 * A[(long)(J) * G + g]));     \
         const __m512 acc = g == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(fj);              \
-        _mm512_storeu_ps(fj, _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc##RR, acc));           \
-        s##J##RR = _mm512_setzero_si512(); }
+        _mm512_storeu_ps(fj, _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc##RR, acc)); }
 #define PW_FLUSH_ROW(J) PW_FLUSH(J, 0) PW_FLUSH(J, 1) PW_FLUSH(J, 2) PW_FLUSH(J, 3)
+#define PW_LINE(I) { const long o = 4 * g + (I);                                             \
+        PW_W(0) PW_W(1) PW_W(2) PW_W(3)                                                      \
+        PW_ROWS(PW_ROW) }
 #define PW_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
 static inline __attribute__((always_inline)) void pw_tile512_at(
         const uint8_t *w, long O, const uint16_t *s, long G, const int8_t *a, long as,
         const int32_t *A, const int m, const int R, long g0, long g1, float *f, long ldf) {
     const __m512i nib = _mm512_set1_epi8(15);
-    PW_ROWS(PW_INIT_ROW)
-    for (long g = g0; g < g1; g++) {
-        for (long o = 4 * g; o < 4 * g + 4; o++) {
-            PW_W(0) PW_W(1) PW_W(2) PW_W(3)
-            PW_ROWS(PW_ROW)
-        }
+    for (long g = g0; g < g1; g++) {  /* the sums live one group (GCC 12 copied loop-carried */
+        PW_ROWS(PW_INIT_ROW)          /* ones between registers), its 4 lines written out */
+        PW_LINE(0) PW_LINE(1) PW_LINE(2) PW_LINE(3)
         PW_SC(0) PW_SC(1) PW_SC(2) PW_SC(3)
         PW_ROWS(PW_FLUSH_ROW)
     }
@@ -1048,6 +1047,7 @@ static inline __attribute__((always_inline)) void pw_tile512_at(
 #undef PW_SC
 #undef PW_FLUSH
 #undef PW_FLUSH_ROW
+#undef PW_LINE
 #undef PW_ROWS
 
 #define PW512_FN(M, RR)                                                                      \
