@@ -847,6 +847,22 @@ static inline float h2f(uint16_t h) {  /* float16 -> float, exactly */
     return c.f;
 }
 
+static inline uint16_t f2h(float f) {  /* float -> float16, nearest even, denormals kept */
+    union { float f; uint32_t u; } c;
+    c.f = f;
+    uint16_t sign = (uint16_t)((c.u >> 16) & 0x8000u);
+    uint32_t a = c.u & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7e00u;                /* NaN */
+    if (a >= 0x477ff000u) return sign | 0x7c00u;               /* 65520 and up: infinity */
+    if (a < 0x38800000u) {                                     /* below 2^-14: denormal */
+        c.u = a;
+        return sign | (uint16_t)nearbyintf(c.f * 16777216.f);  /* units of 2^-24, exact */
+    }
+    uint32_t r = a - 0x38000000u;                              /* exponent 127 -> 15 */
+    r += 0x0fffu + ((r >> 13) & 1u);
+    return sign | (uint16_t)(r >> 13);
+}
+
 /* x [n, in] bfloat16 -> a [n, in] signed bytes, sa [n], A [n, in / 32]. The AVX-512 loops do
  * each element's arithmetic as the scalar ones do (as `quant_rows`), so the bytes are the
  * same on every path. */
@@ -1630,6 +1646,42 @@ int pack_bf16(const uint32_t *w, uint32_t *packed, long pairs, long b0, long b1,
                 for (int l = 0; l < 16; l++) dst[p * 16 + l] = src[l * pairs + p];
         }
     }
+    return 0;
+}
+
+/* ---- packing as 4-bit groups (w4a8, above): W [out, in] bfloat16, blocks [b0, b1), on
+ * `threads` threads, into `packed` (lines) and `scales` (float16). Each group of 32 columns of
+ * a row: s = max |w| / 7 (float) rounded to float16 (`f2h`), q = nearbyint(w / s) clamped to
+ * -8..7 (0 where s rounds to 0), stored q + 8. */
+int pack_w4(const bf16 *w, uint8_t *packed, uint16_t *scales, long in, long b0, long b1,
+            int threads) {
+    long lines = in / 8, groups = in / W4_GROUP;
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (long b = b0; b < b1; b++)
+        for (long g = 0; g < groups; g++)
+            for (int l = 0; l < 16; l++) {
+                const bf16 *row = w + (16 * b + l) * in + g * W4_GROUP;
+                float top = 0.f, v[W4_GROUP];
+                for (int k = 0; k < W4_GROUP; k++) {
+                    v[k] = bf2f(row[k]);
+                    float m = fabsf(v[k]);
+                    top = m > top ? m : top;
+                }
+                uint16_t h = f2h(top / 7.f);
+                float sf = h2f(h);
+                scales[(b * groups + g) * 16 + l] = h;
+                uint8_t u[W4_GROUP];
+                for (int k = 0; k < W4_GROUP; k++) {
+                    float q = sf > 0.f ? nearbyintf(v[k] / sf) : 0.f;
+                    q = q >= -8.f ? (q <= 7.f ? q : 7.f) : -8.f;  /* NaN: -8 */
+                    u[k] = (uint8_t)((int)q + 8);
+                }
+                for (int o = 0; o < W4_GROUP / 8; o++) {
+                    uint8_t *line = packed + (b * lines + g * (W4_GROUP / 8) + o) * 64;
+                    for (int i = 0; i < 4; i++)
+                        line[4 * l + i] = (uint8_t)(u[8 * o + i] | (u[8 * o + 4 + i] << 4));
+                }
+            }
     return 0;
 }
 

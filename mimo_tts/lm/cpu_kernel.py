@@ -127,6 +127,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.attend_one_floats.restype = ctypes.c_long
     lib.pack_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
                               ctypes.c_long, ctypes.c_int]
+    lib.pack_w4.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
+                            ctypes.c_long, ctypes.c_long, ctypes.c_int]
     # AMX tiles for every row count where the CPU grants them: a row's sums then do not
     # depend on how many rows share a product (the dot products sum in another order), so a
     # job in a batch equals its single run. From 2 rows the tiles are also the faster path;
@@ -330,31 +332,22 @@ def w4a8_bytes(rows: int, cols: int) -> int:
     return rows * cols // 2 + rows * cols // W4_GROUP * 2
 
 
-def pack_w4a8(lib: ctypes.CDLL | None, weight: Tensor, out: Tensor | None = None) -> Tensor:
-    """weight [out, in] -> uint8 [out / 16, in / 8, 64] packed for the kernel's w4a8 products
-    (cpu_kernel.c says the layout) into `out` (`w4a8_bytes` bytes: the 4-bit lines, then the
-    float16 group scales [out / 16, in / 32, 16], carried as `.scale`) or a new tensor. Each
-    group of 32 columns of a row: symmetric, scale max |w| / 7 rounded to float16, values
-    round(w / scale) in -8..7 stored plus 8. `lib` is unused (the layout is written here)."""
-    del lib
+def pack_w4a8(lib: ctypes.CDLL, weight: Tensor, out: Tensor | None = None) -> Tensor:
+    """weight [out, in] bfloat16 -> uint8 [out / 16, in / 8, 64] packed for the kernel's w4a8
+    products (cpu_kernel.c says the layout and the rounding; written there, `pack_w4`, on
+    every thread) into `out` (`w4a8_bytes` bytes: the 4-bit lines, then the float16 group
+    scales [out / 16, in / 32, 16], carried as `.scale`) or a new tensor. Each group of 32
+    columns of a row: symmetric, scale max |w| / 7 rounded to float16, values
+    round(w / scale) in -8..7 stored plus 8."""
     rows, cols = weight.shape
     blocks, lines, groups = rows // PACK_ROWS, cols // 8, cols // W4_GROUP
     nbytes = w4a8_bytes(rows, cols)
     buf = torch.empty(nbytes, dtype=torch.uint8) if out is None else out.view(torch.uint8)
     packed = buf[:rows * cols // 2].view(blocks, lines, 64)
     scales = buf[rows * cols // 2:nbytes].view(torch.float16).view(blocks, groups, PACK_ROWS)
-    for start in range(0, rows, int8.CHUNK):  # bounds the float32 copy, as int8's
-        w = weight.detach()[start:start + int8.CHUNK].float()
-        n = w.shape[0]
-        grouped = w.view(n, groups, W4_GROUP)
-        scale = (grouped.abs().amax(dim=2) / 7).to(torch.float16)  # [n, groups]
-        wide = scale.float()[:, :, None]
-        q = torch.where(wide > 0, torch.round(grouped / wide), 0.0).clamp(-8, 7)
-        u = (q + 8).to(torch.uint8).view(n // PACK_ROWS, PACK_ROWS, lines, 2, 4)
-        line = u[:, :, :, 0] | (u[:, :, :, 1] << 4)  # [block, row, line, 4]
-        b0, b1 = start // PACK_ROWS, (start + n) // PACK_ROWS
-        packed[b0:b1] = line.permute(0, 2, 1, 3).reshape(n // PACK_ROWS, lines, 64)
-        scales[b0:b1] = scale.view(n // PACK_ROWS, PACK_ROWS, groups).transpose(1, 2)
+    source = weight.detach().contiguous()
+    lib.pack_w4(source.data_ptr(), packed.data_ptr(), scales.data_ptr(), cols, 0, blocks,
+                torch.get_num_threads())
     packed.scale = scales
     return packed
 

@@ -73,6 +73,36 @@ def _integer_reference(x, packed, bias):
     return (f.double() * scale.double()[:, None] + bias.double()).float().bfloat16()
 
 
+def _reference_pack(weight):
+    """The packing as its definition reads, in PyTorch: lines [out / 16, in / 8, 64], scales
+    [out / 16, in / 32, 16] (float16)."""
+    rows, cols = weight.shape
+    grouped = weight.float().view(rows, cols // GROUP, GROUP)
+    scale = (grouped.abs().amax(dim=2) / 7).half()  # float32 division, then nearest even
+    wide = scale.float()[:, :, None]
+    q = torch.where(wide > 0, torch.round(grouped / wide), 0.0).clamp(-8, 7)
+    u = (q + 8).to(torch.uint8).view(rows // 16, 16, cols // 8, 2, 4)
+    lines = (u[:, :, :, 0] | (u[:, :, :, 1] << 4)).permute(0, 2, 1, 3)
+    return (lines.reshape(rows // 16, cols // 8, 64),
+            scale.view(rows // 16, 16, cols // GROUP).transpose(1, 2))
+
+
+def test_the_kernel_packs_as_the_definition_reads_over_every_magnitude():
+    """Group maxima from 1e-12 to 1e5 (float16 scales denormal, normal, near the top, and
+    rounding to 0 or infinity): the kernel's lines and scales equal the reference's bytes."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(64, 32 * GROUP, generator=gen)
+    exponent = torch.empty(64, 32).uniform_(-14, 5.5, generator=gen)
+    weight = (weight.view(64, 32, GROUP) * (10 ** exponent)[:, :, None]).view(64, -1)
+    weight[0, :GROUP] = 0.0
+    weight = weight.bfloat16()
+    lines, scales = _reference_pack(weight)
+    assert (scales == 0).any() and scales.isinf().any() and (scales.abs() < 2 ** -14).any()
+    packed = cpu_kernel.pack_w4a8(cpu_kernel.library(), weight)
+    assert torch.equal(packed.scale.view(torch.int16), scales.contiguous().view(torch.int16))
+    assert torch.equal(packed, lines)
+
+
 def test_packing_keeps_the_4bit_values_and_their_group_scales():
     _, weight, _ = _operands()
     packed = cpu_kernel.pack_w4a8(cpu_kernel.library(), weight)
@@ -83,7 +113,7 @@ def test_packing_keeps_the_4bit_values_and_their_group_scales():
     assert values.abs().max() <= 8
     per_group = values.view(96, 10, GROUP).abs().amax(2)
     assert (per_group == 7).all()  # max |w| / 7 (float16): the largest of a group is +-7
-    want = (weight.double().view(96, 10, GROUP).abs().amax(2) / 7).half().double()
+    want = (weight.float().view(96, 10, GROUP).abs().amax(2) / 7).half().double()
     assert torch.equal(scales, want)
     dense = cpu_kernel.unpack_w4a8(packed)
     assert torch.equal(dense.double(), values * scales.repeat_interleave(GROUP, dim=1))
