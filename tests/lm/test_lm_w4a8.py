@@ -2,8 +2,8 @@
 weights in groups of 32 columns with float16 scales, packed in 16-row blocks, times each row's
 activations quantized to signed bytes in the kernel. A group's sums are exact integers and
 the groups add in one order, so a row's bytes are the same alone or in a batch of any width,
-on any thread count and on every instruction-set path; a whole w4a8 model stays near float32
-and never runs unasked."""
+on any thread count and on every instruction-set path (the refusals and a whole model's
+generation: test_lm_w8a8.py, for both profiles)."""
 
 from __future__ import annotations
 
@@ -13,34 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mimo_tts.errors import UsageError
 from mimo_tts.lm import cpu_kernel
-from mimo_tts.lm.generate import generate
 from mimo_tts.lm.load import load_lm
 from mimo_tts.lm.native import NativeEngine
 
+from .conftest import assert_rows_alike_everywhere, on_every_path, operands
+
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
-LEVELS = {"avx512": 2, "avx2": 1, "c": 0}
 GROUP = cpu_kernel.W4_GROUP
-
-
-def _paths() -> list[str]:
-    isa = cpu_kernel.features()
-    return (["avx512"] if isa["avx512_bf16"] else []) + (["avx2"] if isa["avx2"] else []) + ["c"]
-
-
-@pytest.fixture(params=_paths())
-def path(request):
-    cpu_kernel.set_isa(LEVELS[request.param])
-    yield request.param
-    cpu_kernel.set_isa(2)
-
-
-def _operands(out=96, width=320, rows=17, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(rows, width, generator=gen).bfloat16(),
-            torch.randn(out, width, generator=gen).bfloat16(),
-            torch.randn(out, generator=gen).bfloat16())
 
 
 def _values_and_scales(packed):
@@ -104,7 +84,7 @@ def test_the_kernel_packs_as_the_definition_reads_over_every_magnitude():
 
 
 def test_packing_keeps_the_4bit_values_and_their_group_scales():
-    _, weight, _ = _operands()
+    _, weight, _ = operands()
     packed = cpu_kernel.pack_w4a8(cpu_kernel.library(), weight)
     assert packed.dtype == torch.uint8 and packed.shape == (6, 40, 64)
     assert packed.scale.dtype == torch.float16 and packed.scale.shape == (6, 10, 16)
@@ -123,8 +103,8 @@ def test_packing_keeps_the_4bit_values_and_their_group_scales():
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_products_equal_the_integer_arithmetic_on_every_path(path, bias):
-    x, weight, b = _operands()
+def test_products_equal_the_integer_arithmetic_on_every_path(isa_path, bias):
+    x, weight, b = operands()
     b = b if bias else None
     packed = cpu_kernel.pack_w4a8(cpu_kernel.library(), weight)
     want = _integer_reference(x, packed, torch.zeros(96) if b is None else b)
@@ -138,23 +118,9 @@ def test_products_equal_the_integer_arithmetic_on_every_path(path, bias):
 def test_a_row_is_the_same_bytes_at_every_width_thread_count_and_path():
     """Widths 1-17 and 40 (tiles of 1-8 vectors, chunks of groups past 8) on a matrix of 33
     groups (the chunks' edge), 1-3 threads, each path."""
-    x, weight, b = _operands(rows=40, width=33 * GROUP)
+    x, weight, b = operands(rows=40, width=33 * GROUP)
     packed = cpu_kernel.pack_w4a8(cpu_kernel.library(), weight)
-    alone = torch.cat([cpu_kernel.packed_linear(x[r:r + 1], packed, b) for r in range(40)])
-    before = torch.get_num_threads()
-    try:
-        for level in sorted({LEVELS[p] for p in _paths()}):
-            cpu_kernel.set_isa(level)
-            for n in (*range(1, 18), 40):
-                assert torch.equal(cpu_kernel.packed_linear(x[:n], packed, b), alone[:n]), \
-                    (level, n)
-            for threads in (1, 2, 3):
-                torch.set_num_threads(threads)
-                assert torch.equal(cpu_kernel.packed_linear(x, packed, b), alone), threads
-            torch.set_num_threads(before)
-    finally:
-        cpu_kernel.set_isa(2)
-        torch.set_num_threads(before)
+    alone = assert_rows_alike_everywhere(x, packed, b)
     torch.testing.assert_close(alone.float(), _integer_reference(x, packed, b).float(),
                                rtol=2 ** -7, atol=1e-6)
 
@@ -181,13 +147,7 @@ def test_edge_rows_quantize_alike_on_every_path():
     assert scales[0, 0] == 0 and scales[2, 2] == 0 and not values[2, 2 * GROUP:3 * GROUP].any()
     assert 0 < scales[1, 1] < 2 ** -14
     bias = torch.zeros(32)
-    results = []
-    try:
-        for level in sorted({LEVELS[p] for p in _paths()}):
-            cpu_kernel.set_isa(level)
-            results.append(cpu_kernel.packed_linear(x, packed))
-    finally:
-        cpu_kernel.set_isa(2)
+    results = on_every_path(lambda: cpu_kernel.packed_linear(x, packed))
     for got in results:
         assert torch.equal(got, results[0])
     torch.testing.assert_close(results[0].float(), _integer_reference(x, packed, bias).float(),
@@ -196,14 +156,14 @@ def test_edge_rows_quantize_alike_on_every_path():
 
 
 def test_a_row_of_zeros_gives_the_bias():
-    _, weight, b = _operands()
+    _, weight, b = operands()
     packed = cpu_kernel.pack_w4a8(cpu_kernel.library(), weight)
     assert torch.equal(cpu_kernel.packed_linear(torch.zeros(2, 320).bfloat16(), packed, b),
                        b.expand(2, 96))
 
 
 def test_outside_the_kernel_a_packed_weight_multiplies_as_its_dense_form():
-    x, weight, b = _operands(rows=3)
+    x, weight, b = operands(rows=3)
     packed = cpu_kernel.pack_w4a8(cpu_kernel.library(), weight)
     dense = cpu_kernel.unpack_w4a8(packed, torch.float32)
     got = cpu_kernel.packed_linear(x.float(), packed, b.float())  # float32: not the kernel's
@@ -230,16 +190,6 @@ def test_load_packs_the_streamed_matrices_as_4bit_groups(w4a8_lm):
     assert step.packed == 3
 
 
-def test_w4a8_is_opt_in_and_refused_where_it_cannot_run(lm, lm_dir):
-    assert lm.quant is None
-    with pytest.raises(UsageError, match="needs bfloat16"):
-        load_lm(lm_dir, quant="w4a8")
-    with pytest.raises(UsageError, match="CPU only"):
-        load_lm(lm_dir, device="cuda", dtype=torch.bfloat16, quant="w4a8")
-    with pytest.raises(UsageError, match="kernel, which is off"):
-        load_lm(lm_dir, dtype=torch.bfloat16, quant="w4a8", cpu_kernel="off")
-
-
 def test_a_matrix_not_in_whole_groups_is_refused_with_the_way_out(lm_dir):
     model = load_lm(lm_dir, dtype=torch.bfloat16, cpu_kernel="off")
     model.cpu_kernel = "auto"
@@ -250,28 +200,6 @@ def test_a_matrix_not_in_whole_groups_is_refused_with_the_way_out(lm_dir):
     why = cpu_kernel.packed_quant_refusal(model, "w4a8")
     assert "48 columns" in why and "w8a8" in why
     assert cpu_kernel.packed_quant_refusal(model, "w8a8") == ""
-
-
-def test_w4a8_generation_tracks_float32_and_batches_equal_single_runs(
-        lm_dir, w4a8_lm, special, case_tensors, greedy_options):
-    """The first group's logits follow float32's (tiny-a's random weights, 2 groups a row:
-    some 50% RMS apart, cosine 0.85; a wrong nibble, row or scale gives noise, cosine near 0;
-    the drift at full width is reported by scripts/lm_quant_drift.py); a batch of two prompts
-    gives each the bytes of its own run, through the kernel step and the eager one alike."""
-    prompt = case_tensors("lm_generate")["gen_tts_en_free_greedy.input_ids"]
-    other = prompt[:, : prompt.shape[1] - 8]
-    options = greedy_options(max_new_groups=3, keep_logits=True)
-    exact = generate(load_lm(lm_dir), [prompt], options, special)[0]
-    runs = {mode: generate(w4a8_lm, [prompt, other],
-                           greedy_options(max_new_groups=3, keep_logits=True, decode_step=mode),
-                           special) for mode in ("auto", "eager")}
-    single = [generate(w4a8_lm, [p], options, special)[0] for p in (prompt, other)]
-    for mode, batch in runs.items():
-        for got, want in zip(batch, single, strict=True):
-            assert torch.equal(got.new_ids, want.new_ids), mode
-    got, want = single[0].step_logits[0].float(), exact.step_logits[0].float()
-    assert F.cosine_similarity(got, want, dim=0) > 0.75
-    assert (got - want).pow(2).mean() < 0.75 ** 2 * want.pow(2).mean()
 
 
 def test_the_cli_runs_w4a8_and_keeps_it_apart_from_w8a8_results(mimo, tmp_path):
