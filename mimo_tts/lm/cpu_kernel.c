@@ -1,6 +1,7 @@
 /* One decode position through a Qwen2 stack (the patch decoder), every layer in one call.
  * Rounds where the PyTorch modules produce a tensor of the model dtype, so bfloat16 tracks
  * the eager path; float32 is plain float math. */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -1646,6 +1647,39 @@ int pack_bf16(const uint32_t *w, uint32_t *packed, long pairs, long b0, long b1,
                 for (int l = 0; l < 16; l++) dst[p * 16 + l] = src[l * pairs + p];
         }
     }
+    return 0;
+}
+
+/* ---- packing as int8 (w8a8, above): W [out, in] bfloat16, blocks [b0, b1), on `threads`
+ * threads, into `packed` and `rowdata` (scales [out], then the rows' sums as int32 [out]).
+ * Each row: s = max(max |w| / 127, FLT_MIN) (float), q = nearbyint(w / s) clamped to
+ * -127..127, as `mimo_tts.lm.int8.quantize_rows` defines it. */
+int pack_w8(const bf16 *w, int8_t *packed, float *rowdata, long in, long out, long b0, long b1,
+            int threads) {
+    long quads = in / 4;
+    int32_t *sums = (int32_t *)(rowdata + out);
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (long b = b0; b < b1; b++)
+        for (int l = 0; l < 16; l++) {
+            long r = 16 * b + l;
+            const bf16 *row = w + r * in;
+            float top = 0.f;
+            for (long k = 0; k < in; k++) {
+                float m = fabsf(bf2f(row[k]));
+                top = m > top ? m : top;
+            }
+            float scale = top / 127.f;
+            scale = scale >= FLT_MIN ? scale : FLT_MIN;
+            int32_t sum = 0;
+            for (long k = 0; k < in; k++) {
+                float q = nearbyintf(bf2f(row[k]) / scale);
+                q = q >= -127.f ? (q <= 127.f ? q : 127.f) : -127.f;
+                packed[((b * quads + k / 4) * 16 + l) * 4 + k % 4] = (int8_t)q;
+                sum += (int32_t)q;
+            }
+            rowdata[r] = scale;
+            sums[r] = sum;
+        }
     return 0;
 }
 

@@ -55,7 +55,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mimo_tts.errors import UsageError
-from mimo_tts.lm import int8
 from mimo_tts.lm.config import quant_refusal
 from mimo_tts.lm.model import (
     PACK_ROWS,
@@ -127,6 +126,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.attend_one_floats.restype = ctypes.c_long
     lib.pack_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
                               ctypes.c_long, ctypes.c_int]
+    lib.pack_w8.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
+                            ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int]
     lib.pack_w4.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
                             ctypes.c_long, ctypes.c_long, ctypes.c_int]
     # AMX tiles for every row count where the CPU grants them: a row's sums then do not
@@ -299,22 +300,19 @@ def packable_w8a8(weight: Tensor | None) -> bool:
 
 
 def pack_w8a8(lib: ctypes.CDLL, weight: Tensor, out: Tensor | None = None) -> Tensor:
-    """weight [out, in] -> int8 [out / 16, in / 4, 64] packed for the kernel's w8a8 products
-    (cpu_kernel.c says the layout), into `out` (bytes) or a new tensor, carrying its rowdata
-    as `.scale`: float32 [2 * out], the row scales (int8.quantize_rows: symmetric, max |w| /
-    127) then the rows' sums of the int8 values as int32 bits."""
+    """weight [out, in] bfloat16 -> int8 [out / 16, in / 4, 64] packed for the kernel's w8a8
+    products (cpu_kernel.c says the layout), quantized and written there (`pack_w8`, on every
+    thread) into `out` (bytes) or a new tensor, carrying its rowdata as `.scale`: float32
+    [2 * out], the row scales (as `int8.quantize_rows`: symmetric, max |w| / 127) then the
+    rows' sums of the int8 values as int32 bits."""
     rows, cols = weight.shape
     shape = (rows // PACK_ROWS, cols // 4, 4 * PACK_ROWS)
     out = (torch.empty(shape, dtype=torch.int8) if out is None
            else out.view(torch.int8).view(shape))
     rowdata = torch.empty(2 * rows, dtype=torch.float32)
-    for start in range(0, rows, int8.CHUNK):  # bounds the float32 copy (lm_head: 2.5 GB whole)
-        q = int8.quantize_rows(weight.detach()[start:start + int8.CHUNK])
-        end = start + q.shape[0]
-        lib.pack_bf16(q.data_ptr(), out[start // PACK_ROWS:end // PACK_ROWS].data_ptr(),
-                      cols // 4, 0, q.shape[0] // PACK_ROWS, torch.get_num_threads())
-        rowdata[start:end] = q.scale
-        rowdata[rows + start:rows + end] = q.sum(dim=1, dtype=torch.int32).view(torch.float32)
+    source = weight.detach().contiguous()
+    lib.pack_w8(source.data_ptr(), out.data_ptr(), rowdata.data_ptr(), cols, rows, 0,
+                shape[0], torch.get_num_threads())
     out.scale = rowdata
     return out
 

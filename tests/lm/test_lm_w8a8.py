@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from mimo_tts.errors import UsageError
-from mimo_tts.lm import cpu_kernel
+from mimo_tts.lm import cpu_kernel, int8
 from mimo_tts.lm.generate import generate
 from mimo_tts.lm.load import load_lm
 from mimo_tts.lm.native import NativeEngine
@@ -39,6 +39,23 @@ def _integer_reference(x, packed, bias):
     w = torch.round(cpu_kernel.unpack_w8a8(packed) / packed.scale[:out, None]).double()
     sums = a @ w.T - zero[:, None].double() * w.sum(1)[None]
     return (sums.float() * (scale[:, None] * packed.scale[None, :out]) + bias.float()).bfloat16()
+
+
+def test_the_kernel_packs_as_quantize_rows_defines_over_every_magnitude():
+    """Rows of magnitudes from 1e-40 to 1e30, a zero row and one at 1e-45 (the scale's floor):
+    the kernel's bytes, scales and sums equal `int8.quantize_rows`' laid out in blocks."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(64, 200, generator=gen)
+    weight *= (10 ** torch.empty(64, 1).uniform_(-40, 30, generator=gen))
+    weight[0] = 0.0
+    weight[1] = 1e-45
+    weight = weight.bfloat16()
+    q = int8.quantize_rows(weight)
+    lines = q.view(4, 16, 50, 4).permute(0, 2, 1, 3).reshape(4, 50, 64)
+    packed = cpu_kernel.pack_w8a8(cpu_kernel.library(), weight)
+    assert torch.equal(packed, lines)
+    assert torch.equal(packed.scale[:64], q.scale)
+    assert torch.equal(packed.scale[64:].view(torch.int32), q.sum(dim=1, dtype=torch.int32))
 
 
 def test_packing_keeps_the_int8_rows_their_scales_and_sums():
