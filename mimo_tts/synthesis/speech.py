@@ -19,6 +19,7 @@ import torch
 
 from mimo_tts.errors import InputError, OptionTypeError
 from mimo_tts.runtime import runner_record
+from mimo_tts.runtime.openmp import release_team
 from mimo_tts.synthesis.audio import (
     PAUSE_FRAMES,
     SAMPLE_RATE,
@@ -261,6 +262,7 @@ def _background(chunks: Iterator) -> Iterator:
         except BaseException as exc:  # re-raised in the caller's thread
             out.put(exc)
 
+    release_team()  # this thread's OpenMP team would throttle the stream's (runtime/openmp.py)
     threading.Thread(target=run, name="mimo-tts-stream", daemon=True).start()
     while (chunk := out.get()) is not None:
         if isinstance(chunk, BaseException):

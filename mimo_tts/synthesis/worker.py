@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from mimo_tts.errors import MimoTTSError
 from mimo_tts.runtime.guards import oom_advice, thread_budget
+from mimo_tts.runtime.openmp import release_team
 from mimo_tts.synthesis.pieces import Piece
 from mimo_tts.synthesis.streaming import FrameCollector, lead_groups, push_schedule
 from mimo_tts.synthesis.tempo import stretch
@@ -209,7 +210,10 @@ class SpeechWorker:
 
     # -- the online face: own threads, jobs from any thread ------------------------------------
     def start(self) -> SpeechWorker:
-        """Start the Stage-0 thread (and Stage-1's, in thread mode); jobs come by `submit`."""
+        """Start the Stage-0 thread (and Stage-1's, in thread mode); jobs come by `submit`.
+        The calling thread gives its OpenMP team back first (`runtime.openmp.release_team`):
+        kept beside the Stage-0 thread's own, it would make both spin short."""
+        release_team()
         self.feed = _Feed(self)
         self.threads = [threading.Thread(target=self._serve, name="mimo-tts-stage0",
                                          daemon=True)]
