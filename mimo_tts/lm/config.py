@@ -33,6 +33,7 @@ TASK_STOP_TOKENS: dict[str, tuple[str, ...]] = {
 # "w4a8" 4-bit weights in groups of 32 columns by int8 activations, in the same kernel.
 LM_QUANTS = ("int8", "w8a8", "w4a8")
 KERNEL_QUANTS = ("w8a8", "w4a8")  # the CPU kernel's own: packed at load, bfloat16 models
+W4_GROUP = 32  # w4a8: columns per float16 scale of a 4-bit row (cpu_kernel.c, W4_GROUP)
 FLOAT32_TINY = 2.0**-126  # the smallest normal float32 (torch.finfo(torch.float32).tiny)
 
 

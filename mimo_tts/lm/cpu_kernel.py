@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mimo_tts.errors import UsageError
-from mimo_tts.lm.config import quant_refusal
+from mimo_tts.lm.config import W4_GROUP, quant_refusal
 from mimo_tts.lm.model import (
     PACK_ROWS,
     KVCache,
@@ -315,9 +315,6 @@ def pack_w8a8(lib: ctypes.CDLL, weight: Tensor, out: Tensor | None = None) -> Te
                 shape[0], torch.get_num_threads())
     out.scale = rowdata
     return out
-
-
-W4_GROUP = 32  # columns per float16 scale of a 4-bit row (cpu_kernel.c, W4_GROUP)
 
 
 def packable_w4a8(weight: Tensor | None) -> bool:

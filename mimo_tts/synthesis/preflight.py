@@ -18,6 +18,7 @@ from pathlib import Path
 
 from mimo_tts import presets
 from mimo_tts.errors import CheckpointError, DeviceError, NotEnoughMemoryError, UsageError
+from mimo_tts.lm.config import W4_GROUP
 from mimo_tts.lm.engine import engine_spec
 from mimo_tts.runtime.devices import DTYPE_BYTES, Probe, cpu_flags
 from mimo_tts.runtime.machine import GIB, available, gib, packed_fits, stated
@@ -263,7 +264,7 @@ _STREAMED = re.compile(rf"(model|local_transformer|input_local_transformer)\.lay
 QUANTIZED = {
     "int8": (re.compile(rf"(model|local_transformer)\.layers\.\d+\.{_PROJ}|lm_head\.weight"), 1.0),
     "w8a8": (_STREAMED, 1.0),
-    "w4a8": (_STREAMED, 0.5 + 2 / 32),
+    "w4a8": (_STREAMED, 0.5 + 2 / W4_GROUP),
 }
 
 
