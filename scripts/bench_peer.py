@@ -240,8 +240,7 @@ def worker(side: str, part: str, dtype_name: str, threads: int, inputs_path: str
         from mimo_tts.codec.gemm import choose
 
         choice = choose(mode=_codec_kernel())
-        ready["engine"] = ("bf16x3 GEMM " if choice.active else "float32 oneDNN ") + \
-            f"({choice.reason})"
+        ready["engine"] = f"{choice.words} ({choice.reason})"
     replies.write(json.dumps(ready) + "\n")
     replies.flush()
     for line in sys.stdin:

@@ -1,16 +1,25 @@
-"""float32 linears of the codec through a bf16x3 AMX GEMM of our own (gemm.c beside this file).
+"""The codec's float32 CPU linears packed once at load, and how (`choose`, per machine).
 
-Each float32 operand is split into two bfloat16 halves and multiplied three times in AMX tiles
-with float32 accumulation (~16 mantissa bits per operand, outputs within ~1e-5 relative of the
-float32 product); bias and residual are added in float32. On an AMX Xeon that ran about twice
-as fast as PyTorch's float32 product. Weights are split and packed once (`PackedGemm`),
-activations per call; `choose` decides per machine, by measurement, whether it runs.
+Two engines, both REPLACING the float32 weights (memory stays that of the weights):
+
+- "bf16x3": a GEMM of our own (gemm.c beside this file). Each float32 operand is split into
+  two bfloat16 halves and multiplied three times in AMX tiles with float32 accumulation (~16
+  mantissa bits per operand, outputs within ~1e-5 relative of the float32 product); bias and
+  residual are added in float32. On an AMX Xeon that ran about twice as fast as PyTorch's
+  float32 product. Weights are split and packed once (`PackedGemm`), activations per call.
+- "onednn": the same float32 products as the plain path, with the weights reordered once into
+  oneDNN's blocked layout (`layers.PackedFloat32`) instead of inside every call. Without AMX
+  (an AMD EPYC, say) that is 1.04-1.26x at the codec's shapes and up to 2.6x for a few rows.
+
+`choose` takes the first that runs and measured faster here; beside an LM whose weights the
+machine cannot also hold packed, the encoder's layers stay mapped (`Packing.encoder`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 from importlib.resources import files
 
 import torch
@@ -18,8 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mimo_tts.runtime import pages
-from mimo_tts.runtime.devices import CODEC_KERNEL_ENV, Choice
-from mimo_tts.runtime.kernels import bind, settled
+from mimo_tts.runtime.devices import CODEC_KERNEL_ENV, check_kernel_mode
+from mimo_tts.runtime.kernels import bind
 from mimo_tts.runtime.measured import Decision, alternating_best, decide
 
 SOURCE = files("mimo_tts.codec") / "gemm.c"
@@ -71,21 +80,13 @@ class PackedGemm:
             self.bias = torch.cat([m.bias.detach() if m.bias is not None else w.new_zeros(len(w))
                                    for m, w in zip(modules, weights, strict=True)]).float()
         del weight
-        for w in weights:
-            pages.drop(w)
+        self.placeholders = replace_weights(modules, weights)
         del weights
-        for m in modules:
-            m.weight = nn.Parameter(torch.empty(m.weight.shape, device="meta"),
-                                    requires_grad=False)
-        self.placeholders = [m.weight for m in modules]
 
     def current(self, weights: list, x: Tensor, residual: Tensor | None = None) -> bool:
         """Whether the modules still hold the placeholders and x (and residual) are float32
         on the CPU."""
-        return x.device.type == "cpu" and x.dtype == torch.float32 and \
-            (residual is None or residual.dtype == torch.float32) and \
-            len(weights) == len(self.placeholders) and \
-            all(w is p for w, p in zip(weights, self.placeholders, strict=True))
+        return holds(self.placeholders, weights, x, residual)
 
     def __call__(self, x: Tensor, gelu: bool = False, residual: Tensor | None = None) -> Tensor:
         """x @ weight.T + bias, then GELU(erf) or `+ residual`; float32, x's leading shape."""
@@ -122,6 +123,25 @@ class PackedGemm:
             m.weight = nn.Parameter(w, requires_grad=False)
 
 
+def replace_weights(modules: list[nn.Linear], weights: list[Tensor]) -> list[nn.Parameter]:
+    """After `weights` (the modules' float32 weights) were packed: give back their mapped file
+    pages and put meta-device placeholders of the same shapes in the modules; the placeholders."""
+    for w in weights:
+        pages.drop(w)
+    for m in modules:
+        m.weight = nn.Parameter(torch.empty(m.weight.shape, device="meta"), requires_grad=False)
+    return [m.weight for m in modules]
+
+
+def holds(placeholders: list, weights: list, x: Tensor, residual: Tensor | None) -> bool:
+    """Whether the modules still hold `placeholders` (`weights`, as read from them now) and x
+    (and residual) are float32 on the CPU: a packed product still applies."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and \
+        (residual is None or residual.dtype == torch.float32) and \
+        len(weights) == len(placeholders) and \
+        all(w is p for w, p in zip(weights, placeholders, strict=True))
+
+
 def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -148,28 +168,113 @@ def measure() -> tuple[bool, float, float]:
     return ours < theirs, round(flops / ours / 1e9), round(flops / theirs / 1e9)
 
 
-def choose(beside: int = 0, weights: int = 0, mode: str = "auto") -> Choice:
-    """Whether the codec's float32 CPU linears run through the GEMM, and why (not), in `mode`
-    (the run's `Placement.codec_kernel`, which MIMO_TTS_CODEC_KERNEL sets): "on" wherever AMX
-    runs it, "auto" where it measured faster than torch's float32 product (`faster`) and memory
-    allows, "off" never.
+@functools.cache
+def onednn_packs() -> str:
+    """"" where oneDNN reorders and runs float32 linear weights in this torch, else why not."""
+    try:
+        weight = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16), 1)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(2, 16), weight, None, "none", [], "")
+    except (AttributeError, RuntimeError) as exc:
+        return f"no oneDNN float32 linear in this torch ({type(exc).__name__})"
+    return ""
 
-    Packed, the tokenizer's `weights` bytes become anonymous memory, which the kernel can no
-    longer drop and re-read like the checkpoint's file pages; with `beside` bytes of LM weights
-    on the CPU (file pages the LM reads every step) auto packs only when both and PACK_HEADROOM fit
-    in the machine's memory (`machine.cpu_total`): on a 24 GiB machine with the full-size LM the
-    squeezed page cache made Stage-0 re-read its weights from disk (1.48 s a group, not 1.19).
+
+@functools.cache
+def onednn_faster() -> Decision:
+    """Whether the codec's float32 linears run faster with their weights in oneDNN's blocked
+    layout than plain on this machine (`measure_onednn`, measured once per machine, kept)."""
+    return decide("codec_packed_float32", "float32 [512, 1280] x [1280, 2560] and [44, 1280] x "
+                  "[1280, 2560] reordered", measure_onednn)
+
+
+def measure_onednn() -> tuple[bool, float, float]:
+    """Whether a reordered float32 weight beats the plain one in oneDNN's own product (what
+    the unpacked codec runs): (faster, packed GFLOP/s, plain GFLOP/s), best of 5 alternating
+    rounds after a warm-up, over the codec's fc1 shape halved and a streamed push of 44 rows."""
+    with torch.device("cpu"):
+        gen = torch.Generator().manual_seed(0)
+        xs = [torch.randn(rows, 1280, generator=gen) for rows in (512, 44)]
+        weight = torch.randn(2560, 1280, generator=gen) / 1280**0.5
+        bias = torch.randn(2560, generator=gen)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 512)
+
+    def run(w: Tensor) -> None:
+        for x in xs:
+            torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+    ours, theirs = alternating_best(lambda: run(packed), lambda: run(weight))
+    flops = 2 * (512 + 44) * 1280 * 2560
+    return ours < theirs, round(flops / ours / 1e9), round(flops / theirs / 1e9)
+
+
+ENGINES = {"bf16x3": "bf16x3 AMX products", "onednn": "oneDNN's blocked float32 layout"}
+
+
+@dataclass(frozen=True)
+class Packing:
+    """How the codec's float32 CPU linears run: `engine` "bf16x3" (`PackedGemm`), "onednn"
+    (`layers.PackedFloat32`) or None (plain float32 weights, as mapped); whether the encoder's
+    layers are packed too (else only the decoder's and vocoder's); why, in words."""
+
+    engine: str | None
+    encoder: bool
+    reason: str
+
+    @property
+    def active(self) -> bool:
+        return self.engine is not None
+
+    @property
+    def words(self) -> str:
+        """"bf16x3 AMX products", ..., or "plain float32" (the -v log)."""
+        return ENGINES.get(self.engine, "plain float32")
+
+
+PLAIN = Packing(None, False, "not asked")
+
+
+def choose(beside: int = 0, weights: int = 0, mode: str = "auto") -> Packing:
+    """How the codec's float32 CPU linears run in `mode` (the run's `Placement.codec_kernel`,
+    which MIMO_TTS_CODEC_KERNEL sets): "off" plain; "on" the GEMM where AMX runs it, else
+    oneDNN's layout; "auto" the first of the two that measured faster here than the plain
+    product (`faster`, `onednn_faster`), else plain.
+
+    Packed, the tokenizer's weights become anonymous memory, which the kernel can no longer
+    drop and re-read like the checkpoint's file pages. The decoder's (and vocoder's) are read
+    by every run anyway, so packing them costs nothing beside the LM; the encoder's are read
+    only for a voice prompt. With `beside` bytes of LM weights on the CPU (file pages the LM
+    reads every step) auto packs the encoder too only when both and PACK_HEADROOM fit in the
+    machine's memory (`machine.cpu_total`): on a 24 GiB machine with the full-size LM the
+    whole tokenizer packed squeezed the page cache and Stage-0 re-read its weights from disk
+    (1.48 s a group, not 1.19).
     """
-    forced = settled(mode, "codec kernel", CODEC_KERNEL_ENV, lambda: _build()[1],
-                     "bf16x3 AMX products")
-    if forced is not None:
-        return forced
-    if beside:
+    if check_kernel_mode(mode, "codec kernel") == "off":
+        return Packing(None, False, f"off ({CODEC_KERNEL_ENV}=0)")
+    encoder, scope = True, ""
+    if beside and mode != "on":
         from mimo_tts.runtime.machine import PACK_HEADROOM, cpu_total, gib, packed_fits
 
         if not packed_fits(beside, weights):
-            return Choice(False, f"auto: off, {gib(weights)} of packed tokenizer weights beside "
-                                 f"{gib(beside)} of LM weights would leave under "
-                                 f"{gib(PACK_HEADROOM)} of {gib(cpu_total())}")
-    decision = faster()
-    return Choice(decision.faster, f"auto: bf16x3 AMX vs float32: {decision.words('GFLOP/s')}")
+            encoder = False
+            scope = (f"; encoder left mapped: {gib(weights)} of packed tokenizer weights "
+                     f"beside {gib(beside)} of LM weights would leave under "
+                     f"{gib(PACK_HEADROOM)} of {gib(cpu_total())}")
+    no_gemm = _build()[1]
+    if not no_gemm:
+        if mode == "on":
+            return Packing("bf16x3", encoder, f"on ({CODEC_KERNEL_ENV}=1): {ENGINES['bf16x3']}")
+        decision = faster()
+        if decision.faster:
+            return Packing("bf16x3", encoder, "auto: bf16x3 AMX vs float32: "
+                                              f"{decision.words('GFLOP/s')}{scope}")
+    no_onednn = onednn_packs()
+    if no_onednn:
+        return Packing(None, False, no_gemm or no_onednn)
+    if mode == "on":
+        return Packing("onednn", encoder, f"on ({CODEC_KERNEL_ENV}=1): {ENGINES['onednn']} "
+                                          f"({no_gemm or 'the GEMM measured slower'})")
+    decision = onednn_faster()
+    why = f"auto: oneDNN's blocked vs plain float32: {decision.words('GFLOP/s')}"
+    if not decision.faster:
+        return Packing(None, False, why)
+    return Packing("onednn", encoder, f"{why}{scope}")

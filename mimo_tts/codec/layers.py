@@ -398,6 +398,44 @@ class PackedLinear:
         return onednn_linear(x, self.weight, self.bias, gelu, residual)
 
 
+class PackedFloat32(PackedLinear):
+    """CPU float32 linear weights reordered once into oneDNN's blocked layout, REPLACING the
+    modules' weights (meta-device placeholders; their mapped file pages given back), so memory
+    stays that of the float32 weights. The products are oneDNN's float32 ones, as plain
+    weights get them, without the reorder inside every call (`gemm.choose`, engine "onednn").
+    `weights` gives the float32 weights back exactly."""
+
+    def __init__(self, modules: list[nn.Linear]):
+        self.modules = modules
+        weights = [m.weight.detach() for m in modules]
+        super().__init__(weights, [m.bias for m in modules])
+        self.placeholders = gemm.replace_weights(modules, weights)
+        del weights
+
+    def current(self, weights: list, x: Tensor, residual: Tensor | None = None) -> bool:
+        return gemm.holds(self.placeholders, weights, x, residual)
+
+    def __call__(self, x: Tensor, gelu: bool = False, residual: Tensor | None = None) -> Tensor:
+        # the plain weights are gone: every float32 CPU call is served, laid out as oneDNN wants
+        return onednn_linear(x.contiguous(), self.weight, self.bias, gelu,
+                             None if residual is None else residual.contiguous())
+
+    @property
+    def packed(self) -> Tensor:
+        """The reordered weight (what holds the memory)."""
+        return self.weight
+
+    def weights(self) -> list[Tensor]:
+        """The modules' float32 weights, reordered back (the same values)."""
+        weight = self.weight.to_dense()
+        return [w.contiguous() for w in weight.split([m.weight.shape[0] for m in self.modules])]
+
+    def unpack(self) -> None:
+        """Give the modules plain float32 weights again (`weights`)."""
+        for m, w in zip(self.modules, self.weights(), strict=True):
+            m.weight = nn.Parameter(w, requires_grad=False)
+
+
 def packable() -> bool:
     """Whether this torch has the oneDNN linear ops `PackedLinear` uses."""
     try:
@@ -528,7 +566,7 @@ class TransformerLayer(nn.Module):
 
     def prepack(self, pack) -> None:
         """Pack q/k/v (one product), out_proj, fc1 and fc2 with `pack(list of nn.Linear)`
-        (`PackedLinear.of` or `gemm.PackedGemm`)."""
+        (`PackedLinear.of`, `PackedFloat32` or `gemm.PackedGemm`)."""
         attn = self.self_attn
         attn.packed_qkv = pack([attn.q_proj, attn.k_proj, attn.v_proj])
         for proj in (attn.out_proj, self.fc1, self.fc2):
@@ -551,13 +589,15 @@ def _run_local(layers: nn.ModuleList, rotary: Rotary, x: Tensor, spec: AttnSpec,
     return x[:, start:start + size], kept
 
 
-def prepack(model: nn.Module, use_gemm: bool | None = None, codec_kernel: str = "auto") -> None:
+def prepack(model: nn.Module, packing: gemm.Packing | None = None,
+            codec_kernel: str = "auto") -> None:
     """Prepack the linears of every CPU `TransformerLayer` of `model`: bfloat16 ones in
-    oneDNN's layout (`PackedLinear`), float32 ones for the bf16x3 AMX GEMM where `use_gemm`
-    (default: `gemm.choose` in mode `codec_kernel`) picks it (`gemm.PackedGemm`, which replaces
-    the float32 weights). Their attention goes through the fused kernel where
-    `attention.choose` in mode `codec_kernel` picks it for their dtype (that choice is kept as
-    `model.attention_choice`)."""
+    oneDNN's layout (`PackedLinear`, a copy beside them), float32 ones as `packing` says
+    (default: `gemm.choose` in mode `codec_kernel`): through the bf16x3 AMX GEMM
+    (`gemm.PackedGemm`) or in oneDNN's float32 layout (`PackedFloat32`), both replacing the
+    float32 weights, the encoder's layers only where `packing.encoder`. Their attention goes
+    through the fused kernel where `attention.choose` in mode `codec_kernel` picks it for their
+    dtype (that choice is kept as `model.attention_choice`)."""
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer) and
               isinstance(m.fc1, nn.Linear) and m.fc1.weight.device.type == "cpu"]
     dtypes = {m.fc1.weight.dtype for m in layers}
@@ -570,26 +610,36 @@ def prepack(model: nn.Module, use_gemm: bool | None = None, codec_kernel: str = 
         for m in layers:
             if m.fc1.weight.dtype == torch.bfloat16:
                 m.prepack(PackedLinear.of)
-    if use_gemm is None:
-        use_gemm = torch.float32 in dtypes and gemm.choose(mode=codec_kernel).active
-    if torch.float32 in dtypes and use_gemm:
+    if torch.float32 not in dtypes:
+        return
+    if packing is None:
+        packing = gemm.choose(mode=codec_kernel)
+    if not packing.active:
+        return
+    if packing.engine == "bf16x3":
         lib = gemm.library()
-        for m in layers:
-            if m.fc1.weight.dtype == torch.float32:
-                m.prepack(lambda modules: gemm.PackedGemm(lib, modules))
+        pack = lambda modules: gemm.PackedGemm(lib, modules)  # noqa: E731
+    else:
+        pack = PackedFloat32
+    encoder = getattr(model, "encoder", None)
+    mapped = set() if packing.encoder or encoder is None else {id(m) for m in encoder.modules()}
+    for m in layers:
+        if m.fc1.weight.dtype == torch.float32 and id(m) not in mapped:
+            m.prepack(pack)
 
 
 def _packed_gemms(model: nn.Module):
-    """(module, attribute name, `gemm.PackedGemm`) of every GEMM-packed linear of `model`."""
+    """(module, attribute name, packed product) of every float32 linear of `model` packed in
+    place of its weights (`gemm.PackedGemm`, `PackedFloat32`)."""
     for module in model.modules():
         for name in ("packed", "packed_qkv"):
             packed = getattr(module, name, None)
-            if isinstance(packed, gemm.PackedGemm):
+            if isinstance(packed, gemm.PackedGemm | PackedFloat32):
                 yield module, name, packed
 
 
 def unpack(model: nn.Module) -> None:
-    """Undo `prepack`'s float32 GEMM packing: plain float32 weights again (`PackedGemm.unpack`)."""
+    """Undo `prepack`'s float32 packing: plain float32 weights again (`unpack` of each)."""
     for module, name, packed in list(_packed_gemms(model)):
         packed.unpack()
         delattr(module, name)
@@ -597,7 +647,8 @@ def unpack(model: nn.Module) -> None:
 
 def weight_tensors(model: nn.Module) -> list[Tensor]:
     """The tensors that hold `model`'s weights in memory: its parameters and buffers (less the
-    GEMM's meta placeholders) and the GEMM's packed halves and biases."""
+    packed float32 weights' meta placeholders) and the packed weights and biases (oneDNN's
+    reordered ones are opaque tensors: `is_mkldnn`, no storage to read)."""
     held = [t for t in model.state_dict().values() if not t.is_meta]
     for _, _, packed in _packed_gemms(model):
         held += [packed.packed] + ([] if packed.bias is None else [packed.bias])
@@ -605,8 +656,8 @@ def weight_tensors(model: nn.Module) -> list[Tensor]:
 
 
 def plain_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """`model.state_dict()` with float32 weights where the GEMM holds them packed; the model
-    itself is left as it is."""
+    """`model.state_dict()` with float32 weights where they are held packed; the model itself
+    is left as it is."""
     state = model.state_dict()
     names = {id(m): n for n, m in model.named_modules()}
     for _, _, packed in _packed_gemms(model):

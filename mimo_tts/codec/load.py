@@ -16,6 +16,7 @@ from torch import nn
 from mimo_tts.codec.config import CodecConfig
 from mimo_tts.codec.decoder import AudioDecoder
 from mimo_tts.codec.encoder import AudioEncoder
+from mimo_tts.codec.gemm import Packing
 from mimo_tts.codec.layers import prepack
 from mimo_tts.codec.tokenizer import AudioTokenizer
 from mimo_tts.runtime.devices import normalize_device, torch_dtype
@@ -51,18 +52,18 @@ def build_model(config: CodecConfig, dtype: torch.dtype = torch.float32) -> Code
 
 
 def place_model(model: CodecModel, device: torch.device, dtype: torch.dtype,
-                use_gemm: bool | None = None, codec_kernel: str = "auto") -> CodecModel:
+                packing: Packing | None = None, codec_kernel: str = "auto") -> CodecModel:
     """Move to `device`; parameters (not the float32 codebook/window buffers) to `dtype`.
 
     On CPU the transformer layers' linears are then prepacked (`layers.prepack`; float32 ones
-    for the GEMM where `use_gemm`, or else `gemm.choose` in mode `codec_kernel`, picks it).
+    as `packing`, or else `gemm.choose` in mode `codec_kernel`, says).
     """
     model.to(device)
     for param in model.parameters():
         if param.dtype != dtype:
             param.data = param.data.to(dtype)
     model.eval().requires_grad_(False)
-    prepack(model, use_gemm, codec_kernel)
+    prepack(model, packing, codec_kernel)
     return model
 
 
@@ -71,17 +72,17 @@ def load_audio_tokenizer(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str = torch.float32,
     cuda_graph: bool = False,
-    use_gemm: bool | None = None,
+    packing: Packing | None = None,
     codec_kernel: str = "auto",
 ) -> AudioTokenizer:
     """Load a MiMo-Audio tokenizer directory (config.json + safetensors) onto `device`;
-    `use_gemm` overrides `gemm.choose()` for float32 on the CPU (the pipeline's memory rule),
-    which otherwise decides in mode `codec_kernel` ("auto", "on", "off": the run's
-    `Placement.codec_kernel`)."""
+    `packing` overrides `gemm.choose()` for float32 on the CPU (the pipeline's, with the LM's
+    weights beside it), which otherwise decides in mode `codec_kernel` ("auto", "on", "off":
+    the run's `Placement.codec_kernel`)."""
     device = torch.device(normalize_device(str(device)))
     dtype = torch_dtype(dtype, "tokenizer")
     config = parse_config(path, CodecConfig.from_json)
     model = build_model(config, dtype)
     load_module_weights(model, path, f"audio tokenizer {path}", ignore=IGNORED_TENSORS)
-    return AudioTokenizer(place_model(model, device, dtype, use_gemm, codec_kernel), device,
+    return AudioTokenizer(place_model(model, device, dtype, packing, codec_kernel), device,
                           dtype, cuda_graph=cuda_graph)

@@ -30,7 +30,7 @@ CODEC_KERNEL_ENV = "MIMO_TTS_CODEC_KERNEL"
 # `name=1|0,...`: product choices taken as given instead of measured (runtime.measured).
 PRODUCT_CHOICES_ENV = "MIMO_TTS_PRODUCT_CHOICES"
 PRODUCT_CHOICES = ("lm_kernel_products", "lm_attention", "prefill_upcast", "codec_gemm",
-                   "codec_attention")
+                   "codec_packed_float32", "codec_attention")
 KERNEL_MODES = ("auto", "on", "off")
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda|mps)(?::(.*))?$")

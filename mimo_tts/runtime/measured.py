@@ -1,16 +1,18 @@
 """Speed choices between two ways to compute, measured once per machine and kept in the user cache.
 
-Four choices pick between computations that round differently (the LM's kernel products, the
-prefill's float32 blocks, the codec's bf16x3 GEMM and its fused attention), so the bytes of the
-audio follow them. Timed afresh at every load, a run at another thread count or beside a busy
-process could choose the other way and change the audio of a seed; so each choice is timed
-once per machine (at a fixed thread count: the CPUs this process may use) and the result kept
-in `<cache>/choices/<name>-<key>.json`, keyed by the CPU model, its feature flags, the torch
+Five choices pick between computations that round differently (the LM's kernel products, the
+prefill's float32 blocks, the codec's bf16x3 GEMM, its float32 weights in oneDNN's layout (the
+same sums but for one-row products) and its fused attention), so the bytes of the audio follow
+them. Timed afresh at every load, a run at another thread count or beside a busy process
+could choose the other way and change the audio of a seed; so each choice is timed once per
+machine (at a fixed thread count: the CPUs this process may use) and the result kept in
+`<cache>/choices/<name>-<key>.json`, keyed by the CPU model, its feature flags, the torch
 version and the probe (dtype, shapes): never by the thread count. Every later load on that
 machine reads it. A file that cannot be read or belongs to another key is measured again and
-replaced; measuring holds a lock, so processes starting together agree. MIMO_TTS_PRODUCT_CHOICES
-(`lm_kernel_products=1,lm_attention=1,prefill_upcast=0,codec_gemm=1,codec_attention=0`) sets any
-of them without measuring, e.g. to give several machines of one kind the same choice.
+replaced; measuring holds a lock, so processes starting together agree.
+MIMO_TTS_PRODUCT_CHOICES (`lm_kernel_products=1,lm_attention=1,prefill_upcast=0,codec_gemm=1,
+codec_packed_float32=1,codec_attention=0`) sets any of them without measuring, e.g. to give
+several machines of one kind the same choice.
 """
 
 from __future__ import annotations

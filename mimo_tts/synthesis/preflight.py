@@ -20,7 +20,7 @@ from mimo_tts import presets
 from mimo_tts.errors import CheckpointError, DeviceError, NotEnoughMemoryError, UsageError
 from mimo_tts.lm.config import W4_GROUP
 from mimo_tts.lm.engine import engine_spec
-from mimo_tts.runtime.devices import DTYPE_BYTES, Probe, cpu_flags
+from mimo_tts.runtime.devices import DTYPE_BYTES, Probe
 from mimo_tts.runtime.machine import GIB, available, gib, packed_fits, stated
 from mimo_tts.synthesis.markup import script
 from mimo_tts.synthesis.settings import Settings
@@ -57,10 +57,10 @@ def memory_needs(settings: Settings, lm_path: Path | None, tok_path: Path | None
 
 
 def may_pack(beside: int, weights: int, mode: str) -> bool:
-    """Whether Stage-1 could pack its float32 CPU linears for the AMX GEMM (`codec.gemm.choose`
-    decides at load, by measurement; this only rules out what cannot pack). Packing reads every
-    layer, the encoder's too, into anonymous memory."""
-    if mode == "off" or not {"amx_tile", "amx_bf16"} <= set(cpu_flags()):
+    """Whether Stage-1 could pack its encoder's float32 CPU linears at load (`codec.gemm.choose`
+    decides, by measurement; this only rules out what cannot happen), which reads them into
+    anonymous memory. The decoder's are read by every run, packed or not."""
+    if mode == "off":
         return False
     return mode == "on" or not beside or packed_fits(beside, weights)
 

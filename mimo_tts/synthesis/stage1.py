@@ -87,7 +87,7 @@ class Stage1:
 
     def __init__(self, codec, threads: int | None = None):
         self.codec, self.threads = codec, threads
-        self.gemm = None  # the float32 GEMM's decision (`codec.gemm.choose`) where one was taken
+        self.gemm = None  # how float32 linears run (`codec.gemm.choose`) where that was decided
         self.attention = None  # the fused attention's choice (`codec.layers.prepack`), on the CPU
         self.samples_per_frame = codec.samples_per_frame
         if codec.config.sampling_rate != SAMPLE_RATE:  # the one rule: every face uses the constant
@@ -111,7 +111,7 @@ class Stage1:
     @classmethod
     def load(cls, tok_path: Path, placement, log, threads: int | None = None,
              beside: int = 0) -> Stage1:
-        """`beside`: bytes of LM weights on the CPU (the GEMM's memory rule, `gemm.choose`)."""
+        """`beside`: bytes of LM weights on the CPU (the packing's memory rule, `gemm.choose`)."""
         from mimo_tts.codec import load_audio_tokenizer
 
         device, dtype = placement.tokenizer_device.value, placement.tokenizer_dtype.value
@@ -125,11 +125,12 @@ class Stage1:
         with _naming(tok_path), oom_advice("audio tokenizer loading", device):
             codec = load_audio_tokenizer(tok_path, device, dtype,
                                          cuda_graph=bool(placement.cuda_graph.value),
-                                         use_gemm=None if choice is None else choice.active,
+                                         packing=choice,
                                          codec_kernel=placement.codec_kernel.value)
         log(f"audio tokenizer loaded from {tok_path}")
         if choice is not None:
-            log(f"tokenizer float32 GEMM: {'on' if choice.active else 'off'}, {choice.reason}")
+            log(f"tokenizer float32 linears: {choice.words}"
+                f"{'' if choice.encoder or not choice.active else ' (decoder)'}, {choice.reason}")
         stage1 = cls(codec, threads)
         stage1.gemm = choice
         stage1.attention = getattr(codec.model, "attention_choice", None)  # CPU layers only

@@ -148,12 +148,13 @@ class MiMoTTS(SpeechCalls):
 
     def engine_record(self) -> dict:
         """The Stage-0 engine that ran (bfloat16 sums round differently in the CPU kernel) and,
-        for a float32 tokenizer on the CPU, whether its linears ran through the AMX GEMM; for a
+        for a float32 tokenizer on the CPU, whether and how its linears were packed; for a
         tokenizer on the CPU, whether its attention ran through the fused kernel."""
         record = self.engine.describe()
         gemm = getattr(self.stage1, "gemm", None)
         if gemm is not None:
-            record = {**record, "tokenizer_gemm": gemm.active, "tokenizer_gemm_reason": gemm.reason}
+            record = {**record, "tokenizer_gemm": gemm.active, "tokenizer_gemm_engine": gemm.engine,
+                      "tokenizer_gemm_reason": gemm.reason}
         fused = getattr(self.stage1, "attention", None)
         if fused is not None:
             record = {**record, "tokenizer_attention_fused": fused.active,

@@ -86,8 +86,10 @@ def test_manifest_and_sidecar(default_run, manifest):
     assert sidecar["effective_sampler"]["text"]["temperature"] == 0.6
     assert {"load_s", "generate_s", "decode_s"} <= set(sidecar["timings"])
     assert sidecar["result"]["key"] == line["key"]
-    gemm = sidecar["engine"].pop("tokenizer_gemm"), sidecar["engine"].pop("tokenizer_gemm_reason")
-    assert isinstance(gemm[0], bool) and gemm[1]  # the float32 tokenizer's AMX GEMM decision
+    gemm = (sidecar["engine"].pop("tokenizer_gemm"), sidecar["engine"].pop("tokenizer_gemm_engine"),
+            sidecar["engine"].pop("tokenizer_gemm_reason"))
+    # how the float32 tokenizer's linears were packed, measured per machine
+    assert gemm[0] == (gemm[1] is not None) and gemm[1] in (None, "bf16x3", "onednn") and gemm[2]
     fused = (sidecar["engine"].pop("tokenizer_attention_fused"),
              sidecar["engine"].pop("tokenizer_attention_reason"))
     assert isinstance(fused[0], bool) and fused[1].startswith("auto: ")  # measured per machine

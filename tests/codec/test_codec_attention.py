@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mimo_tts.codec import attention, load_audio_tokenizer
+from mimo_tts.codec import attention, gemm, load_audio_tokenizer
 from mimo_tts.codec.attention import Keys
 from mimo_tts.codec.layers import Attention, sdpa
 from mimo_tts.errors import UsageError
@@ -140,9 +140,9 @@ def test_choose_follows_the_mode_and_the_kept_measurement(monkeypatch):
 
 @pytest.fixture(scope="module")
 def codecs(tokenizer_dir):
-    """The tiny-a tokenizer with the fused attention forced on and off (the AMX GEMM off in
-    both, so only the attention differs)."""
-    return {mode: load_audio_tokenizer(tokenizer_dir, "cpu", torch.float32, use_gemm=False,
+    """The tiny-a tokenizer with the fused attention forced on and off (plain float32 linears
+    in both, so only the attention differs)."""
+    return {mode: load_audio_tokenizer(tokenizer_dir, "cpu", torch.float32, packing=gemm.PLAIN,
                                        codec_kernel=mode)
             for mode in ("on", "off")}
 

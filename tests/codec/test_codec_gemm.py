@@ -1,6 +1,8 @@
-"""The float32 bf16x3 AMX GEMM (mimo_tts/codec/gemm.py): products against float64, the
-reference fixtures with it forced on, full-size layers against the plain float32 path, the
-choice and the way back to plain weights."""
+"""The codec's packed float32 linears (mimo_tts/codec/gemm.py): the bf16x3 AMX GEMM (products
+against float64, the reference fixtures with it forced on, full-size layers against the plain
+float32 path) and oneDNN's blocked layout (`PackedFloat32`: the plain products' bytes, the
+fixtures, the memory it replaces), the choice between them, the encoder left mapped beside an
+LM, and the way back to plain weights."""
 
 from __future__ import annotations
 
@@ -13,11 +15,13 @@ from mimo_tts.codec import gemm, load_audio_tokenizer
 from mimo_tts.codec.int8 import quantize_int8
 from mimo_tts.codec.layers import (
     AttnSpec,
+    PackedFloat32,
     TransformerLayer,
     _packed_gemms,
     plain_state_dict,
     prepack,
     unpack,
+    weight_tensors,
 )
 from mimo_tts.errors import UsageError
 from mimo_tts.runtime.devices import CODEC_KERNEL_ENV, resolve_placement
@@ -138,12 +142,37 @@ def test_choice_modes(monkeypatch):
         gemm.choose(mode="maybe")
     monkeypatch.setenv(CODEC_KERNEL_ENV, "auto")
     choice = gemm.choose(mode=_placed())
-    if gemm.library() is None:
-        assert not choice.active and choice.reason == gemm._build()[1]
-    else:
+    if gemm.library() is not None and gemm.faster().faster:
         decision = gemm.faster()
-        assert choice.active == decision.faster
+        assert choice.engine == "bf16x3"
         assert f"{decision.ours} vs {decision.theirs} GFLOP/s" in choice.reason
+    elif gemm.onednn_packs():
+        assert not choice.active and choice.reason == gemm.onednn_packs()
+    else:  # the GEMM cannot run or measured slower: oneDNN's layout, where faster
+        decision = gemm.onednn_faster()
+        assert choice.engine == ("onednn" if decision.faster else None)
+        assert f"{decision.ours} vs {decision.theirs} GFLOP/s" in choice.reason
+    assert choice.encoder == choice.active  # nothing beside: the whole tokenizer packs
+    monkeypatch.setenv(CODEC_KERNEL_ENV, "1")
+    forced = gemm.choose(mode=_placed())
+    assert forced.engine == ("bf16x3" if gemm.library() is not None else "onednn")
+    assert forced.encoder and "=1" in forced.reason
+
+
+def test_the_environment_sets_the_onednn_choice(monkeypatch):
+    if gemm.library() is not None:
+        monkeypatch.setenv("MIMO_TTS_PRODUCT_CHOICES", "codec_gemm=0,codec_packed_float32=1")
+    else:
+        monkeypatch.setenv("MIMO_TTS_PRODUCT_CHOICES", "codec_packed_float32=1")
+    gemm.faster.cache_clear(), gemm.onednn_faster.cache_clear()
+    try:
+        assert gemm.choose().engine == "onednn"
+        monkeypatch.setenv("MIMO_TTS_PRODUCT_CHOICES", "codec_gemm=0,codec_packed_float32=0")
+        gemm.faster.cache_clear(), gemm.onednn_faster.cache_clear()
+        plain = gemm.choose()
+        assert not plain.active and "MIMO_TTS_PRODUCT_CHOICES" in plain.reason
+    finally:
+        gemm.faster.cache_clear(), gemm.onednn_faster.cache_clear()
 
 
 def test_bfloat16_layers_are_not_gemm_packed(monkeypatch):
@@ -153,21 +182,123 @@ def test_bfloat16_layers_are_not_gemm_packed(monkeypatch):
     assert not _packed(layer) and layer.fc1.weight.dtype == torch.bfloat16
 
 
-@needs_amx
-def test_auto_leaves_the_gemm_off_where_memory_is_short(monkeypatch, tokenizer_dir):
-    """Packing makes the tokenizer's weights anonymous memory: auto packs beside CPU LM
-    weights only when both and the headroom fit (here the machine is stated to hold 6 GiB),
-    and says so; forced on and the run without an LM on the CPU are not held back."""
+def test_beside_an_lm_the_encoder_stays_mapped_where_memory_is_short(monkeypatch, tokenizer_dir):
+    """Packing makes the tokenizer's weights anonymous memory: beside CPU LM weights auto packs
+    the encoder (read only for a voice prompt) only when both and the headroom fit (here the
+    machine is stated to hold 6 GiB), and says so; the decoder, read by every run, packs as
+    alone; forced on and the run without an LM on the CPU are not held back."""
     gib = 1 << 30
     monkeypatch.setenv("MIMO_TTS_AVAILABLE_MEMORY", "6GiB")
     monkeypatch.delenv(CODEC_KERNEL_ENV, raising=False)
+    alone = gemm.choose(mode=_placed())
     short = gemm.choose(beside=3 * gib, weights=gib // 2, mode=_placed())
-    assert not short.active and "of 6.0 GiB" in short.reason
-    assert gemm.choose(mode=_placed()).active == gemm.faster().faster  # no LM beside: speed decides
-    assert gemm.choose(beside=gib, weights=gib // 2, mode=_placed()).active == gemm.faster().faster
+    assert short.engine == alone.engine and not short.encoder
+    if short.active:
+        assert "encoder left mapped" in short.reason and "of 6.0 GiB" in short.reason
+    fits = gemm.choose(beside=gib, weights=gib // 2, mode=_placed())
+    assert fits.engine == alone.engine and fits.encoder == alone.active
     monkeypatch.setenv(CODEC_KERNEL_ENV, "1")
-    assert gemm.choose(beside=3 * gib, weights=gib // 2, mode=_placed()).active
+    assert gemm.choose(beside=3 * gib, weights=gib // 2, mode=_placed()).encoder
     monkeypatch.setenv(CODEC_KERNEL_ENV, "auto")
-    plain = load_audio_tokenizer(tokenizer_dir, use_gemm=False, codec_kernel=_placed())
+    plain = load_audio_tokenizer(tokenizer_dir, packing=gemm.PLAIN, codec_kernel=_placed())
     assert not list(_packed_gemms(plain.model))
-    assert list(_packed_gemms(load_audio_tokenizer(tokenizer_dir, use_gemm=True).model))
+    engine = "bf16x3" if gemm.library() is not None else "onednn"
+    half = load_audio_tokenizer(tokenizer_dir, packing=gemm.Packing(engine, False, "test"))
+    decoder = [m for m in half.model.decoder.modules() if isinstance(m, TransformerLayer)]
+    encoder = [m for m in half.model.encoder.modules() if isinstance(m, TransformerLayer)]
+    assert decoder and all(m.fc1.weight.is_meta and m.self_attn.packed_qkv for m in decoder)
+    assert encoder and not any(m.fc1.weight.is_meta or hasattr(m.self_attn, "packed_qkv")
+                               for m in encoder)
+
+
+# ---- oneDNN's blocked float32 layout (every CPU with oneDNN) --------------------------------
+needs_onednn = pytest.mark.skipif(bool(gemm.onednn_packs()), reason=gemm.onednn_packs() or "")
+ONEDNN = gemm.Packing("onednn", True, "test")
+
+
+@pytest.fixture(scope="module")
+def reordered(tokenizer_dir):
+    return load_audio_tokenizer(tokenizer_dir, device="cpu", dtype=torch.float32,
+                                packing=ONEDNN)
+
+
+@pytest.fixture(scope="module")
+def plain_codec(tokenizer_dir):
+    return load_audio_tokenizer(tokenizer_dir, device="cpu", dtype=torch.float32,
+                                packing=gemm.PLAIN)
+
+
+@needs_onednn
+@pytest.mark.parametrize("frames", (4, 37, 101))
+def test_reordered_decode_matches_reference_and_the_plain_path(reordered, plain_codec,
+                                                               decode_cases, frames):
+    codes = decode_cases[f"decode_T{frames}.codes"]
+    wave = reordered.decode(codes)
+    torch.testing.assert_close(wave, decode_cases[f"decode_T{frames}.waveform"],
+                               atol=WAVE_TOL, rtol=0)
+    # the same oneDNN products with the reorder done once: equal but for one-row products
+    torch.testing.assert_close(wave, plain_codec.decode(codes), atol=1e-6, rtol=0)
+
+
+@needs_onednn
+@pytest.mark.parametrize("name", ["encode_chirp_1p3s", "encode_sines_2p7s"])
+def test_reordered_codes_match_reference_exactly(reordered, encode_cases, name):
+    audio = encode_cases[f"{name}.waveform_in"]
+    torch.testing.assert_close(reordered.model.encoder(encode_cases[f"{name}.log_mel"]),
+                               encode_cases[f"{name}.encoder_hidden"], atol=1e-4, rtol=0)
+    assert torch.equal(reordered.encode(audio, 24000), encode_cases[f"{name}.codes_all"].long())
+
+
+@needs_onednn
+def test_reordered_weights_replace_the_plain_ones(reordered, plain_codec):
+    """The reordered weights take the float32 weights' place (meta placeholders, opaque
+    tensors of the same size) and give back the same values."""
+    packed = [p for _, _, p in _packed_gemms(reordered.model)]
+    assert packed and all(isinstance(p, PackedFloat32) for p in packed)
+    layers = [m for m in reordered.model.modules() if isinstance(m, TransformerLayer)]
+    assert layers and all(m.fc1.weight.is_meta and m.self_attn.q_proj.weight.is_meta
+                          for m in layers)
+    plain = plain_codec.model.state_dict()
+    meta = [k for k, t in reordered.model.state_dict().items() if t.is_meta]
+    assert meta and all(k.endswith(".weight") for k in meta)
+    held = weight_tensors(reordered.model)
+    reordered_weights = [t for t in held if t.is_mkldnn]
+    assert len(reordered_weights) == len(packed)  # q/k/v as one
+    assert sum(t.numel() for t in reordered_weights) == sum(plain[k].numel() for k in meta)
+    state = plain_state_dict(reordered.model)
+    assert state.keys() == plain.keys()
+    assert all(torch.equal(state[k], plain[k]) for k in plain)
+
+
+@needs_onednn
+def test_reordered_products_do_not_depend_on_the_thread_count():
+    """What `runtime.fixed_order` needs of a float32 product: the same bytes at any thread
+    count, a one-row product too."""
+    gen = torch.Generator().manual_seed(5)
+    proj = nn.Linear(320, 640).requires_grad_(False)
+    packed = PackedFloat32([proj])
+    before = torch.get_num_threads()
+    try:
+        for rows in (1, 2, 44):
+            x = torch.randn(rows, 320, generator=gen)
+            outs = []
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                outs.append(packed(x, gelu=True))
+            assert all(torch.equal(outs[0], out) for out in outs[1:])
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_onednn
+def test_reordered_copy_for_int8_and_back_to_plain(tokenizer_dir, decode_cases):
+    codec = load_audio_tokenizer(tokenizer_dir, device="cpu", dtype=torch.float32,
+                                 packing=ONEDNN)
+    codes = decode_cases["decode_T37.codes"]
+    before = codec.decode(codes)
+    quantized = quantize_int8(codec)
+    assert torch.equal(codec.decode(codes), before) and list(_packed_gemms(codec.model))
+    torch.testing.assert_close(quantized.decode(codes), before, atol=0.05, rtol=0)
+    unpack(codec.model)
+    assert not list(_packed_gemms(codec.model))
+    torch.testing.assert_close(codec.decode(codes), before, atol=1e-6, rtol=0)
