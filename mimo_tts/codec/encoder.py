@@ -13,7 +13,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mimo_tts.codec.config import SEGMENT_MEL_FRAMES, CodecConfig
-from mimo_tts.codec.layers import AttnSpec, Rotary, TransformerLayer, layer_norm_fp32, run_layers
+from mimo_tts.codec.layers import (
+    AttnSpec,
+    Rotary,
+    TransformerLayer,
+    layer_norm_fp32,
+    pack_pending,
+    run_layers,
+)
 from mimo_tts.codec.quantizer import ResidualVectorQuantizer
 
 
@@ -44,6 +51,7 @@ class AudioEncoder(nn.Module):
 
     def forward(self, mel: Tensor) -> Tensor:
         """One segment's log-mel [M, n_mels] -> latent [T, d_model] before quantisation."""
+        pack_pending(self)  # float32 layers packed on first use (layers.prepack)
         dtype = self.conv1.weight.dtype
         x = mel.to(dtype).t()[None]  # [1, n_mels, M]
         x = F.gelu(self.conv1(x))

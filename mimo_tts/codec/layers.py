@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from mimo_tts.codec import attention, gemm
 from mimo_tts.codec.attention import Keys
+from mimo_tts.runtime import pages
 from mimo_tts.runtime.fixed_order import attend_one, product
 
 # Query block of the windowed (local) attention: small enough that the masked key span
@@ -595,7 +596,8 @@ def prepack(model: nn.Module, packing: gemm.Packing | None = None,
     oneDNN's layout (`PackedLinear`, a copy beside them), float32 ones as `packing` says
     (default: `gemm.choose` in mode `codec_kernel`): through the bf16x3 AMX GEMM
     (`gemm.PackedGemm`) or in oneDNN's float32 layout (`PackedFloat32`), both replacing the
-    float32 weights, the encoder's layers only where `packing.encoder`. Their attention goes
+    float32 weights; the encoder's layers only where `packing.encoder`, and then on their first
+    use (`PendingPack`, `pack_pending`). Their attention goes
     through the fused kernel where `attention.choose` in mode `codec_kernel` picks it for their
     dtype (that choice is kept as `model.attention_choice`)."""
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer) and
@@ -622,10 +624,41 @@ def prepack(model: nn.Module, packing: gemm.Packing | None = None,
     else:
         pack = PackedFloat32
     encoder = getattr(model, "encoder", None)
-    mapped = set() if packing.encoder or encoder is None else {id(m) for m in encoder.modules()}
+    later = set() if encoder is None else {id(m) for m in encoder.modules()}
+    now = [m for m in layers if m.fc1.weight.dtype == torch.float32 and id(m) not in later]
+    _pack_layers(now, pack)
+    if encoder is not None and packing.encoder:  # read only to encode a voice prompt
+        encoder.pending_pack = PendingPack(
+            [m for m in layers if m.fc1.weight.dtype == torch.float32 and id(m) in later], pack)
+
+
+def _pack_layers(layers: list[TransformerLayer], pack) -> None:
     for m in layers:
-        if m.fc1.weight.dtype == torch.float32 and id(m) not in mapped:
-            m.prepack(pack)
+        m.prepack(pack)
+        pages.trim()  # this layer's temporaries, before the next one's allocations
+
+
+class PendingPack:
+    """Float32 layers packed on their first use (the encoder's: a run reads them only to
+    encode a voice prompt, so a run that never does neither reads nor holds them packed).
+    Calling it packs them once; threads that encode at the same time wait for it."""
+
+    def __init__(self, layers: list[TransformerLayer], pack):
+        self.layers, self.pack = layers, pack
+        self.lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self.lock:
+            if self.layers:
+                _pack_layers(self.layers, self.pack)
+            self.layers = []
+
+
+def pack_pending(module: nn.Module) -> None:
+    """Pack `module`'s layers whose packing `prepack` left for their first use, if any."""
+    pending = getattr(module, "pending_pack", None)
+    if pending is not None:
+        pending()
 
 
 def _packed_gemms(model: nn.Module):
@@ -643,6 +676,9 @@ def unpack(model: nn.Module) -> None:
     for module, name, packed in list(_packed_gemms(model)):
         packed.unpack()
         delattr(module, name)
+    for module in model.modules():  # and none packed on a first use later
+        if hasattr(module, "pending_pack"):
+            del module.pending_pack
 
 
 def weight_tensors(model: nn.Module) -> list[Tensor]:

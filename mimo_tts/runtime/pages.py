@@ -2,12 +2,13 @@
 and `drop`: after a kernel (the LM's, the codec GEMM) packed a mapped weight into memory of
 its own, give back the file's resident pages (clean copies of the file; a later read would
 fault them in again). Memory that is not a file mapping (PyTorch's own allocations) is never
-advised.
+advised. `trim`: give the C heap's free memory back (the temporaries of packing).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 
 import torch
@@ -50,3 +51,21 @@ def drop(t: torch.Tensor) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     return pages[1] if libc.madvise(ctypes.c_void_p(pages[0]), ctypes.c_size_t(pages[1]),
                                     mmap.MADV_DONTNEED) == 0 else 0
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except AttributeError:  # not glibc
+        return None
+
+
+def trim() -> None:
+    """Return the C heap's free pages to the system (glibc's `malloc_trim`; elsewhere
+    nothing). Packing weights one layer after another frees a layer's temporaries (e.g. q, k
+    and v joined) between allocations that outlive them, and glibc keeps such holes: 0.7 GiB of
+    a full-size float32 tokenizer's 5.2 GB, measured."""
+    fn = _malloc_trim()
+    if fn is not None:
+        fn(0)

@@ -21,7 +21,7 @@ from mimo_tts.errors import CheckpointError, DeviceError, NotEnoughMemoryError, 
 from mimo_tts.lm.config import W4_GROUP
 from mimo_tts.lm.engine import engine_spec
 from mimo_tts.runtime.devices import DTYPE_BYTES, Probe
-from mimo_tts.runtime.machine import GIB, available, gib, packed_fits, stated
+from mimo_tts.runtime.machine import GIB, available, gib, stated
 from mimo_tts.synthesis.markup import script
 from mimo_tts.synthesis.settings import Settings
 
@@ -48,21 +48,9 @@ def memory_needs(settings: Settings, lm_path: Path | None, tok_path: Path | None
         needs.append(lm_need(lm_path, p.lm_device.value, p.lm_dtype.value, lengths,
                              settings.engine.lm_quant))
     if tok_path is not None:
-        device, dtype = p.tokenizer_device.value, p.tokenizer_dtype.value
-        packs = device == "cpu" and dtype == "float32" and may_pack(
-            weights_bytes(lm_path, p.lm_dtype.value) if lm_path and p.lm_device.value == "cpu"
-            else 0, weights_bytes(tok_path, dtype), p.codec_kernel.value)
-        needs.append(tokenizer_need(tok_path, device, dtype, lengths, packs))
+        needs.append(tokenizer_need(tok_path, p.tokenizer_device.value,
+                                    p.tokenizer_dtype.value, lengths))
     return needs
-
-
-def may_pack(beside: int, weights: int, mode: str) -> bool:
-    """Whether Stage-1 could pack its encoder's float32 CPU linears at load (`codec.gemm.choose`
-    decides, by measurement; this only rules out what cannot happen), which reads them into
-    anonymous memory. The decoder's are read by every run, packed or not."""
-    if mode == "off":
-        return False
-    return mode == "on" or not beside or packed_fits(beside, weights)
 
 
 def check_memory(settings: Settings, refs, lengths: Lengths,
@@ -297,10 +285,10 @@ def lm_need(path: Path, device: str, dtype: str, lengths: Lengths,
                                            "workspace": work}, path)
 
 
-def tokenizer_need(path: Path, device: str, dtype: str, lengths: Lengths,
-                   packs: bool = False) -> StageNeed:
+def tokenizer_need(path: Path, device: str, dtype: str, lengths: Lengths) -> StageNeed:
     """Audio-tokenizer weights and the decode workspace for the run's longest audio; the
-    encoder's weights only where read: a prompt encoded, or all layers packed (`packs`)."""
+    encoder's weights only where read: a prompt encoded (packed float32 layers replace the
+    weights they pack, the encoder's on its first use: `codec.layers.prepack`)."""
     from mimo_tts.codec.config import BATCH_FRAMES, DECODE_CHUNK_FRAMES, CodecConfig
     from mimo_tts.runtime.safetensors import parse_config
 
@@ -313,7 +301,7 @@ def tokenizer_need(path: Path, device: str, dtype: str, lengths: Lengths,
     work = rows_frames * (4 * d_model + ffn) * size
     work += heads * rows_frames * min(frames, 1024) * 4  # attention blocks
     weights = resident_bytes(path, dtype, device,
-                             None if lengths.encodes or packs else ENCODER)
+                             None if lengths.encodes else ENCODER)
     parts = {"weights": weights, "workspace": work}
     if device == "cpu" and dtype == "bfloat16":
         parts["packed_weights"] = sum(2 * n for name, (n, _) in header_numel(path).items()

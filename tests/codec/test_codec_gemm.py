@@ -207,6 +207,7 @@ def test_beside_an_lm_the_encoder_stays_mapped_where_memory_is_short(monkeypatch
     decoder = [m for m in half.model.decoder.modules() if isinstance(m, TransformerLayer)]
     encoder = [m for m in half.model.encoder.modules() if isinstance(m, TransformerLayer)]
     assert decoder and all(m.fc1.weight.is_meta and m.self_attn.packed_qkv for m in decoder)
+    half.encode(torch.zeros(24000), 24000)  # the encoder stays mapped, also once read
     assert encoder and not any(m.fc1.weight.is_meta or hasattr(m.self_attn, "packed_qkv")
                                for m in encoder)
 
@@ -268,6 +269,25 @@ def test_reordered_weights_replace_the_plain_ones(reordered, plain_codec):
     state = plain_state_dict(reordered.model)
     assert state.keys() == plain.keys()
     assert all(torch.equal(state[k], plain[k]) for k in plain)
+
+
+@needs_onednn
+def test_the_encoder_packs_on_its_first_use(tokenizer_dir, plain_codec, encode_cases):
+    """A run that never encodes neither reads nor holds the encoder's layers packed; its first
+    encode packs them, once, and gives the codes it gives plain."""
+    codec = load_audio_tokenizer(tokenizer_dir, device="cpu", dtype=torch.float32,
+                                 packing=ONEDNN)
+    encoder = [m for m in codec.model.encoder.modules() if isinstance(m, TransformerLayer)]
+    decoder = [m for m in codec.model.decoder.modules() if isinstance(m, TransformerLayer)]
+    assert all(m.fc1.weight.is_meta for m in decoder)
+    assert encoder and not any(m.fc1.weight.is_meta for m in encoder)
+    audio = encode_cases["encode_chirp_1p3s.waveform_in"]
+    first = codec.encode(audio, 24000)
+    assert all(m.fc1.weight.is_meta and isinstance(m.fc1.packed, PackedFloat32) for m in encoder)
+    packed = [m.fc1.packed for m in encoder]
+    assert torch.equal(codec.encode(audio, 24000), first)  # packed once, not again
+    assert [m.fc1.packed for m in encoder] == packed
+    assert torch.equal(first, plain_codec.encode(audio, 24000))
 
 
 @needs_onednn

@@ -88,9 +88,6 @@ def test_only_weights_a_run_reads_count_on_the_cpu(full_size):
     # converted to bfloat16 as it loads: every tensor is a copy
     assert tokenizer_need(tok, "cpu", "bfloat16", speaks).parts["weights"] == \
         weights_bytes(tok, "bfloat16")
-    # the AMX GEMM packs every layer, the encoder's too
-    assert tokenizer_need(tok, "cpu", "float32", speaks, packs=True).parts["weights"] == \
-        weights_bytes(tok, "float32")
     embedding = names_bytes(lm, "model.embed_tokens.weight")
     on_cpu = lm_need(lm, "cpu", "bfloat16", speaks).parts["weights"]
     cfg = json.loads((lm / "config.json").read_text())
@@ -106,20 +103,6 @@ def test_only_weights_a_run_reads_count_on_the_cpu(full_size):
 def names_bytes(path, name: str) -> int:
     count, dtype = header_numel(path)[name]
     return count * {"BF16": 2, "F32": 4}[dtype]
-
-
-def test_encoder_packing_is_ruled_in_only_where_it_can_happen(monkeypatch):
-    """The encoder's float32 weights are read at load only where packing may take them (the
-    AMX GEMM or oneDNN's layout, on any CPU): never when off, always when on, and beside the
-    LM only when both fit (codec.gemm.choose's memory rule)."""
-    from mimo_tts.synthesis import preflight
-
-    assert not preflight.may_pack(0, GIB, "off")
-    assert preflight.may_pack(0, GIB, "auto")  # the tokenizer alone
-    assert preflight.may_pack(15 * GIB, 5 * GIB, "on")
-    monkeypatch.setenv(memory.AVAILABLE_ENV, "23GiB")
-    assert not preflight.may_pack(15 * GIB, 5 * GIB, "auto")
-    assert preflight.may_pack(15 * GIB, 4 * GIB, "auto")
 
 
 def test_lengths_follow_the_inputs():
