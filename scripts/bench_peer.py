@@ -16,8 +16,10 @@ is absent, so the module takes its CPU SDPA path, as vllm-omni does on CPU.
 Both sides load one safetensors file of random full-size weights (bench_codec's `random_model`,
 only the half a direction needs: decoder + RVQ codebooks, or encoder), each in its own process,
 kept alive while the parent alternates single timed calls between them (ours, peer, peer, ours,
-...). Per op and dtype: best of N per round, for R rounds; the ratio is peer time / ours. Decode
-takes 8 codebooks of random codes; encode is log-mel + encoder + RVQ of random audio. Fidelity
+...), after the same untimed warm-up calls on both sides (for encode, enough for our float32
+encoder to pack its layers, as a process that encodes a lot does: `warmup_calls`). Per op and
+dtype: best of N per round, for R rounds; the ratio is peer time / ours. Decode takes 8
+codebooks of random codes; encode is log-mel + encoder + RVQ of random audio. Fidelity
 (same weights, same inputs): waveform max-abs/RMS distance and code agreement, in each dtype.
 
     .venv/bin/python scripts/bench_peer.py [--seconds 10] [--threads 2] [--repeats 3] [--rounds 2]
@@ -29,6 +31,7 @@ import argparse
 import contextlib
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import subprocess
@@ -51,6 +54,7 @@ OPS = {"decode": "decoder", "encode": "encoder"}  # op -> the model half it need
 # Tensor-name prefixes each half needs (decode dequantizes with the encoder's RVQ codebooks).
 NEEDED = {"decoder": ("decoder.", "encoder.quantizer."), "encoder": ("encoder.",)}
 DECODE_CHANNELS = 8  # the LM's codebooks: what Stage-1 decodes in TTS (spec §1)
+WARMUP_ENV = "MIMO_TTS_BENCH_PEER_WARMUP"  # parent -> worker: untimed calls before the timed ones
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 
 
@@ -234,7 +238,8 @@ def worker(side: str, part: str, dtype_name: str, threads: int, inputs_path: str
     torch.set_num_threads(threads)
     op = (ours_runner if side == "ours" else peer_runner)(part, dtype_name)
     inputs = torch.load(inputs_path)
-    op(inputs)  # warm-up
+    for _ in range(int(os.environ.get(WARMUP_ENV, "1"))):  # the parent's count (`warmup_calls`)
+        op(inputs)
     ready = {"ready": True}
     if side == "ours" and dtype_name == "float32":
         from mimo_tts.codec.gemm import choose
@@ -254,14 +259,29 @@ def worker(side: str, part: str, dtype_name: str, threads: int, inputs_path: str
         replies.flush()
 
 
+def warmup_calls(part: str, inputs: Path) -> int:
+    """Untimed calls before the timed ones, the same on both sides: one, and for the encoder as
+    many more as ours runs before it packs its float32 layers (a process that encodes a lot packs
+    them, `layers.ENCODER_PACK_AFTER_S`): the timed calls measure such a process."""
+    import torch
+
+    from mimo_tts.codec.layers import ENCODER_PACK_AFTER_S
+
+    if part != "encoder":
+        return 1
+    seconds = len(torch.load(inputs)["audio"]) / json.loads(CONFIG.read_text())["sampling_rate"]
+    return 1 + math.ceil(ENCODER_PACK_AFTER_S / seconds)
+
+
 class Worker:
     """The parent's handle on one worker process."""
 
     def __init__(self, side: str, part: str, dtype: str, threads: int, inputs: Path):
         python = sys.executable if side == "ours" else peer_python()
+        env = {**os.environ, WARMUP_ENV: str(warmup_calls(part, inputs))}
         self.process = subprocess.Popen(
             [str(python), __file__, "--worker", side, part, dtype, str(threads), str(inputs)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.side = side
         self.engine = self._reply().get("engine")
 

@@ -51,7 +51,8 @@ class AudioEncoder(nn.Module):
 
     def forward(self, mel: Tensor) -> Tensor:
         """One segment's log-mel [M, n_mels] -> latent [T, d_model] before quantisation."""
-        pack_pending(self)  # float32 layers packed on first use (layers.prepack)
+        # float32 layers packed once enough audio went through (layers.PendingPack)
+        pack_pending(self, mel.shape[0] * self.config.hop_length / self.config.sampling_rate)
         dtype = self.conv1.weight.dtype
         x = mel.to(dtype).t()[None]  # [1, n_mels, M]
         x = F.gelu(self.conv1(x))

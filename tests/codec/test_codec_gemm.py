@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mimo_tts.codec import gemm, load_audio_tokenizer
+from mimo_tts.codec import gemm, layers, load_audio_tokenizer
 from mimo_tts.codec.int8 import quantize_int8
 from mimo_tts.codec.layers import (
     AttnSpec,
@@ -87,9 +87,14 @@ def _placed() -> str:
 
 @pytest.fixture
 def forced(monkeypatch, tokenizer_dir):
+    """The tiny-a tokenizer with the codec kernels forced on, the encoder's layers packed now."""
     monkeypatch.setenv(CODEC_KERNEL_ENV, "1")
-    return load_audio_tokenizer(tokenizer_dir, device="cpu", dtype=torch.float32,
-                                codec_kernel=_placed())
+    codec = load_audio_tokenizer(tokenizer_dir, device="cpu", dtype=torch.float32,
+                                 codec_kernel=_placed())
+    pending = getattr(codec.model.encoder, "pending_pack", None)
+    if pending is not None:
+        pending.now()
+    return codec
 
 
 @needs_amx
@@ -219,8 +224,11 @@ ONEDNN = gemm.Packing("onednn", True, "test")
 
 @pytest.fixture(scope="module")
 def reordered(tokenizer_dir):
-    return load_audio_tokenizer(tokenizer_dir, device="cpu", dtype=torch.float32,
-                                packing=ONEDNN)
+    """The tiny-a tokenizer with every layer in oneDNN's layout, the encoder's packed now."""
+    codec = load_audio_tokenizer(tokenizer_dir, device="cpu", dtype=torch.float32,
+                                 packing=ONEDNN)
+    codec.model.encoder.pending_pack.now()
+    return codec
 
 
 @pytest.fixture(scope="module")
@@ -272,21 +280,27 @@ def test_reordered_weights_replace_the_plain_ones(reordered, plain_codec):
 
 
 @needs_onednn
-def test_the_encoder_packs_on_its_first_use(tokenizer_dir, plain_codec, encode_cases):
-    """A run that never encodes neither reads nor holds the encoder's layers packed; its first
-    encode packs them, once, and gives the codes it gives plain."""
+def test_the_encoder_packs_once_enough_audio_went_through(tokenizer_dir, plain_codec,
+                                                          encode_cases, monkeypatch):
+    """A run that encodes one voice prompt neither packs the encoder nor holds it packed; once
+    the encoder has run on ENCODER_PACK_AFTER_S of audio it packs, once, and gives the codes
+    it gave plain."""
+    monkeypatch.setattr(layers, "ENCODER_PACK_AFTER_S", 2.0)
     codec = load_audio_tokenizer(tokenizer_dir, device="cpu", dtype=torch.float32,
                                  packing=ONEDNN)
     encoder = [m for m in codec.model.encoder.modules() if isinstance(m, TransformerLayer)]
     decoder = [m for m in codec.model.decoder.modules() if isinstance(m, TransformerLayer)]
-    assert all(m.fc1.weight.is_meta for m in decoder)
-    assert encoder and not any(m.fc1.weight.is_meta for m in encoder)
-    audio = encode_cases["encode_chirp_1p3s.waveform_in"]
+    assert all(m.fc1.weight.is_meta for m in decoder)  # the decoder packs at load
+    audio = encode_cases["encode_chirp_1p3s.waveform_in"]  # 1.3 s a call
     first = codec.encode(audio, 24000)
+    assert encoder and not any(m.fc1.weight.is_meta for m in encoder)
+    assert torch.equal(codec.encode(audio, 24000), first)  # 1.3 s so far: still plain
+    assert not any(m.fc1.weight.is_meta for m in encoder)
+    assert torch.equal(codec.encode(audio, 24000), first)  # 2.6 s before it: packed now
     assert all(m.fc1.weight.is_meta and isinstance(m.fc1.packed, PackedFloat32) for m in encoder)
     packed = [m.fc1.packed for m in encoder]
-    assert torch.equal(codec.encode(audio, 24000), first)  # packed once, not again
-    assert [m.fc1.packed for m in encoder] == packed
+    assert torch.equal(codec.encode(audio, 24000), first)
+    assert [m.fc1.packed for m in encoder] == packed  # once
     assert torch.equal(first, plain_codec.encode(audio, 24000))
 
 
