@@ -18,7 +18,7 @@ from mimo_tts.codec.layers import (
     Rotary,
     TransformerLayer,
     layer_norm_fp32,
-    pack_pending,
+    pending_use,
     run_layers,
 )
 from mimo_tts.codec.quantizer import ResidualVectorQuantizer
@@ -52,7 +52,10 @@ class AudioEncoder(nn.Module):
     def forward(self, mel: Tensor) -> Tensor:
         """One segment's log-mel [M, n_mels] -> latent [T, d_model] before quantisation."""
         # float32 layers packed once enough audio went through (layers.PendingPack)
-        pack_pending(self, mel.shape[0] * self.config.hop_length / self.config.sampling_rate)
+        with pending_use(self, mel.shape[0] * self.config.hop_length / self.config.sampling_rate):
+            return self._forward(mel)
+
+    def _forward(self, mel: Tensor) -> Tensor:
         dtype = self.conv1.weight.dtype
         x = mel.to(dtype).t()[None]  # [1, n_mels, M]
         x = F.gelu(self.conv1(x))

@@ -10,6 +10,7 @@ invisible to valid queries, so a padded batch gives each sequence exactly what i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from dataclasses import dataclass
@@ -649,33 +650,39 @@ class PendingPack:
     of every later call, so it is worth it only to a process that will run them a lot. Like
     renting skis until the rent paid equals the price: a run that encodes one voice prompt
     never packs (nor holds the packed copy); a server or an `encode` of many files packs after
-    a while and runs faster from then on. Threads calling at once wait for the packing."""
+    a while and runs faster from then on. Until the layers are packed, calls run one at a time
+    (`use`), so none runs them while they are being swapped."""
 
     def __init__(self, layers: list[TransformerLayer], pack, after_s: float):
         self.layers, self.pack, self.after_s = layers, pack, after_s
         self.seen_s = 0.0
         self.lock = threading.Lock()
 
-    def __call__(self, seconds: float) -> None:
-        """Before a call on `seconds` of audio: pack if the calls before it reached `after_s`."""
+    @contextlib.contextmanager
+    def use(self, seconds: float):
+        """Around a call on `seconds` of audio: pack first if the calls before it reached
+        `after_s`; hold the lock for the call while the layers are not packed yet."""
+        if not self.layers:  # packed: nothing to wait for
+            yield
+            return
         with self.lock:
             if self.layers and self.seen_s >= self.after_s:
                 self.now()
             self.seen_s += seconds
+            yield
 
     def now(self) -> None:
-        """Pack the layers now (once)."""
+        """Pack the layers now (once; the caller holds the lock or is alone)."""
         if self.layers:
             _pack_layers(self.layers, self.pack)
         self.layers = []
 
 
-def pack_pending(module: nn.Module, seconds: float) -> None:
-    """Before `module` runs on `seconds` of audio: pack its layers whose packing `prepack` left
-    for later, once their audio so far reached the threshold (`PendingPack`)."""
+def pending_use(module: nn.Module, seconds: float):
+    """The context to run `module` in on `seconds` of audio: its `PendingPack.use` where
+    `prepack` left packing for later, else nothing."""
     pending = getattr(module, "pending_pack", None)
-    if pending is not None:
-        pending(seconds)
+    return contextlib.nullcontext() if pending is None else pending.use(seconds)
 
 
 def _packed_gemms(model: nn.Module):

@@ -6,6 +6,8 @@ LM, and the way back to plain weights."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -302,6 +304,22 @@ def test_the_encoder_packs_once_enough_audio_went_through(tokenizer_dir, plain_c
     assert torch.equal(codec.encode(audio, 24000), first)
     assert [m.fc1.packed for m in encoder] == packed  # once
     assert torch.equal(first, plain_codec.encode(audio, 24000))
+
+
+@needs_onednn
+def test_encodes_in_threads_while_the_encoder_packs(tokenizer_dir, plain_codec, encode_cases,
+                                                    monkeypatch):
+    """Encodes from several threads (a server's requests) across the packing: each gets the
+    plain codes (`PendingPack.use` keeps calls off the layers while they are swapped)."""
+    monkeypatch.setattr(layers, "ENCODER_PACK_AFTER_S", 2.0)
+    codec = load_audio_tokenizer(tokenizer_dir, device="cpu", dtype=torch.float32,
+                                 packing=ONEDNN)
+    audio = encode_cases["encode_chirp_1p3s.waveform_in"]
+    expected = plain_codec.encode(audio, 24000)
+    with ThreadPoolExecutor(4) as pool:
+        codes = list(pool.map(lambda _: codec.encode(audio, 24000), range(8)))
+    assert all(torch.equal(c, expected) for c in codes)
+    assert not codec.model.encoder.pending_pack.layers  # packed along the way
 
 
 @needs_onednn
