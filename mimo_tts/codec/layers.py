@@ -458,6 +458,9 @@ def linear(proj: nn.Module, x: Tensor, gelu: bool = False,
     packed = getattr(proj, "packed", None)
     if packed is not None and packed.current([weight], x, residual):
         return packed(x, gelu, residual)
+    if isinstance(weight, Tensor) and weight.is_meta and x.device.type != "meta":
+        raise RuntimeError(f"a packed {tuple(weight.shape)} linear cannot take a {x.dtype} "
+                           f"input on {x.device}: its weights live in the packed form only")
     fusable = _fusable(x, weight, residual)
     if fusable and (gelu or residual is not None):
         return onednn_linear(x, weight, proj.bias, gelu, residual)

@@ -111,10 +111,15 @@ def test_forced_on_decode_matches_reference(forced, decode_cases, frames):
 @needs_amx
 @pytest.mark.parametrize("name", ["encode_chirp_1p3s", "encode_sines_2p7s"])
 def test_forced_on_codes_match_reference_exactly(forced, encode_cases, name):
+    _codes_match_reference(forced, encode_cases, name)
+
+
+def _codes_match_reference(codec, encode_cases, name: str) -> None:
+    """The encoder's hidden states within 1e-4 of the reference's, its codes exactly."""
     audio = encode_cases[f"{name}.waveform_in"]
-    torch.testing.assert_close(forced.model.encoder(encode_cases[f"{name}.log_mel"]),
+    torch.testing.assert_close(codec.model.encoder(encode_cases[f"{name}.log_mel"]),
                                encode_cases[f"{name}.encoder_hidden"], atol=1e-4, rtol=0)
-    assert torch.equal(forced.encode(audio, 24000), encode_cases[f"{name}.codes_all"].long())
+    assert torch.equal(codec.encode(audio, 24000), encode_cases[f"{name}.codes_all"].long())
 
 
 @needs_amx
@@ -254,10 +259,7 @@ def test_reordered_decode_matches_reference_and_the_plain_path(reordered, plain_
 @needs_onednn
 @pytest.mark.parametrize("name", ["encode_chirp_1p3s", "encode_sines_2p7s"])
 def test_reordered_codes_match_reference_exactly(reordered, encode_cases, name):
-    audio = encode_cases[f"{name}.waveform_in"]
-    torch.testing.assert_close(reordered.model.encoder(encode_cases[f"{name}.log_mel"]),
-                               encode_cases[f"{name}.encoder_hidden"], atol=1e-4, rtol=0)
-    assert torch.equal(reordered.encode(audio, 24000), encode_cases[f"{name}.codes_all"].long())
+    _codes_match_reference(reordered, encode_cases, name)
 
 
 @needs_onednn
@@ -340,6 +342,18 @@ def test_reordered_products_do_not_depend_on_the_thread_count():
             assert all(torch.equal(outs[0], out) for out in outs[1:])
     finally:
         torch.set_num_threads(before)
+
+
+@needs_onednn
+def test_a_call_the_packed_form_cannot_serve_is_refused_not_guessed():
+    """The plain weights are gone once packed (meta placeholders): a call the packed form does
+    not take (here a bfloat16 input) is an error, never a product of the placeholder."""
+    proj = nn.Linear(32, 16).requires_grad_(False)
+    proj.packed = PackedFloat32([proj])
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(layers.linear(proj, x), proj.packed(x))
+    with pytest.raises(RuntimeError, match="packed form only"):
+        layers.linear(proj, x.bfloat16())
 
 
 @needs_onednn
