@@ -8,7 +8,7 @@ Two engines, both REPLACING the float32 weights (memory stays that of the weight
   residual are added in float32. On an AMX Xeon that ran about twice as fast as PyTorch's
   float32 product. Weights are split and packed once (`PackedGemm`), activations per call.
 - "onednn": the same float32 products as the plain path, with the weights reordered once into
-  oneDNN's blocked layout (`layers.PackedFloat32`) instead of inside every call. Without AMX
+  oneDNN's blocked layout (`layers.PackedLinear`) instead of inside every call. Without AMX
   (an AMD EPYC, say) that is 1.04-1.26x at the codec's shapes and up to 2.6x for a few rows.
 
 `choose` takes the first that runs and measured faster here; beside an LM whose weights the
@@ -124,20 +124,23 @@ class PackedGemm:
 
 
 def replace_weights(modules: list[nn.Linear], weights: list[Tensor]) -> list[nn.Parameter]:
-    """After `weights` (the modules' float32 weights) were packed: give back their mapped file
-    pages and put meta-device placeholders of the same shapes in the modules; the placeholders."""
+    """After `weights` (the modules' weights) were packed: give back their mapped file pages
+    and put meta-device placeholders of the same shapes and dtype in the modules; the
+    placeholders."""
     for w in weights:
         pages.drop(w)
     for m in modules:
-        m.weight = nn.Parameter(torch.empty(m.weight.shape, device="meta"), requires_grad=False)
+        m.weight = nn.Parameter(torch.empty(m.weight.shape, dtype=m.weight.dtype, device="meta"),
+                                requires_grad=False)
     return [m.weight for m in modules]
 
 
-def holds(placeholders: list, weights: list, x: Tensor, residual: Tensor | None) -> bool:
+def holds(placeholders: list, weights: list, x: Tensor, residual: Tensor | None,
+          dtype: torch.dtype = torch.float32) -> bool:
     """Whether the modules still hold `placeholders` (`weights`, as read from them now) and x
-    (and residual) are float32 on the CPU: a packed product still applies."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and \
-        (residual is None or residual.dtype == torch.float32) and \
+    (and residual) are `dtype` on the CPU: a packed product still applies."""
+    return x.device.type == "cpu" and x.dtype == dtype and \
+        (residual is None or residual.dtype == dtype) and \
         len(weights) == len(placeholders) and \
         all(w is p for w, p in zip(weights, placeholders, strict=True))
 
@@ -213,7 +216,7 @@ ENGINES = {"bf16x3": "bf16x3 AMX products", "onednn": "oneDNN's blocked float32 
 @dataclass(frozen=True)
 class Packing:
     """How the codec's float32 CPU linears run: `engine` "bf16x3" (`PackedGemm`), "onednn"
-    (`layers.PackedFloat32`) or None (plain float32 weights, as mapped); whether the encoder's
+    (`layers.PackedLinear`) or None (plain float32 weights, as mapped); whether the encoder's
     layers are packed too (else only the decoder's and vocoder's); why, in words."""
 
     engine: str | None

@@ -367,62 +367,40 @@ def onednn_bf16() -> bool:
 
 
 class PackedLinear:
-    """CPU bfloat16 linear weights prepacked once in oneDNN's blocked (AMX) layout.
+    """CPU linear weights (float32 or bfloat16; q/k/v as one product) reordered once into
+    oneDNN's blocked layout, REPLACING the modules' weights: meta-device placeholders go in
+    their place and mapped file pages are given back, so memory stays that of the weights.
 
-    Plain `F.linear` reorders the weight on every call; on AMX bfloat16 that reorder cost about
-    a quarter of each [500, 1280] x [1280, 5120] product (profiled, 1 thread: 10.8 -> 7.7 ms).
-    q/k/v pack into one product. The packed copy is one more copy of the transformer weights,
-    so it is made for bfloat16 only (float32 keeps the loading-memory target; its products gain
-    little from packing). A weight replaced or changed later is detected and not used.
+    Plain weights make oneDNN reorder them inside every call: on AMX bfloat16 that cost about
+    a quarter of each [500, 1280] x [1280, 5120] product (profiled, 1 thread: 10.8 -> 7.7 ms);
+    in float32 on an AMD EPYC 4-7% of a decode and encode, and up to 2.6x for a product of a
+    few rows. The products are the plain path's (the same bytes from two rows up). A weight
+    replaced later (a new Parameter in the module) is detected and used plain; `weights` gives
+    the weights back exactly.
     """
-
-    @classmethod
-    def of(cls, modules: list[nn.Module]) -> PackedLinear:
-        return cls([m.weight for m in modules], [m.bias for m in modules])
-
-    def __init__(self, weights: list[Tensor], biases: list[Tensor | None]):
-        self.sources = [self._key(w) for w in weights]  # what was packed, checked every call
-        weight = torch.cat([w.data for w in weights]) if len(weights) > 1 else weights[0].data
-        self.bias = None
-        if any(b is not None for b in biases):
-            self.bias = torch.cat([b.data if b is not None else weight.new_zeros(w.shape[0])
-                                   for w, b in zip(weights, biases, strict=True)])
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
-
-    @staticmethod
-    def _key(weight) -> tuple | None:
-        if not isinstance(weight, Tensor):  # e.g. a dynamically quantised module's method
-            return None
-        return weight.data_ptr(), weight.dtype, weight.shape, weight._version
-
-    def current(self, weights: list, x: Tensor, residual: Tensor | None = None) -> bool:
-        """Whether the packed copy still is `weights` and applies to x (CPU, same dtype)."""
-        return _fusable(x, self.weight, residual) and \
-            [self._key(w) for w in weights] == self.sources
-
-    def __call__(self, x: Tensor, gelu: bool = False, residual: Tensor | None = None) -> Tensor:
-        return onednn_linear(x, self.weight, self.bias, gelu, residual)
-
-
-class PackedFloat32(PackedLinear):
-    """CPU float32 linear weights reordered once into oneDNN's blocked layout, REPLACING the
-    modules' weights (meta-device placeholders; their mapped file pages given back), so memory
-    stays that of the float32 weights. The products are oneDNN's float32 ones, as plain
-    weights get them, without the reorder inside every call (`gemm.choose`, engine "onednn").
-    `weights` gives the float32 weights back exactly."""
 
     def __init__(self, modules: list[nn.Linear]):
         self.modules = modules
         weights = [m.weight.detach() for m in modules]
-        super().__init__(weights, [m.bias for m in modules])
+        weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+        self.dtype = weight.dtype
+        self.bias = None
+        if any(m.bias is not None for m in modules):
+            self.bias = torch.cat([m.bias.detach() if m.bias is not None
+                                   else weight.new_zeros(w.shape[0])
+                                   for m, w in zip(modules, weights, strict=True)])
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+        del weight
         self.placeholders = gemm.replace_weights(modules, weights)
         del weights
 
     def current(self, weights: list, x: Tensor, residual: Tensor | None = None) -> bool:
-        return gemm.holds(self.placeholders, weights, x, residual)
+        """Whether the modules still hold the placeholders and x (and residual) are of the
+        packed dtype on the CPU."""
+        return gemm.holds(self.placeholders, weights, x, residual, self.dtype)
 
     def __call__(self, x: Tensor, gelu: bool = False, residual: Tensor | None = None) -> Tensor:
-        # the plain weights are gone: every float32 CPU call is served, laid out as oneDNN wants
+        # the plain weights are gone: every call is served, laid out as oneDNN wants it
         return onednn_linear(x.contiguous(), self.weight, self.bias, gelu,
                              None if residual is None else residual.contiguous())
 
@@ -432,12 +410,12 @@ class PackedFloat32(PackedLinear):
         return self.weight
 
     def weights(self) -> list[Tensor]:
-        """The modules' float32 weights, reordered back (the same values)."""
+        """The modules' weights, reordered back (the same values)."""
         weight = self.weight.to_dense()
         return [w.contiguous() for w in weight.split([m.weight.shape[0] for m in self.modules])]
 
     def unpack(self) -> None:
-        """Give the modules plain float32 weights again (`weights`)."""
+        """Give the modules plain weights again (`weights`)."""
         for m, w in zip(self.modules, self.weights(), strict=True):
             m.weight = nn.Parameter(w, requires_grad=False)
 
@@ -575,7 +553,7 @@ class TransformerLayer(nn.Module):
 
     def prepack(self, pack) -> None:
         """Pack q/k/v (one product), out_proj, fc1 and fc2 with `pack(list of nn.Linear)`
-        (`PackedLinear.of`, `PackedFloat32` or `gemm.PackedGemm`)."""
+        (`PackedLinear` or `gemm.PackedGemm`)."""
         attn = self.self_attn
         attn.packed_qkv = pack([attn.q_proj, attn.k_proj, attn.v_proj])
         for proj in (attn.out_proj, self.fc1, self.fc2):
@@ -600,12 +578,12 @@ def _run_local(layers: nn.ModuleList, rotary: Rotary, x: Tensor, spec: AttnSpec,
 
 def prepack(model: nn.Module, packing: gemm.Packing | None = None,
             codec_kernel: str = "auto") -> None:
-    """Prepack the linears of every CPU `TransformerLayer` of `model`: bfloat16 ones in
-    oneDNN's layout (`PackedLinear`, a copy beside them), float32 ones as `packing` says
-    (default: `gemm.choose` in mode `codec_kernel`): through the bf16x3 AMX GEMM
-    (`gemm.PackedGemm`) or in oneDNN's float32 layout (`PackedFloat32`), both replacing the
-    float32 weights; the encoder's layers only where `packing.encoder`, and then once it has
-    encoded `ENCODER_PACK_AFTER_S` of audio (`PendingPack`). Their attention goes
+    """Prepack the linears of every CPU `TransformerLayer` of `model`, each packed form
+    replacing the weights it packs: bfloat16 ones in oneDNN's layout (`PackedLinear`, where
+    oneDNN runs bfloat16), float32 ones as `packing` says (default: `gemm.choose` in mode
+    `codec_kernel`): through the bf16x3 AMX GEMM (`gemm.PackedGemm`) or in oneDNN's layout
+    (`PackedLinear`); the encoder's float32 layers only where `packing.encoder`, and then once
+    it has encoded `ENCODER_PACK_AFTER_S` of audio (`PendingPack`). Their attention goes
     through the fused kernel where `attention.choose` in mode `codec_kernel` picks it for their
     dtype (that choice is kept as `model.attention_choice`)."""
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer) and
@@ -617,9 +595,7 @@ def prepack(model: nn.Module, packing: gemm.Packing | None = None,
     if len(chosen) == 1:  # what a run records (the sidecar, the -v log)
         model.attention_choice = next(iter(chosen.values()))
     if torch.bfloat16 in dtypes and packable() and onednn_bf16():
-        for m in layers:
-            if m.fc1.weight.dtype == torch.bfloat16:
-                m.prepack(PackedLinear.of)
+        _pack_layers([m for m in layers if m.fc1.weight.dtype == torch.bfloat16], PackedLinear)
     if torch.float32 not in dtypes:
         return
     if packing is None:
@@ -630,7 +606,7 @@ def prepack(model: nn.Module, packing: gemm.Packing | None = None,
         lib = gemm.library()
         pack = lambda modules: gemm.PackedGemm(lib, modules)  # noqa: E731
     else:
-        pack = PackedFloat32
+        pack = PackedLinear
     encoder = getattr(model, "encoder", None)
     later = set() if encoder is None else {id(m) for m in encoder.modules()}
     now = [m for m in layers if m.fc1.weight.dtype == torch.float32 and id(m) not in later]
@@ -690,11 +666,11 @@ def pending_use(module: nn.Module, seconds: float):
 
 def _packed_gemms(model: nn.Module):
     """(module, attribute name, packed product) of every float32 linear of `model` packed in
-    place of its weights (`gemm.PackedGemm`, `PackedFloat32`)."""
+    place of its weights (`gemm.PackedGemm`, `PackedLinear`)."""
     for module in model.modules():
         for name in ("packed", "packed_qkv"):
             packed = getattr(module, name, None)
-            if isinstance(packed, gemm.PackedGemm | PackedFloat32):
+            if isinstance(packed, gemm.PackedGemm | PackedLinear):
                 yield module, name, packed
 
 

@@ -123,9 +123,6 @@ UNLOADED = re.compile(r".*\._codebook\.(embed_avg|cluster_size|inited)|mel_trans
 FLOAT32_BUFFERS = re.compile(r".*\._codebook\.embed|.*\.istft\.window")
 
 
-# Codec linears that Stage-1 prepacks once more on CPU in bfloat16 (codec/layers.PackedLinear).
-PACKED = re.compile(r".*layers\.\d+\.(self_attn\.(q|k|v|out)_proj|fc1|fc2)\.(weight|bias)")
-
 
 # Memory-mapped tensors a run reads only in part (see `resident_bytes`): the LM's text
 # embedding (the rows of the tokens it sees) and the tokenizer's encoder (all but the
@@ -302,11 +299,8 @@ def tokenizer_need(path: Path, device: str, dtype: str, lengths: Lengths) -> Sta
     work += heads * rows_frames * min(frames, 1024) * 4  # attention blocks
     weights = resident_bytes(path, dtype, device,
                              None if lengths.encodes else ENCODER)
-    parts = {"weights": weights, "workspace": work}
-    if device == "cpu" and dtype == "bfloat16":
-        parts["packed_weights"] = sum(2 * n for name, (n, _) in header_numel(path).items()
-                                      if PACKED.fullmatch(name))
-    return StageNeed("tokenizer", device, dtype, parts, path)
+    # packed CPU linears (codec.layers.prepack) replace the weights they pack: no copy
+    return StageNeed("tokenizer", device, dtype, {"weights": weights, "workspace": work}, path)
 
 
 def plan(needs: list[StageNeed], env: Mapping[str, str] | None = None) -> list[dict]:
@@ -337,9 +331,6 @@ def fixes(needs: list[StageNeed], device: str, lengths: Lengths) -> list[str]:
         if need.device != device:
             continue
         saving = need.parts["weights"] // 2 if need.dtype == "float32" else 0
-        if need.stage == "tokenizer" and device == "cpu":  # bfloat16 adds its packed copy
-            saving -= sum(2 * n for name, (n, _) in header_numel(need.path).items()
-                          if PACKED.fullmatch(name)) if saving else 0
         flag = "--dtype bfloat16" if need.stage == "LM" else "--tokenizer-dtype bfloat16"
         if saving > MIN_SAVING:
             found.append((saving, f"{flag} (saves {gib(saving)})"))

@@ -1,6 +1,6 @@
 """The codec's packed float32 linears (mimo_tts/codec/gemm.py): the bf16x3 AMX GEMM (products
 against float64, the reference fixtures with it forced on, full-size layers against the plain
-float32 path) and oneDNN's blocked layout (`PackedFloat32`: the plain products' bytes, the
+float32 path) and oneDNN's blocked layout (`PackedLinear`: the plain products' bytes, the
 fixtures, the memory it replaces), the choice between them, the encoder left mapped beside an
 LM, and the way back to plain weights."""
 
@@ -17,7 +17,7 @@ from mimo_tts.codec import gemm, layers, load_audio_tokenizer
 from mimo_tts.codec.int8 import quantize_int8
 from mimo_tts.codec.layers import (
     AttnSpec,
-    PackedFloat32,
+    PackedLinear,
     TransformerLayer,
     _packed_gemms,
     plain_state_dict,
@@ -267,7 +267,7 @@ def test_reordered_weights_replace_the_plain_ones(reordered, plain_codec):
     """The reordered weights take the float32 weights' place (meta placeholders, opaque
     tensors of the same size) and give back the same values."""
     packed = [p for _, _, p in _packed_gemms(reordered.model)]
-    assert packed and all(isinstance(p, PackedFloat32) for p in packed)
+    assert packed and all(isinstance(p, PackedLinear) for p in packed)
     layers = [m for m in reordered.model.modules() if isinstance(m, TransformerLayer)]
     assert layers and all(m.fc1.weight.is_meta and m.self_attn.q_proj.weight.is_meta
                           for m in layers)
@@ -301,7 +301,7 @@ def test_the_encoder_packs_once_enough_audio_went_through(tokenizer_dir, plain_c
     assert torch.equal(codec.encode(audio, 24000), first)  # 1.3 s so far: still plain
     assert not any(m.fc1.weight.is_meta for m in encoder)
     assert torch.equal(codec.encode(audio, 24000), first)  # 2.6 s before it: packed now
-    assert all(m.fc1.weight.is_meta and isinstance(m.fc1.packed, PackedFloat32) for m in encoder)
+    assert all(m.fc1.weight.is_meta and isinstance(m.fc1.packed, PackedLinear) for m in encoder)
     packed = [m.fc1.packed for m in encoder]
     assert torch.equal(codec.encode(audio, 24000), first)
     assert [m.fc1.packed for m in encoder] == packed  # once
@@ -330,7 +330,7 @@ def test_reordered_products_do_not_depend_on_the_thread_count():
     count, a one-row product too."""
     gen = torch.Generator().manual_seed(5)
     proj = nn.Linear(320, 640).requires_grad_(False)
-    packed = PackedFloat32([proj])
+    packed = PackedLinear([proj])
     before = torch.get_num_threads()
     try:
         for rows in (1, 2, 44):
@@ -349,7 +349,7 @@ def test_a_call_the_packed_form_cannot_serve_is_refused_not_guessed():
     """The plain weights are gone once packed (meta placeholders): a call the packed form does
     not take (here a bfloat16 input) is an error, never a product of the placeholder."""
     proj = nn.Linear(32, 16).requires_grad_(False)
-    proj.packed = PackedFloat32([proj])
+    proj.packed = PackedLinear([proj])
     x = torch.randn(3, 32)
     torch.testing.assert_close(layers.linear(proj, x), proj.packed(x))
     with pytest.raises(RuntimeError, match="packed form only"):

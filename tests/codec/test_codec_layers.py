@@ -77,10 +77,12 @@ def test_prepacked_bfloat16_layers_match_plain_and_follow_new_weights():
         assert hasattr(layers[0].fc1, "packed")
         packed, _ = run_layers(layers, rotary, x, spec)
         torch.testing.assert_close(packed.float(), plain.float(), atol=0.05, rtol=0.02)
-        for layer in layers:  # new weights after packing: the stale packed copy is not used
-            layer.fc2.weight.data = torch.zeros_like(layer.fc2.weight)
+        # the packed form replaced the weights: meta placeholders of their dtype in the modules
+        assert layers[0].fc1.weight.is_meta and layers[0].fc1.weight.dtype == torch.bfloat16
+        for layer in layers:  # new weights after packing: the stale packed form is not used
+            layer.fc2.weight = nn.Parameter(
+                torch.zeros(layer.fc2.weight.shape, dtype=torch.bfloat16), requires_grad=False)
             layer.fc2.bias.zero_()
-            layer.self_attn.v_proj.weight.zero_()  # in place: the version counter moves
         changed, _ = run_layers(layers, rotary, x, spec)
         prepack(layers)
         repacked, _ = run_layers(layers, rotary, x, spec)

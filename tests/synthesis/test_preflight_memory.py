@@ -155,8 +155,8 @@ def test_refusal_names_need_availability_and_fixes(full_size):
     assert "\n" not in message and info.value.exit_code == EXIT_DEVICE
     assert "not enough memory on cpu" in message and "23.0 GiB is available" in message
     assert "--dtype bfloat16 (saves 14.9 GiB)" in message and "--no-memory-check" in message
-    # On the CPU a bfloat16 tokenizer also keeps its prepacked linears: almost no saving.
-    assert "--tokenizer-dtype" not in message
+    # its prepacked linears replace the bfloat16 weights (codec.layers.PackedLinear): no copy
+    assert "--tokenizer-dtype bfloat16 (saves 2.4 GiB)" in message
     on_gpu = [lm_need(lm, "cuda:0", "bfloat16", lengths),
               tokenizer_need(tok, "cuda:0", "float32", lengths)]
     with pytest.raises(DeviceError, match="--tokenizer-device cpu") as info:
