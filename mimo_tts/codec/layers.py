@@ -665,8 +665,8 @@ def pending_use(module: nn.Module, seconds: float):
 
 
 def _packed_gemms(model: nn.Module):
-    """(module, attribute name, packed product) of every float32 linear of `model` packed in
-    place of its weights (`gemm.PackedGemm`, `PackedLinear`)."""
+    """(module, attribute name, packed product) of every linear of `model` packed in place of
+    its weights (`gemm.PackedGemm`, `PackedLinear`)."""
     for module in model.modules():
         for name in ("packed", "packed_qkv"):
             packed = getattr(module, name, None)
@@ -675,7 +675,7 @@ def _packed_gemms(model: nn.Module):
 
 
 def unpack(model: nn.Module) -> None:
-    """Undo `prepack`'s float32 packing: plain float32 weights again (`unpack` of each)."""
+    """Undo `prepack`'s packing: plain weights again (`unpack` of each)."""
     for module, name, packed in list(_packed_gemms(model)):
         packed.unpack()
         delattr(module, name)
@@ -686,7 +686,7 @@ def unpack(model: nn.Module) -> None:
 
 def weight_tensors(model: nn.Module) -> list[Tensor]:
     """The tensors that hold `model`'s weights in memory: its parameters and buffers (less the
-    packed float32 weights' meta placeholders) and the packed weights and biases (oneDNN's
+    packed weights' meta placeholders) and the packed weights and biases (oneDNN's
     reordered ones are opaque tensors: `is_mkldnn`, no storage to read)."""
     held = [t for t in model.state_dict().values() if not t.is_meta]
     for _, _, packed in _packed_gemms(model):
@@ -695,8 +695,8 @@ def weight_tensors(model: nn.Module) -> list[Tensor]:
 
 
 def plain_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """`model.state_dict()` with float32 weights where they are held packed; the model itself
-    is left as it is."""
+    """`model.state_dict()` with plain weights where they are held packed; the model itself is
+    left as it is."""
     state = model.state_dict()
     names = {id(m): n for n, m in model.named_modules()}
     for _, _, packed in _packed_gemms(model):
