@@ -75,10 +75,9 @@ class PackedGemm:
                                   device="cpu")
         lib.pack_weight(weight.data_ptr(), *weight.shape, torch.get_num_threads(),
                         self.packed.data_ptr())
-        self.bias = None
-        if any(m.bias is not None for m in modules):
-            self.bias = torch.cat([m.bias.detach() if m.bias is not None else w.new_zeros(len(w))
-                                   for m, w in zip(modules, weights, strict=True)]).float()
+        self.bias = joined_bias(modules)
+        if self.bias is not None:
+            self.bias = self.bias.float()
         del weight
         self.placeholders = replace_weights(modules, weights)
         del weights
@@ -121,6 +120,15 @@ class PackedGemm:
         """Give the modules plain float32 weights again (`weights`)."""
         for m, w in zip(self.modules, self.weights(), strict=True):
             m.weight = nn.Parameter(w, requires_grad=False)
+
+
+def joined_bias(modules: list[nn.Linear]) -> Tensor | None:
+    """The biases of `modules` joined as one product's (zeros where a module has none, e.g.
+    k_proj), or None when none has one."""
+    if all(m.bias is None for m in modules):
+        return None
+    return torch.cat([m.bias.detach() if m.bias is not None else
+                      m.weight.new_zeros(m.weight.shape[0]) for m in modules])
 
 
 def replace_weights(modules: list[nn.Linear], weights: list[Tensor]) -> list[nn.Parameter]:

@@ -384,11 +384,7 @@ class PackedLinear:
         weights = [m.weight.detach() for m in modules]
         weight = torch.cat(weights) if len(weights) > 1 else weights[0]
         self.dtype = weight.dtype
-        self.bias = None
-        if any(m.bias is not None for m in modules):
-            self.bias = torch.cat([m.bias.detach() if m.bias is not None
-                                   else weight.new_zeros(w.shape[0])
-                                   for m, w in zip(modules, weights, strict=True)])
+        self.bias = gemm.joined_bias(modules)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
         del weight
         self.placeholders = gemm.replace_weights(modules, weights)
