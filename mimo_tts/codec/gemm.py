@@ -180,13 +180,20 @@ def measure() -> tuple[bool, float, float]:
 
 
 @functools.cache
-def onednn_packs() -> str:
-    """"" where oneDNN reorders and runs float32 linear weights in this torch, else why not."""
+def onednn_packs(dtype: torch.dtype = torch.float32) -> str:
+    """"" where oneDNN reorders linear weights of `dtype` once and runs products on them in this
+    torch and on this CPU, else why not: one tiny product, once per process and dtype. bfloat16
+    needs AVX512 (BW, VL, DQ), AVX-NE-CONVERT or AMX; oneDNN refuses it elsewhere (an AVX2-only
+    EPYC, say), where PyTorch's own bfloat16 kernels run instead."""
+    name = str(dtype).removeprefix("torch.")
     try:
-        weight = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16), 1)
-        torch.ops.mkldnn._linear_pointwise(torch.zeros(2, 16), weight, None, "none", [], "")
+        if not torch.backends.mkldnn.is_available():
+            return "no oneDNN in this torch"
+        weight = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 1)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(2, 16, dtype=dtype), weight, None,
+                                           "none", [], "")
     except (AttributeError, RuntimeError) as exc:
-        return f"no oneDNN float32 linear in this torch ({type(exc).__name__})"
+        return f"no oneDNN {name} linear in this torch on this CPU ({type(exc).__name__})"
     return ""
 
 

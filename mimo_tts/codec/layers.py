@@ -11,7 +11,6 @@ invisible to valid queries, so a padded batch gives each sequence exactly what i
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from dataclasses import dataclass
 
@@ -351,19 +350,10 @@ def _fusable(x: Tensor, weight, residual: Tensor | None) -> bool:
         and torch.backends.mkldnn.is_available() and not weight.requires_grad
 
 
-@functools.cache
 def onednn_bf16() -> bool:
-    """Whether oneDNN runs bfloat16 linears on this CPU: it needs AVX512 (BW, VL, DQ), AVX-NE-
-    CONVERT or AMX and refuses others (an AVX2-only EPYC, say), where PyTorch's own bfloat16
-    kernels run instead. Found by running one tiny product, once per process."""
-    try:
-        weight = torch.ops.mkldnn._reorder_linear_weight(
-            torch.zeros(16, 16, dtype=torch.bfloat16), 1)
-        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 16, dtype=torch.bfloat16), weight,
-                                           None, "none", [], "")
-    except (AttributeError, RuntimeError):
-        return False
-    return True
+    """Whether oneDNN runs bfloat16 linears on this CPU (`gemm.onednn_packs`); where it does not,
+    PyTorch's own bfloat16 kernels run."""
+    return not gemm.onednn_packs(torch.bfloat16)
 
 
 class PackedLinear:
@@ -414,15 +404,6 @@ class PackedLinear:
         """Give the modules plain weights again (`weights`)."""
         for m, w in zip(self.modules, self.weights(), strict=True):
             m.weight = nn.Parameter(w, requires_grad=False)
-
-
-def packable() -> bool:
-    """Whether this torch has the oneDNN linear ops `PackedLinear` uses."""
-    try:
-        return torch.backends.mkldnn.is_available() and \
-            torch.ops.mkldnn._reorder_linear_weight is not None
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def linear(proj: nn.Module, x: Tensor, gelu: bool = False,
@@ -590,7 +571,7 @@ def prepack(model: nn.Module, packing: gemm.Packing | None = None,
         m.self_attn.fused = chosen[m.fc1.weight.dtype].active
     if len(chosen) == 1:  # what a run records (the sidecar, the -v log)
         model.attention_choice = next(iter(chosen.values()))
-    if torch.bfloat16 in dtypes and packable() and onednn_bf16():
+    if torch.bfloat16 in dtypes and onednn_bf16():
         _pack_layers([m for m in layers if m.fc1.weight.dtype == torch.bfloat16], PackedLinear)
     if torch.float32 not in dtypes:
         return

@@ -10,7 +10,6 @@ from mimo_tts.codec.layers import (
     TransformerLayer,
     attention_mask,
     onednn_bf16,
-    packable,
     prepack,
     run_layers,
 )
@@ -66,7 +65,7 @@ def test_half_precision_stack_padded_once_equals_per_layer_key_padding(spec):
     torch.testing.assert_close(got.float(), expected.float(), atol=0.05, rtol=0.02)
 
 
-@pytest.mark.skipif(not (packable() and onednn_bf16()),
+@pytest.mark.skipif(not onednn_bf16(),
                     reason="needs oneDNN bfloat16 linears (AVX512-BW/VL/DQ, AVX-NE-CONVERT or AMX)")
 def test_prepacked_bfloat16_layers_match_plain_and_follow_new_weights():
     layers, rotary, spec = stack(dtype=torch.bfloat16), Rotary(DIM // HEADS, 10000), AttnSpec()
