@@ -61,6 +61,7 @@ from mimo_tts.lm.model import (
     KVCache,
     Matmul,
     MiMoAudioLM,
+    fuse_parts,
     linear,
     unpack_rows,
     upcast_linear,
@@ -409,14 +410,25 @@ def pack_model(model: MiMoAudioLM, quant: str | None = None) -> int:
     the bytes; "w4a8": as 4-bit groups (`pack_w4a8`), some 0.28x the bytes."""
     lib = library()
     fits, packer = QUANT_PACKERS[quant]
+    for owner, name, parts in model.streamed_matrices():  # left in parts the kernel can't take
+        if getattr(owner, name) is None and not (quant is None and all(
+                lib is not None and fits(p.weight) for p in parts)):
+            fuse_parts(owner, parts)
     todo = [(owner, name, parts) for owner, name, parts in model.streamed_matrices()
-            if lib is not None and fits(getattr(owner, name))]
-    sizes = [-(-_packed_bytes(getattr(o, n), quant) // mmap.PAGESIZE) * mmap.PAGESIZE
-             for o, n, _ in todo]
+            if lib is not None and (getattr(owner, name) is None or fits(getattr(owner, name)))]
+    sizes = [-(-_packed_bytes(_shape_of(o, n, p), quant) // mmap.PAGESIZE) * mmap.PAGESIZE
+             for o, n, p in todo]
     arena, offset, total = huge_bytes(sum(sizes)), 0, 0  # one mapping, filled as packed
     with torch.no_grad():
         for (owner, name, parts), size in zip(todo, sizes, strict=True):
             weight = getattr(owner, name)
+            if weight is None:  # q/k/v or gate/up still in their mapped parts (`load_lm`)
+                weight = _pack_parts(lib, parts, arena[offset:offset + size])
+                setattr(owner, name, weight)
+                _view_parts(weight, parts)
+                offset += size
+                total += weight.numel() * weight.element_size()
+                continue
             packed = packer(lib, weight,
                             arena[offset:offset + size][:_packed_bytes(weight, quant)])
             offset += size
@@ -431,6 +443,30 @@ def pack_model(model: MiMoAudioLM, quant: str | None = None) -> int:
             total += _packed_bytes(weight, quant)
             del weight
     return total
+
+
+def _shape_of(owner: nn.Module, name: str, parts: Sequence[nn.Module]) -> Tensor:
+    """The matrix `pack_model` packs, or (still in its parts) a meta tensor of its shape."""
+    weight = getattr(owner, name)
+    if weight is not None:
+        return weight
+    rows = sum(p.weight.shape[0] for p in parts)
+    return torch.empty((rows, parts[0].weight.shape[1]), dtype=parts[0].weight.dtype,
+                       device="meta")
+
+
+def _pack_parts(lib: ctypes.CDLL, parts: Sequence[nn.Module], out: Tensor) -> Tensor:
+    """A fused bfloat16 matrix packed straight from its parts' weights (mapped), part after
+    part into `out`: a block of 16 rows packs alone, so this is the packing of their stack.
+    Each part's file pages are given back once packed."""
+    rows, cols, start = sum(p.weight.shape[0] for p in parts), parts[0].weight.shape[1], 0
+    for part in parts:
+        nbytes = part.weight.numel() * part.weight.element_size()
+        pack(lib, part.weight, out[start:start + nbytes])
+        pages.drop(part.weight)
+        start += nbytes
+    return out[:start].view(parts[0].weight.dtype).view(rows // PACK_ROWS, cols // 2,
+                                                         2 * PACK_ROWS)
 
 
 def _view_parts(packed: Tensor, parts: Sequence[nn.Module]) -> None:

@@ -50,7 +50,14 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu",
         model = MiMoAudioLM(cfg)
     model = model.to(dtype)  # the meta parameters carry the target dtype for the load below
     groups = model.fusion_groups()
-    stacked = [*groups, *(biases for _, biases in groups.values() if biases)]
+    # Where the kernel will pack q/k/v and gate/up, they stay in their mapped parts and are
+    # packed from there (`pack_model`): a stack of them first would be one more copy of most
+    # of the weights, in fresh memory the kernel must zero.
+    from_parts = model.packed_from_parts() if (
+        torch.device(device).type == "cpu" and dtype == torch.bfloat16 and quant is None
+        and mode != "off") else set()
+    stacked = [*(g for g in groups if g not in from_parts),
+               *(biases for _, biases in groups.values() if biases)]
     try:
         # q/k/v and gate/up are read straight into their fused tensors on the device; the rest
         # stays memory-mapped (zero-copy when the dtypes agree) until moved.
@@ -68,4 +75,5 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu",
         raise DeviceError(f"cannot place the LM on {device}: {exc}") from None
     model.cpu_kernel = mode
     prepare(model)  # the kernel's packed layout, where it will multiply
+    model.fuse_rest()  # what it did not pack, concatenated as the loader would have
     return model.eval().requires_grad_(False)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mimo_tts.lm.config import MAX_GROUPS, LMConfig, TransformerConfig
+from mimo_tts.runtime import pages
 from mimo_tts.runtime.fixed_order import attend_one, product, silu
 
 
@@ -180,14 +181,29 @@ def fuse_linears(parts: Sequence[nn.Linear], weight: Tensor | None = None,
     if weight is None:
         weight = torch.cat([p.weight.detach() for p in parts])
         bias = torch.cat([p.bias.detach() for p in parts]) if has_bias else None
+    row_views(parts, "weight", weight)
+    if has_bias:
+        row_views(parts, "bias", bias)
+    return weight, bias
+
+
+def fuse_parts(owner: nn.Module, parts: Sequence[nn.Linear]) -> None:
+    """Concatenate a group the loader left in its mapped parts (`owner.fuse()`), then give
+    the parts' file pages back: the mapping would otherwise keep them resident beside the
+    concatenated copy."""
+    mapped = [part.weight for part in parts]
+    owner.fuse()
+    for weight in mapped:
+        pages.drop(weight)
+
+
+def row_views(parts: Sequence[nn.Linear], attr: str, stacked: Tensor) -> None:
+    """Each part's `attr` ("weight" or "bias") becomes its rows of `stacked`, in order."""
     start = 0
     for part in parts:
         end = start + part.weight.shape[0]
-        part.weight = nn.Parameter(weight[start:end], requires_grad=False)
-        if has_bias:
-            part.bias = nn.Parameter(bias[start:end], requires_grad=False)
+        setattr(part, attr, nn.Parameter(stacked[start:end], requires_grad=False))
         start = end
-    return weight, bias
 
 
 class KVCache:
@@ -261,6 +277,11 @@ class Attention(nn.Module):
     def fuse(self, weight: Tensor | None = None, bias: Tensor | None = None) -> None:
         self.qkv_weight, self.qkv_bias = fuse_linears(
             [getattr(self, name) for name in self.PARTS], weight, bias)
+
+    def fuse_bias(self, bias: Tensor) -> None:
+        """Only the biases (the loader's stack): the weights stay in q/k/v until packed."""
+        row_views([getattr(self, name) for name in self.PARTS], "bias", bias)
+        self.qkv_bias = bias
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None,
                 slot: int | Tensor, span: Span, mask: Tensor | None, matmul: Matmul,
@@ -485,12 +506,33 @@ class MiMoAudioLM(nn.Module):
         fused tensors the loader read (by `fusion_groups` names: no copy, no second resident
         copy); without them the parts are concatenated. A later `.to()` converts both
         (correct, but then no longer shared), so fuse after placing the model.
+
+        A streamed group whose weights `stacks` lacks (`packed_from_parts`) keeps them in its
+        parts, fusing only its biases: the CPU kernel packs the parts into one matrix
+        (`cpu_kernel.pack_model`), and `fuse_rest` concatenates what it did not pack.
         """
         for weights, (module, biases) in self.fusion_groups().items():
+            bias = None if biases is None or stacks is None else stacks[biases]
             if stacks is None:
                 module.fuse()
-            else:
-                module.fuse(stacks[weights], None if biases is None else stacks[biases])
+            elif weights in stacks:
+                module.fuse(stacks[weights], bias)
+            elif bias is not None:
+                module.fuse_bias(bias)
+
+    def packed_from_parts(self) -> set[tuple[str, ...]]:
+        """The weight groups a step streams (q/k/v, gate/up: `streamed_matrices`) by their
+        `fusion_groups` names: where the CPU kernel will pack them, the loader leaves them in
+        their mapped parts rather than stacking a copy that packing would copy again."""
+        streamed = {id(owner) for owner, _, parts in self.streamed_matrices() if parts}
+        return {weights for weights, (module, _) in self.fusion_groups().items()
+                if id(module) in streamed}
+
+    def fuse_rest(self) -> None:
+        """Concatenate the groups still in their parts (`fuse_weights`): nothing packed them."""
+        for owner, name, parts in self.streamed_matrices():
+            if parts and getattr(owner, name) is None:
+                fuse_parts(owner, parts)
 
     # -- patch encoder (§4.3) -------------------------------------------------------------
     def encode_patches(self, codes: Tensor, matmul: Matmul = linear) -> Tensor:

@@ -21,6 +21,7 @@ from mimo_tts.lm.generate import generate
 from mimo_tts.lm.load import load_lm
 from mimo_tts.lm.model import KVCache, unpack_rows
 from mimo_tts.lm.native import NativeEngine
+from mimo_tts.runtime.devices import Choice
 from tests.full_size import lm_config_cut, write_random_lm
 from tests.helpers import FULL_SIZE
 
@@ -112,6 +113,37 @@ def packed_lm(lm_dir):
     model = load_lm(lm_dir, dtype=torch.bfloat16, cpu_kernel="on")
     assert model.packed_bytes > 0
     return model
+
+
+def test_q_k_v_and_gate_up_packed_from_their_mapped_parts_are_their_stacks_packed(
+        lm_dir, packed_lm, monkeypatch):
+    """The loader leaves q/k/v and gate/up in their mapped parts where the kernel packs them
+    (no stack copied first); packing part after part gives the bytes of packing the stack a
+    kernel-off load builds. Where the kernel then does not pack (measured slower), the parts
+    are concatenated into the stack that load builds."""
+    stacked = load_lm(lm_dir, dtype=torch.bfloat16, cpu_kernel="off")
+    lib = cpu_kernel.library()
+    pairs = list(zip(packed_lm.streamed_matrices(), stacked.streamed_matrices(), strict=True))
+    fused = [(o, n) for (o, n, parts), _ in pairs if parts]
+    assert len(fused) == 2 * (len(packed_lm.model.layers) + len(packed_lm.local_transformer.layers)
+                              + len(packed_lm.input_local_transformer.layers))
+    for (owner, name, parts), (plain_owner, _, plain_parts) in pairs:
+        if parts:
+            assert torch.equal(getattr(owner, name),
+                               cpu_kernel.pack(lib, getattr(plain_owner, name)))
+            for part, plain in zip(parts, plain_parts, strict=True):
+                assert part.bias is None or torch.equal(part.bias, plain.bias)
+    assert torch.equal(packed_lm.model.layers[0].self_attn.qkv_bias,
+                       stacked.model.layers[0].self_attn.qkv_bias)
+    monkeypatch.setattr(cpu_kernel, "choose", lambda model: Choice(False, "not in this test"))
+    unpacked = load_lm(lm_dir, dtype=torch.bfloat16, cpu_kernel="auto")
+    assert unpacked.packed_bytes == 0
+    for (owner, name, parts), (plain_owner, _, _) in zip(
+            unpacked.streamed_matrices(), stacked.streamed_matrices(), strict=True):
+        assert torch.equal(getattr(owner, name), getattr(plain_owner, name))
+        for part in parts:  # row views of the one concatenated matrix
+            assert part.weight.untyped_storage().data_ptr() == \
+                getattr(owner, name).untyped_storage().data_ptr()
 
 
 def test_load_packs_every_streamed_matrix_in_place(packed_lm):
