@@ -6,6 +6,7 @@ default to the repository's copy (`tests/fixtures`); `MIMO_TTS_FIXTURES` points 
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -37,3 +38,11 @@ def busy_cores(window_s: float = 5.0) -> float:
     start, before = time.perf_counter(), cpu_busy_s()
     time.sleep(window_s)
     return (cpu_busy_s() - before) / (time.perf_counter() - start)
+
+
+def emit(report: dict, out: str | None = None) -> None:
+    """Print a benchmark's JSON report, and write it to `out` too where one is named."""
+    text = json.dumps(report, indent=2, ensure_ascii=False)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n", encoding="utf-8")

@@ -48,6 +48,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import emit
+
 GIB = 2**30
 RUNS = ("batch1", "stream", "stream_split", "stream_before", "instruct", "batch")
 TEXT = "Hello! This is the full-size model, speaking on this machine."
@@ -358,10 +360,7 @@ def main() -> None:
     if len(variants) > 1:
         report["quant_vs_unquantized"] = compare_quant(report["runs"], args.lm_quant)
     report["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    text = json.dumps(report, indent=2, ensure_ascii=False)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n", encoding="utf-8")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -23,13 +23,13 @@ the same cores) and stops it at the end.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from _common import emit
 from bench_e2e import TEXT, machine
 
 TARGET = 1.1
@@ -103,10 +103,7 @@ def main() -> None:
                "stream_over_whole_total": round(total[True] / total[False], 3),
                "meets_target": total[True] / total[False] <= TARGET}
     report["machine"]["loadavg_end"] = machine()["loadavg"]
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

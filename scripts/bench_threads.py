@@ -27,12 +27,12 @@ runs the tiny one (seconds, any machine).
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import statistics
 import time
 from pathlib import Path
 
+from _common import emit
 from bench_e2e import machine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -132,10 +132,7 @@ def main() -> None:
               "rounds": rounds,
               "median_over_synthesize": {k: round(statistics.median(v), 3)
                                          for k, v in ratios.items()}}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":
