@@ -77,8 +77,11 @@ def weight_files(directory: str | Path) -> list[Path]:
     return files
 
 
-_ELEMENT_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8,
-                  "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+# safetensors dtype -> (torch dtype name, bytes an element): the header check stays torch-free
+_DTYPES = {"F64": ("float64", 8), "F32": ("float32", 4), "BF16": ("bfloat16", 2),
+           "F16": ("float16", 2), "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
+           "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),
+           "U8": ("uint8", 1), "BOOL": ("bool", 1)}
 
 
 def read_header(path: Path) -> dict:
@@ -101,7 +104,7 @@ def read_header(path: Path) -> dict:
             count = 1
             for dim in info["shape"]:
                 count *= int(dim)
-            if stop - start != count * _ELEMENT_BYTES.get(info["dtype"], 0) or start < 0:
+            if stop - start != count * _DTYPES.get(info["dtype"], ("", 0))[1] or start < 0:
                 raise ValueError(f"tensor {name} does not match its shape and dtype")
             end = max(end, stop)
     except (struct.error, ValueError, UnicodeDecodeError, KeyError, TypeError) as exc:
@@ -133,11 +136,6 @@ def check_files(directory: str | Path, parse: Callable[[dict], object]) -> None:
                                   f"{_summary(absent, 4)}")
 
 
-_TORCH_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16",
-                 "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64",
-                 "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
-
-
 def map_file(path: Path) -> dict:
     """Every tensor of one safetensors file as a view of one private mapping of the whole file
     (`read_header` checked first): building them reads no weight; a tensor's pages are read
@@ -158,7 +156,7 @@ def map_file(path: Path) -> dict:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype = getattr(torch, _TORCH_DTYPES.get(info["dtype"], ""), None)
+        dtype = getattr(torch, _DTYPES.get(info["dtype"], ("",))[0], None)
         if not isinstance(dtype, torch.dtype):
             raise CheckpointError(f"{path}: tensor {name} has dtype {info['dtype']}, which "
                                   "this torch cannot hold")
