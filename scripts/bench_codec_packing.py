@@ -5,13 +5,15 @@
 
 Loads one tokenizer checkpoint twice: plain float32 weights (as mapped) and packed by
 `--engine` ("onednn": oneDNN's blocked layout; "bf16x3": the AMX GEMM, where it runs), both
-through `load_audio_tokenizer`, so the packed load includes its packing (the decoder's; the
-encoder packs once it has encoded ENCODER_PACK_AFTER_S of audio, here right after the load,
-timed on its own). Then, per op and length, both models' first call and `--rounds`
-alternating calls (plain, packed, packed, plain, ...), best and median; `plain_over_packed` is
-the ratio of the medians. The outputs are compared byte for byte (`max_abs`, `codes_equal`).
-Decode takes 8 codebooks of random codes, encode random audio. The page cache is warmed by
-reading the checkpoint once first, so the load times compare packing with mapping, not disk.
+through `load_audio_tokenizer`, so the packed load includes what it packs at load (the
+vocoder's layers; the decoder's too for bf16x3); the encoder and (onednn) the decoder pack
+once they have run on ENCODER_PACK_AFTER_S and DECODER_PACK_AFTER_S of audio, here right after
+the load, each timed on its own. Then, per op and length, both models' first call and
+`--rounds` alternating calls (plain, packed, packed, plain, ...), best and median;
+`plain_over_packed` is the ratio of the medians. The outputs are compared byte for byte
+(`max_abs`, `codes_equal`). Decode takes 8 codebooks of random codes, encode random audio. The
+page cache is warmed by reading the checkpoint once first, so the load times compare packing
+with mapping, not disk.
 Both models are resident together: about 2x the float32 weights (10 GB at full size).
 """
 
@@ -71,9 +73,11 @@ def main() -> None:
         start = time.perf_counter()
         models[name] = load_audio_tokenizer(directory, "cpu", torch.float32, packing=packing)
         load_s[name] = round(time.perf_counter() - start, 3)
-    # the encoder packs once it has run on ENCODER_PACK_AFTER_S of audio: here, now
+    # the encoder and (oneDNN's layout) the decoder pack once they have run on
+    # ENCODER_PACK_AFTER_S and DECODER_PACK_AFTER_S of audio: here, now
     load_s["packing_the_encoder"] = round(_timed(models["packed"].model.encoder.pending_pack.now),
                                           3)
+    load_s["packing_the_decoder"] = round(_timed(models["packed"].pack_decoder), 3)
     config = models["plain"].model.config
     rate = config.sampling_rate
     frames_per_s = rate / config.hop_length / 4  # 25 Hz codes

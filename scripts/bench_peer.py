@@ -260,17 +260,17 @@ def worker(side: str, part: str, dtype_name: str, threads: int, inputs_path: str
 
 
 def warmup_calls(part: str, inputs: Path) -> int:
-    """Untimed calls before the timed ones, the same on both sides: one, and for the encoder as
-    many more as ours runs before it packs its float32 layers (a process that encodes a lot packs
-    them, `layers.ENCODER_PACK_AFTER_S`): the timed calls measure such a process."""
+    """Untimed calls before the timed ones, the same on both sides: one, and as many more as
+    ours runs before it packs that half's float32 layers (a process that encodes or decodes a
+    lot packs them, `layers.ENCODER_PACK_AFTER_S`, `DECODER_PACK_AFTER_S`): the timed calls
+    measure such a process."""
     import torch
 
-    from mimo_tts.codec.layers import ENCODER_PACK_AFTER_S
+    from mimo_tts.codec.layers import DECODER_PACK_AFTER_S, ENCODER_PACK_AFTER_S
 
-    if part != "encoder":
-        return 1
+    after_s = {"encoder": ENCODER_PACK_AFTER_S, "decoder": DECODER_PACK_AFTER_S}[part]
     seconds = len(torch.load(inputs)["audio"]) / json.loads(CONFIG.read_text())["sampling_rate"]
-    return 1 + math.ceil(ENCODER_PACK_AFTER_S / seconds)
+    return 1 + math.ceil(after_s / seconds)  # the codes stand for as long as the audio
 
 
 class Worker:

@@ -22,6 +22,7 @@ from mimo_tts.codec.layers import (
     TransformerLayer,
     group_norm_fp32,
     layer_norm_fp32,
+    pending_use,
     run_layers,
     valid_mask,
 )
@@ -70,12 +71,20 @@ class AudioDecoder(nn.Module):
         left, right = c.decoder_attn_window_size
         self.spec = AttnSpec(left, right, c.decoder_causal)
 
+    def seconds(self, latent_frames: int) -> float:
+        """The audio `latent_frames` of the transformer layers stand for."""
+        c = self.config
+        return latent_frames * c.decoder_stride_size * c.hop_length / c.sampling_rate
+
     def forward(self, hidden: Tensor, lengths: Tensor | None = None) -> Tensor:
         """hidden [B, T, d_model] (zero past lengths) -> waveform [B, 960*T] float32."""
         dtype = self.dconv1.conv.weight.dtype
         x = self.dconv1(hidden.to(dtype).transpose(1, 2), lengths)  # [B, d, L]
         latent_lengths = None if lengths is None else lengths * self.dconv1.stride
-        x, _ = run_layers(self.layers, self.rotary, x.transpose(1, 2), self.spec, latent_lengths)
+        frames = x.shape[0] * x.shape[2] if lengths is None else int(latent_lengths.sum())
+        with pending_use(self, self.seconds(frames)):  # float32 layers packed once enough ran
+            x, _ = run_layers(self.layers, self.rotary, x.transpose(1, 2), self.spec,
+                              latent_lengths)
         x = layer_norm_fp32(self.layer_norm, x)  # [B, L, d]
         if latent_lengths is not None:
             x = x * valid_mask(latent_lengths, x.shape[1])[..., None].to(x.dtype)

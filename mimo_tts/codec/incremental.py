@@ -28,7 +28,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mimo_tts.codec.attention import Keys
-from mimo_tts.codec.layers import KV_ALIGN, apply_rotary, attention_mask, layer_norm_fp32, sdpa
+from mimo_tts.codec.layers import (
+    KV_ALIGN,
+    apply_rotary,
+    attention_mask,
+    layer_norm_fp32,
+    pending_use,
+    sdpa,
+)
 from mimo_tts.codec.tokenizer import device_scope
 from mimo_tts.codec.vocoder import MIN_ENVELOPE
 from mimo_tts.errors import UsageError
@@ -193,14 +200,15 @@ def step_streams(caches: list[DecoderCache], xs: list[Tensor]) -> list[Tensor]:
     # One contiguous [1, N, d] whatever the streams: the first layer's residual is then fused
     # into out_proj as in every later layer (a strided one is added apart, rounding twice).
     x = xs[0].contiguous() if len(xs) == 1 else torch.cat(xs, dim=1)  # [1, N, d]
-    for index, layer in enumerate(decoder.layers):
-        attn = layer.self_attn
-        q, k, v = attn.project(layer_norm_fp32(layer.self_attn_layer_norm, x))  # [1, H, N, D]
-        outs = [cache.attend(index, q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], rope)
-                for cache, lo, hi, rope in zip(caches, bounds[:-1], bounds[1:], ropes,
-                                                 strict=True)]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-        x = layer.feed_forward(attn.merge(out, residual=x))
+    with pending_use(decoder, decoder.seconds(x.shape[1])):  # packed once enough ran
+        for index, layer in enumerate(decoder.layers):
+            attn = layer.self_attn
+            q, k, v = attn.project(layer_norm_fp32(layer.self_attn_layer_norm, x))  # [1,H,N,D]
+            outs = [cache.attend(index, q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], rope)
+                    for cache, lo, hi, rope in zip(caches, bounds[:-1], bounds[1:], ropes,
+                                                     strict=True)]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+            x = layer.feed_forward(attn.merge(out, residual=x))
     for cache, n in zip(caches, sizes, strict=True):
         cache.used += n
         cache.position += n

@@ -35,6 +35,13 @@ PACK_ROWS = 512
 # at full size on an AMD EPYC (2 cores): packing its 2.5 GB took 3.8 s and saved 7% of 0.36 s
 # per second of audio (0.025 s): it pays back after about 150 s encoded, so it starts near that.
 ENCODER_PACK_AFTER_S = 120.0
+# The same for the float32 decoder in oneDNN's layout. Measured at full size on an AMD EPYC (2
+# cores): a one-shot `synth` of 2 s of audio took 2.2 s longer with the decoder packed at load
+# (the load 3.0 s longer, the first decode, which no longer faults its weights in, 1.2 s
+# shorter), and packed decodes were 4-5% faster (0.014-0.017 s per second of audio): it pays
+# back after about 100 s decoded. The AMX GEMM (`gemm.PackedGemm`) gains far more from its
+# packing, so its decoder still packs at load.
+DECODER_PACK_AFTER_S = 100.0
 
 
 @dataclass(frozen=True)
@@ -559,8 +566,8 @@ def prepack(model: nn.Module, packing: gemm.Packing | None = None,
     replacing the weights it packs: bfloat16 ones in oneDNN's layout (`PackedLinear`, where
     oneDNN runs bfloat16), float32 ones as `packing` says (default: `gemm.choose` in mode
     `codec_kernel`): through the bf16x3 AMX GEMM (`gemm.PackedGemm`) or in oneDNN's layout
-    (`PackedLinear`); the encoder's float32 layers only where `packing.encoder`, and then once
-    it has encoded `ENCODER_PACK_AFTER_S` of audio (`PendingPack`). Their attention goes
+    (`PackedLinear`); the encoder's and the decoder's stacks when `pack_schedule` says (the
+    encoder's only where `packing.encoder`). Their attention goes
     through the fused kernel where `attention.choose` in mode `codec_kernel` picks it for their
     dtype (that choice is kept as `model.attention_choice`)."""
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer) and
@@ -584,14 +591,38 @@ def prepack(model: nn.Module, packing: gemm.Packing | None = None,
         pack = lambda modules: gemm.PackedGemm(lib, modules)  # noqa: E731
     else:
         pack = PackedLinear
-    encoder = getattr(model, "encoder", None)
-    later = set() if encoder is None else {id(m) for m in encoder.modules()}
-    now = [m for m in layers if m.fc1.weight.dtype == torch.float32 and id(m) not in later]
-    _pack_layers(now, pack)
-    if encoder is not None and packing.encoder:  # read only to encode a voice prompt
-        encoder.pending_pack = PendingPack(
-            [m for m in layers if m.fc1.weight.dtype == torch.float32 and id(m) in later], pack,
-            ENCODER_PACK_AFTER_S)
+    floats = [m for m in layers if m.fc1.weight.dtype == torch.float32]
+    later = set()
+    for part, after_s in pack_schedule(packing).items():
+        stack = getattr(model, part, None)  # the encoder or decoder module (a tokenizer)
+        if stack is None or after_s == 0:  # 0: at load, with the rest
+            continue
+        own = {id(m) for m in stack.layers}  # the vocoder's, inside the decoder, pack now
+        later |= own
+        if after_s is not None:
+            stack.pending_pack = PendingPack([m for m in floats if id(m) in own], pack, after_s)
+    _pack_layers([m for m in floats if id(m) not in later], pack)
+
+
+def pack_schedule(packing: gemm.Packing) -> dict[str, float | None]:
+    """When `prepack` packs the float32 layers of the encoder's and the decoder's stacks under
+    `packing`: 0 at load, else once the stack has run on that many seconds of audio
+    (`PendingPack`), None never. The encoder is read only to encode a voice prompt, and packed
+    at all only where `packing.encoder`; the decoder in oneDNN's layout after
+    `DECODER_PACK_AFTER_S`, for the AMX GEMM at load. The vocoder's layers, small, always pack
+    at load."""
+    return {"encoder": ENCODER_PACK_AFTER_S if packing.encoder else None,
+            "decoder": DECODER_PACK_AFTER_S if packing.engine == "onednn" else 0.0}
+
+
+def schedule_words(packing: gemm.Packing) -> str:
+    """`pack_schedule` in words (the -v log): "encoder plain, decoder after 100 s of audio"."""
+    def when(after_s: float | None) -> str:
+        if after_s is None:
+            return "plain"
+        return "at load" if after_s == 0 else f"after {after_s:g} s of audio"
+
+    return ", ".join(f"{part} {when(s)}" for part, s in pack_schedule(packing).items())
 
 
 def _pack_layers(layers: list[TransformerLayer], pack) -> None:
@@ -602,12 +633,14 @@ def _pack_layers(layers: list[TransformerLayer], pack) -> None:
 
 class PendingPack:
     """Float32 layers packed once their module has run on `after_s` seconds of audio (the
-    encoder's, `ENCODER_PACK_AFTER_S`): packing is paid once, up front, and saves a few percent
-    of every later call, so it is worth it only to a process that will run them a lot. Like
-    renting skis until the rent paid equals the price: a run that encodes one voice prompt
-    never packs (nor holds the packed copy); a server or an `encode` of many files packs after
-    a while and runs faster from then on. Until the layers are packed, calls run one at a time
-    (`use`), so none runs them while they are being swapped."""
+    encoder's `ENCODER_PACK_AFTER_S`, the decoder's `DECODER_PACK_AFTER_S`): packing is paid
+    once, up front, and saves a few percent of every later call, so it is worth it only to a
+    process that will run them a lot. Like renting skis until the rent paid equals the price:
+    a run that encodes one voice prompt or speaks one sentence never packs (nor holds the
+    packed copy); an `encode` of many files or a long `synth` packs after a while and runs
+    faster from then on (a server packs the decoder at start-up, `pack_pending`, so that no
+    stream stalls for it). Until the layers are packed, calls run one at a time (`use`), so
+    none runs them while they are being swapped."""
 
     def __init__(self, layers: list[TransformerLayer], pack, after_s: float):
         self.layers, self.pack, self.after_s = layers, pack, after_s
@@ -632,6 +665,17 @@ class PendingPack:
         if self.layers:
             _pack_layers(self.layers, self.pack)
         self.layers = []
+
+
+def pack_pending(module: nn.Module) -> bool:
+    """Pack now what `prepack` left for later in `module` (its `PendingPack`), for a process
+    that will surely run it a lot, before its first call. -> whether anything was left."""
+    pending = getattr(module, "pending_pack", None)
+    if pending is None or not pending.layers:
+        return False
+    with pending.lock:
+        pending.now()
+    return True
 
 
 def pending_use(module: nn.Module, seconds: float):

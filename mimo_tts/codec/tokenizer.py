@@ -18,6 +18,7 @@ from torch import Tensor
 
 from mimo_tts.codec.config import BATCH_FRAMES, DECODE_CHUNK_FRAMES, CodecConfig
 from mimo_tts.codec.decoder import pad_hidden
+from mimo_tts.codec.layers import pack_pending
 from mimo_tts.codec.mel import LogMel, prepare_audio
 from mimo_tts.errors import AudioCheckError, InputError
 
@@ -109,6 +110,12 @@ class AudioTokenizer:
         if graphs is not None and graphs.supports(hidden.shape[0]):
             return graphs(hidden)
         return self.model.decoder(hidden[None])[0]
+
+    def pack_decoder(self) -> bool:
+        """Pack the decoder's float32 layers now where loading left them for later
+        (`layers.pack_schedule`): for a process that will decode a lot (a server), so that no
+        call later waits for the packing. -> whether anything was left to pack."""
+        return pack_pending(self.model.decoder)
 
     @_on_device
     def decode(self, codes: Tensor) -> Tensor:

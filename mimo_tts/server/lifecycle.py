@@ -109,6 +109,9 @@ def loaded(cfg: ServeConfig, options: OptionValues, config: str | None, reporter
     # requests' audio may decode together: a batch of rows; uploads encode voices
     lengths = lengths_for(settings, [], cfg.batch_size, decode_rows=cfg.batch_size)
     with sock, MiMoTTS.from_settings(settings, lengths, reporter.log) as tts:
+        packing_s = tts.stage1.pack_decoder()  # a server decodes a lot: now, not mid-stream
+        if packing_s is not None:
+            reporter.log(f"tokenizer decoder packed for serving in {packing_s:.2f} s")
         tts.startup_voices = dict(cfg.voices)  # a `[voice:]` tag may name them too
         encode_voices(tts, cfg.voices, settings.synthesis)
         yield settings, sock, tts

@@ -4,6 +4,7 @@ advice and voice-prompt cache."""
 from __future__ import annotations
 
 import numbers
+import time
 import weakref
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -113,6 +114,7 @@ class Stage1:
              beside: int = 0) -> Stage1:
         """`beside`: bytes of LM weights on the CPU (the packing's memory rule, `gemm.choose`)."""
         from mimo_tts.codec import load_audio_tokenizer
+        from mimo_tts.codec.layers import schedule_words
 
         device, dtype = placement.tokenizer_device.value, placement.tokenizer_dtype.value
         choice = None
@@ -130,7 +132,7 @@ class Stage1:
         log(f"audio tokenizer loaded from {tok_path}")
         if choice is not None:
             log(f"tokenizer float32 linears: {choice.words}"
-                f"{'' if choice.encoder or not choice.active else ' (decoder)'}, {choice.reason}")
+                f"{f' ({schedule_words(choice)})' if choice.active else ''}, {choice.reason}")
         stage1 = cls(codec, threads)
         stage1.gemm = choice
         stage1.attention = getattr(codec.model, "attention_choice", None)  # CPU layers only
@@ -138,6 +140,15 @@ class Stage1:
             log(f"tokenizer attention: {'fused kernel' if stage1.attention.active else 'PyTorch'}"
                 f", {stage1.attention.reason}")
         return stage1
+
+    def pack_decoder(self) -> float | None:
+        """The tokenizer's float32 decoder packed now, where loading left it for later (a
+        server: no stream waits for it later; `AudioTokenizer.pack_decoder`). -> the seconds
+        it took, or None where nothing was left to pack."""
+        start = time.perf_counter()
+        with thread_budget(self.threads):
+            packed = self.codec.pack_decoder()
+        return time.perf_counter() - start if packed else None
 
     def prompt_codes(self, prompt: str | PromptAudio) -> torch.Tensor:
         """Voice-prompt codes [K, T] (encoded on the tokenizer device once per file or

@@ -25,6 +25,7 @@ from mimo_tts.codec.layers import (
     unpack,
     weight_tensors,
 )
+from mimo_tts.codec.streaming import StreamingDecoder
 from mimo_tts.errors import UsageError
 from mimo_tts.runtime.devices import CODEC_KERNEL_ENV, resolve_placement
 
@@ -218,6 +219,7 @@ def test_beside_an_lm_the_encoder_stays_mapped_where_memory_is_short(monkeypatch
     half = load_audio_tokenizer(tokenizer_dir, packing=gemm.Packing(engine, False, "test"))
     decoder = [m for m in half.model.decoder.modules() if isinstance(m, TransformerLayer)]
     encoder = [m for m in half.model.encoder.modules() if isinstance(m, TransformerLayer)]
+    assert half.pack_decoder() == (engine == "onednn")  # oneDNN's: left for later (a server)
     assert decoder and all(m.fc1.weight.is_meta and m.self_attn.packed_qkv for m in decoder)
     half.encode(torch.zeros(24000), 24000)  # the encoder stays mapped, also once read
     assert encoder and not any(m.fc1.weight.is_meta or hasattr(m.self_attn, "packed_qkv")
@@ -231,10 +233,12 @@ ONEDNN = gemm.Packing("onednn", True, "test")
 
 @pytest.fixture(scope="module")
 def reordered(tokenizer_dir):
-    """The tiny-a tokenizer with every layer in oneDNN's layout, the encoder's packed now."""
+    """The tiny-a tokenizer with every layer in oneDNN's layout, the encoder's and the
+    decoder's packed now."""
     codec = load_audio_tokenizer(tokenizer_dir, device="cpu", dtype=torch.float32,
                                  packing=ONEDNN)
     codec.model.encoder.pending_pack.now()
+    assert codec.pack_decoder()
     return codec
 
 
@@ -293,8 +297,9 @@ def test_the_encoder_packs_once_enough_audio_went_through(tokenizer_dir, plain_c
     codec = load_audio_tokenizer(tokenizer_dir, device="cpu", dtype=torch.float32,
                                  packing=ONEDNN)
     encoder = [m for m in codec.model.encoder.modules() if isinstance(m, TransformerLayer)]
-    decoder = [m for m in codec.model.decoder.modules() if isinstance(m, TransformerLayer)]
-    assert all(m.fc1.weight.is_meta for m in decoder)  # the decoder packs at load
+    vocoder = [m for m in codec.model.decoder.vocoder.modules()
+               if isinstance(m, TransformerLayer)]
+    assert vocoder and all(m.fc1.weight.is_meta for m in vocoder)  # the vocoder packs at load
     audio = encode_cases["encode_chirp_1p3s.waveform_in"]  # 1.3 s a call
     first = codec.encode(audio, 24000)
     assert encoder and not any(m.fc1.weight.is_meta for m in encoder)
@@ -306,6 +311,37 @@ def test_the_encoder_packs_once_enough_audio_went_through(tokenizer_dir, plain_c
     assert torch.equal(codec.encode(audio, 24000), first)
     assert [m.fc1.packed for m in encoder] == packed  # once
     assert torch.equal(first, plain_codec.encode(audio, 24000))
+
+
+@needs_onednn
+def test_the_decoder_packs_once_enough_audio_went_through(tokenizer_dir, plain_codec,
+                                                          decode_cases, monkeypatch):
+    """A run that speaks a sentence decodes on the mapped weights (packing them would cost it
+    more than it saves); once the decoder has run on DECODER_PACK_AFTER_S of audio, through
+    whole decodes or stream pushes, it packs, once, here in the middle of a stream, and every
+    call gives the plain bytes (a decoder product has two rows or more: `dconv1` doubles the
+    frames)."""
+    monkeypatch.setattr(layers, "DECODER_PACK_AFTER_S", 2.0)
+    codec = load_audio_tokenizer(tokenizer_dir, device="cpu", dtype=torch.float32,
+                                 packing=ONEDNN)
+    stack = list(codec.model.decoder.layers)
+    codes = decode_cases["decode_T37.codes"]  # 1.48 s
+    expected = plain_codec.decode(codes)
+    assert torch.equal(codec.decode(codes), expected)
+    assert not any(m.fc1.weight.is_meta for m in stack)
+    longer = decode_cases["decode_T101.codes"]  # its first push of 40 frames passes 2.0 s
+    assert torch.equal(_streamed(codec, longer), _streamed(plain_codec, longer))
+    assert all(m.fc1.weight.is_meta and isinstance(m.fc1.packed, PackedLinear) for m in stack)
+    packed = [m.fc1.packed for m in stack]
+    assert torch.equal(codec.decode(codes), expected)
+    assert [m.fc1.packed for m in stack] == packed and not codec.pack_decoder()  # once
+
+
+def _streamed(codec, codes: torch.Tensor) -> torch.Tensor:
+    """`codes` pushed 4 frames at a time through an incremental stream -> its audio."""
+    stream, ends = StreamingDecoder(codec, mode="incremental"), range(4, codes.shape[1] + 4, 4)
+    pieces = [stream.push(codes[:, end - 4:end], last=end >= codes.shape[1]) for end in ends]
+    return torch.cat([p for p in pieces if p is not None])
 
 
 @needs_onednn

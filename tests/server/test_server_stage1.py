@@ -8,6 +8,7 @@ exactly a solo one (tests/codec/test_codec_batched.py says why more threads roun
 from __future__ import annotations
 
 import concurrent.futures
+import re
 
 import pytest
 
@@ -54,3 +55,16 @@ def test_streamed_requests_decoded_together_equal_their_solo_runs(client):
     assert state["max_stage1_jobs"] > 1 and state["max_batch_rows"] > 1
     assert len({len(b) for b in solo}) > 1  # different lengths
     assert together == solo
+
+
+def test_a_server_packs_the_decoder_before_it_serves(start_server):
+    """Where loading leaves the float32 decoder's packing for later (oneDNN's layout, which a
+    one-shot run never pays for), a server packs it at start-up, so no stream waits for it in
+    the middle; and says so with -v."""
+    url = start_server("-v", env={"MIMO_TTS_PRODUCT_CHOICES":
+                                  "codec_gemm=0,codec_packed_float32=1"})
+    log = url.stderr()
+    assert "decoder after 100 s of audio" in log  # the load's plan ...
+    assert re.search(r"tokenizer decoder packed for serving in \d+\.\d\d s", log)  # ... kept
+    with httpx.Client(base_url=url, timeout=300) as c:
+        assert _pcm(c, REQUESTS[0])
