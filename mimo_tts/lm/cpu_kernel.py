@@ -336,16 +336,29 @@ def pack_w4a8(lib: ctypes.CDLL, weight: Tensor, out: Tensor | None = None) -> Te
     columns of a row: symmetric, scale max |w| / 7 rounded to float16, values
     round(w / scale) in -8..7 stored plus 8."""
     rows, cols = weight.shape
-    blocks, lines, groups = rows // PACK_ROWS, cols // 8, cols // W4_GROUP
-    nbytes = w4a8_bytes(rows, cols)
-    buf = torch.empty(nbytes, dtype=torch.uint8) if out is None else out.view(torch.uint8)
-    packed = buf[:rows * cols // 2].view(blocks, lines, 64)
-    scales = buf[rows * cols // 2:nbytes].view(torch.float16).view(blocks, groups, PACK_ROWS)
-    source = weight.detach().contiguous()
-    lib.pack_w4(source.data_ptr(), packed.data_ptr(), scales.data_ptr(), cols, 0, blocks,
-                torch.get_num_threads())
+    buf = (torch.empty(w4a8_bytes(rows, cols), dtype=torch.uint8) if out is None
+           else out.view(torch.uint8))
+    packed, scales = _w4a8_views(buf, rows, cols)
+    _pack_w4(lib, weight, packed, scales)
     packed.scale = scales
     return packed
+
+
+def _w4a8_views(buf: Tensor, rows: int, cols: int) -> tuple[Tensor, Tensor]:
+    """The 4-bit lines [rows / 16, cols / 8, 64] and the float16 group scales [rows / 16,
+    cols / 32, 16] of a `pack_w4a8` matrix in its bytes `buf`."""
+    blocks, half = rows // PACK_ROWS, rows * cols // 2
+    return (buf[:half].view(blocks, cols // 8, 64),
+            buf[half:w4a8_bytes(rows, cols)].view(torch.float16).view(
+                blocks, cols // W4_GROUP, PACK_ROWS))
+
+
+def _pack_w4(lib: ctypes.CDLL, weight: Tensor, packed: Tensor, scales: Tensor) -> None:
+    """`weight`'s blocks as 4-bit groups into `packed` and `scales` (as `_w4a8_views` gives
+    them, or their blocks of one part of a matrix: a block packs alone)."""
+    source = weight.detach().contiguous()
+    lib.pack_w4(source.data_ptr(), packed.data_ptr(), scales.data_ptr(), weight.shape[1], 0,
+                weight.shape[0] // PACK_ROWS, torch.get_num_threads())
 
 
 def unpack_w4a8(packed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -411,8 +424,8 @@ def pack_model(model: MiMoAudioLM, quant: str | None = None) -> int:
     lib = library()
     fits, packer = QUANT_PACKERS[quant]
     for owner, name, parts in model.streamed_matrices():  # left in parts the kernel can't take
-        if getattr(owner, name) is None and not (quant is None and all(
-                lib is not None and fits(p.weight) for p in parts)):
+        if getattr(owner, name) is None and not all(
+                lib is not None and fits(p.weight) for p in parts):
             fuse_parts(owner, parts)
     todo = [(owner, name, parts) for owner, name, parts in model.streamed_matrices()
             if lib is not None and (getattr(owner, name) is None or fits(getattr(owner, name)))]
@@ -423,11 +436,11 @@ def pack_model(model: MiMoAudioLM, quant: str | None = None) -> int:
         for (owner, name, parts), size in zip(todo, sizes, strict=True):
             weight = getattr(owner, name)
             if weight is None:  # q/k/v or gate/up still in their mapped parts (`load_lm`)
-                weight = _pack_parts(lib, parts, arena[offset:offset + size])
+                total += _packed_bytes(_shape_of(owner, name, parts), quant)
+                weight = _pack_parts(lib, parts, arena[offset:offset + size], quant)
                 setattr(owner, name, weight)
                 _view_parts(weight, parts)
                 offset += size
-                total += weight.numel() * weight.element_size()
                 continue
             packed = packer(lib, weight,
                             arena[offset:offset + size][:_packed_bytes(weight, quant)])
@@ -455,18 +468,35 @@ def _shape_of(owner: nn.Module, name: str, parts: Sequence[nn.Module]) -> Tensor
                        device="meta")
 
 
-def _pack_parts(lib: ctypes.CDLL, parts: Sequence[nn.Module], out: Tensor) -> Tensor:
-    """A fused bfloat16 matrix packed straight from its parts' weights (mapped), part after
-    part into `out`: a block of 16 rows packs alone, so this is the packing of their stack.
-    Each part's file pages are given back once packed."""
-    rows, cols, start = sum(p.weight.shape[0] for p in parts), parts[0].weight.shape[1], 0
+def _pack_parts(lib: ctypes.CDLL, parts: Sequence[nn.Module], out: Tensor,
+                quant: str | None = None) -> Tensor:
+    """A fused bfloat16 matrix packed straight from its parts' weights (mapped), as `pack`,
+    `pack_w8a8` or `pack_w4a8` (`quant`) would pack their stack, part after part into `out`:
+    a block of 16 rows packs alone, and each row's (or row group's) scales are its own, so
+    these are the bytes of packing the stack. Each part's file pages are given back once
+    packed."""
+    rows, cols = sum(p.weight.shape[0] for p in parts), parts[0].weight.shape[1]
+    if quant == "w4a8":
+        whole, scales = _w4a8_views(out.view(torch.uint8), rows, cols)
+        whole.scale = scales
+    else:
+        kind, pairs = (torch.int8, 4) if quant == "w8a8" else (parts[0].weight.dtype, 2)
+        whole = out[:rows * cols * kind.itemsize].view(kind).view(
+            rows // PACK_ROWS, cols // pairs, pairs * PACK_ROWS)
+    rowdata, start = [], 0
     for part in parts:
-        nbytes = part.weight.numel() * part.weight.element_size()
-        pack(lib, part.weight, out[start:start + nbytes])
+        blocks = slice(start, start + part.weight.shape[0] // PACK_ROWS)
+        if quant == "w4a8":
+            _pack_w4(lib, part.weight, whole[blocks], whole.scale[blocks])
+        elif quant == "w8a8":  # its row scales, then its rows' sums
+            rowdata.append(pack_w8a8(lib, part.weight, whole[blocks]).scale.view(2, -1))
+        else:
+            pack(lib, part.weight, whole[blocks])
         pages.drop(part.weight)
-        start += nbytes
-    return out[:start].view(parts[0].weight.dtype).view(rows // PACK_ROWS, cols // 2,
-                                                         2 * PACK_ROWS)
+        start = blocks.stop
+    if rowdata:
+        whole.scale = torch.cat(rowdata, dim=1).reshape(-1)  # every scale, then every sum
+    return whole
 
 
 def _view_parts(packed: Tensor, parts: Sequence[nn.Module]) -> None:
@@ -505,8 +535,8 @@ def packed_quant_refusal(model: MiMoAudioLM, quant: str = "w8a8") -> str:
     if why:
         return why
     if quant == "w4a8":
-        for owner, name, _ in model.streamed_matrices():
-            matrix = getattr(owner, name)
+        for owner, name, parts in model.streamed_matrices():
+            matrix = _shape_of(owner, name, parts)  # q/k/v, gate/up maybe still in parts
             if matrix.dim() == 2 and matrix.shape[1] % W4_GROUP:
                 return (f"a matrix of {matrix.shape[1]} columns is not in whole groups of "
                         f"{W4_GROUP} (use w8a8)")

@@ -50,11 +50,11 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu",
         model = MiMoAudioLM(cfg)
     model = model.to(dtype)  # the meta parameters carry the target dtype for the load below
     groups = model.fusion_groups()
-    # Where the kernel will pack q/k/v and gate/up, they stay in their mapped parts and are
-    # packed from there (`pack_model`): a stack of them first would be one more copy of most
-    # of the weights, in fresh memory the kernel must zero.
+    # Where the kernel will pack q/k/v and gate/up (bfloat16, w8a8 or w4a8), they stay in
+    # their mapped parts and are packed from there (`pack_model`): a stack of them first would
+    # be one more copy of most of the weights, in fresh memory the kernel must zero.
     from_parts = model.packed_from_parts() if (
-        torch.device(device).type == "cpu" and dtype == torch.bfloat16 and quant is None
+        torch.device(device).type == "cpu" and dtype == torch.bfloat16 and quant != "int8"
         and mode != "off") else set()
     stacked = [*(g for g in groups if g not in from_parts),
                *(biases for _, biases in groups.values() if biases)]

@@ -146,6 +146,27 @@ def test_q_k_v_and_gate_up_packed_from_their_mapped_parts_are_their_stacks_packe
                 getattr(owner, name).untyped_storage().data_ptr()
 
 
+@pytest.mark.parametrize("quant", ["w8a8", "w4a8"])
+def test_the_fast_profiles_pack_q_k_v_and_gate_up_from_their_parts_as_their_stacks(lm_dir,
+                                                                                     quant):
+    """`--lm-quant w8a8` and `w4a8` pack q/k/v and gate/up from their mapped parts too: the
+    int8 or 4-bit blocks and every row's (or row group's) scales equal those of packing the
+    stack that a kernel-off load builds."""
+    model = load_lm(lm_dir, dtype=torch.bfloat16, quant=quant)
+    stacked = load_lm(lm_dir, dtype=torch.bfloat16, cpu_kernel="off")
+    lib, packer = cpu_kernel.library(), cpu_kernel.QUANT_PACKERS[quant][1]
+    fused = 0
+    for (owner, name, parts), (plain_owner, _, _) in zip(
+            model.streamed_matrices(), stacked.streamed_matrices(), strict=True):
+        if parts:
+            want, got = packer(lib, getattr(plain_owner, name)), getattr(owner, name)
+            assert torch.equal(got, want)  # the scales by their bits (w8a8's sums are int32)
+            assert torch.equal(got.scale.view(torch.int16), want.scale.view(torch.int16))
+            fused += 1
+    assert fused == 2 * (len(model.model.layers) + len(model.local_transformer.layers)
+                         + len(model.input_local_transformer.layers))
+
+
 def test_load_packs_every_streamed_matrix_in_place(packed_lm):
     """The streamed matrices are packed (all but the tiny model's lm_head, 420 rows: not
     whole blocks); the checkpoint-named parts are blocks of them (no unpacked copy stays
