@@ -46,3 +46,13 @@ def emit(report: dict, out: str | None = None) -> None:
     print(text)
     if out:
         Path(out).write_text(text + "\n", encoding="utf-8")
+
+
+def checkout_env(folder: str) -> dict:
+    """The environment of a child `python -m mimo_tts.cli ...` that must run the package of
+    the checkout at `folder`: it first on PYTHONPATH, and PYTHONSAFEPATH set, because `-m`
+    otherwise puts the working directory first on sys.path, and a child started from a
+    repository root imports that root's package whatever PYTHONPATH says."""
+    path = str(Path(folder or ".").resolve())
+    return {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONPATH": os.pathsep.join(
+        [path, *filter(None, [os.environ.get("PYTHONPATH")])])}

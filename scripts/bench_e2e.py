@@ -48,7 +48,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import emit
+from _common import checkout_env, emit
 
 GIB = 2**30
 RUNS = ("batch1", "stream", "stream_split", "stream_before", "instruct", "batch")
@@ -89,9 +89,7 @@ def checkout_envs(spec: str | None) -> dict:
     envs = {}
     for part in spec.split(","):
         name, _, folder = part.partition("=")
-        path = str(Path(folder or ".").resolve())
-        envs[name] = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [path, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        envs[name] = checkout_env(folder)
     return envs
 
 

@@ -45,6 +45,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
+from _common import checkout_env
 from bench import machine
 from bench_overlap import CODEC_DIMS
 
@@ -76,13 +77,9 @@ def variant_args(name: str, work: Path) -> list[str]:
             "together": ["--config", str(profile)], "growing": ["--stage1-batch", "1"]}[name]
 
 
-def checkout_env(variant: str) -> dict | None:
+def variant_env(variant: str) -> dict | None:
     """The server's environment for a variant `NAME=DIR`: DIR's package first (else None)."""
-    if "=" not in variant:
-        return None
-    folder = str(Path(variant.split("=", 1)[1]).resolve())
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [folder, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    return checkout_env(variant.split("=", 1)[1]) if "=" in variant else None
 
 
 def start_server(model_args: list[str], batch_size: int, clients: int, log: Path,
@@ -182,7 +179,7 @@ def bench_model(name: str, model_args: list[str], args, work: Path) -> dict:
             served = model_args + variant_args(variant, work)
             proc, url = start_server(served, args.batch_size, max(args.clients),
                                      work / f"serve-{variant.split('=')[0]}.log",
-                                     checkout_env(variant))
+                                     variant_env(variant))
             servers[variant] = (proc, url, served)
             with httpx.Client(base_url=url, timeout=3600) as client:
                 one_request(client, "Warm up.")  # first-call costs (kernel build, allocations)

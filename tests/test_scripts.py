@@ -72,3 +72,23 @@ def test_bench_lm_refuses_an_unknown_march_before_building_a_model():
         assert run.returncode == 2, value
         assert "--march takes x86-64, x86-64-v2, x86-64-v3 or x86-64-v4" in run.stderr
         assert "Traceback" not in run.stderr
+
+
+def test_a_checkouts_child_started_at_the_repository_root_runs_that_checkouts_package(tmp_path):
+    """`bench_e2e --checkouts` and `bench_serve --variants` run `python -m mimo_tts.cli` under
+    another checkout's package; `-m` puts the working directory first on sys.path, so from
+    the repository root the root's own package would shadow it (`_common.checkout_env`)."""
+    sys.path.insert(0, str(SCRIPTS[0].parent))
+    try:
+        import _common
+    finally:
+        sys.path.remove(str(SCRIPTS[0].parent))
+    package = tmp_path / "other" / "mimo_tts"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "where.py").write_text("print(__file__)\n")
+    run = subprocess.run([sys.executable, "-m", "mimo_tts.where"], capture_output=True,
+                         text=True, timeout=60, cwd=_common.REPO,
+                         env=_common.checkout_env(str(tmp_path / "other")))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert Path(run.stdout.strip()) == package / "where.py"
