@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from _common import emit
@@ -78,7 +79,8 @@ def main() -> None:
     start = time.perf_counter()
     tts = mimo_tts.load(str(root / "lm"), str(root / "tokenizer"))
     report["load_s"] = round(time.perf_counter() - start, 2)
-    options = tts._options("stream", None, seed=args.seed, max_new_groups=args.max_new_groups)
+    options = replace(tts.options, seed=args.seed, **(
+        {} if args.max_new_groups is None else {"max_new_groups": args.max_new_groups}))
     one_run(tts, options, stream=False)  # warm-up: first calls, page faults
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy else None
     runs = []
