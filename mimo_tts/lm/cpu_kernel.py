@@ -509,6 +509,18 @@ def _view_parts(packed: Tensor, parts: Sequence[nn.Module]) -> None:
         start += blocks
 
 
+def may_pack(device: str | torch.device, dtype: torch.dtype, quant: str | None,
+             mode: str) -> bool:
+    """What `prepare` needs that is known before the weights load: the CPU, bfloat16 weights,
+    no int8 weight-only matrices (`--lm-quant int8`), the kernel not "off". Where it holds,
+    `load_lm` leaves q/k/v and gate/up in their mapped parts for `pack_model`; where
+    `prepare` then packs nothing after all (the kernel not built, its products measured
+    slower), `fuse_rest` concatenates them as the loader would have: one copy more, never
+    another model."""
+    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16
+            and quant != "int8" and check_mode(mode) != "off")
+
+
 def prepare(model: MiMoAudioLM) -> None:
     """At load, after the mode is set: pack the streamed matrices (`pack_model`) where the
     kernel will multiply by them, i.e. `choose` makes it active on bfloat16 weights and its

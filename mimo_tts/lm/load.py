@@ -8,7 +8,7 @@ import torch
 
 from mimo_tts.errors import CheckpointError, DeviceError, UsageError
 from mimo_tts.lm.config import LMConfig, quant_refusal
-from mimo_tts.lm.cpu_kernel import check_mode, prepare
+from mimo_tts.lm.cpu_kernel import check_mode, may_pack, prepare
 from mimo_tts.lm.int8 import quantize_lm
 from mimo_tts.lm.model import MiMoAudioLM
 from mimo_tts.runtime.devices import torch_dtype
@@ -50,12 +50,10 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu",
         model = MiMoAudioLM(cfg)
     model = model.to(dtype)  # the meta parameters carry the target dtype for the load below
     groups = model.fusion_groups()
-    # Where the kernel will pack q/k/v and gate/up (bfloat16, w8a8 or w4a8), they stay in
-    # their mapped parts and are packed from there (`pack_model`): a stack of them first would
-    # be one more copy of most of the weights, in fresh memory the kernel must zero.
-    from_parts = model.packed_from_parts() if (
-        torch.device(device).type == "cpu" and dtype == torch.bfloat16 and quant != "int8"
-        and mode != "off") else set()
+    # Where the kernel may pack q/k/v and gate/up, they stay in their mapped parts and are
+    # packed from there (`pack_model`): a stack of them first would be one more copy of most
+    # of the weights, in fresh memory the kernel must zero.
+    from_parts = model.packed_from_parts() if may_pack(device, dtype, quant, mode) else set()
     stacked = [*(g for g in groups if g not in from_parts),
                *(biases for _, biases in groups.values() if biases)]
     try:
