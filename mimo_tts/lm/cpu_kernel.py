@@ -475,25 +475,25 @@ def _pack_parts(lib: ctypes.CDLL, parts: Sequence[nn.Module], out: Tensor,
     a block of 16 rows packs alone, and each row's (or row group's) scales are its own, so
     these are the bytes of packing the stack. Each part's file pages are given back once
     packed."""
-    rows, cols = sum(p.weight.shape[0] for p in parts), parts[0].weight.shape[1]
-    if quant == "w4a8":
-        whole, scales = _w4a8_views(out.view(torch.uint8), rows, cols)
+    if quant == "w4a8":  # all the 4-bit lines, then all the scales: each part into its blocks
+        rows = sum(p.weight.shape[0] for p in parts)
+        whole, scales = _w4a8_views(out.view(torch.uint8), rows, parts[0].weight.shape[1])
         whole.scale = scales
-    else:
-        kind, pairs = (torch.int8, 4) if quant == "w8a8" else (parts[0].weight.dtype, 2)
-        whole = out[:rows * cols * kind.itemsize].view(kind).view(
-            rows // PACK_ROWS, cols // pairs, pairs * PACK_ROWS)
     rowdata, start = [], 0
     for part in parts:
-        blocks = slice(start, start + part.weight.shape[0] // PACK_ROWS)
         if quant == "w4a8":
+            blocks = slice(start, start + part.weight.shape[0] // PACK_ROWS)
             _pack_w4(lib, part.weight, whole[blocks], whole.scale[blocks])
-        elif quant == "w8a8":  # its row scales, then its rows' sums
-            rowdata.append(pack_w8a8(lib, part.weight, whole[blocks]).scale.view(2, -1))
-        else:
-            pack(lib, part.weight, whole[blocks])
+            start = blocks.stop
+        else:  # the parts' blocks one after another, as their stack's
+            size = _packed_bytes(part.weight, quant)
+            packed = QUANT_PACKERS[quant][1](lib, part.weight, out[start:start + size])
+            rowdata += [packed.scale.view(2, -1)] if quant == "w8a8" else []  # scales, sums
+            start += size
         pages.drop(part.weight)
-        start = blocks.stop
+    if quant == "w4a8":
+        return whole
+    whole = out[:start].view(packed.dtype).view(-1, *packed.shape[1:])
     if rowdata:
         whole.scale = torch.cat(rowdata, dim=1).reshape(-1)  # every scale, then every sum
     return whole
