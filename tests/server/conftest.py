@@ -1,7 +1,8 @@
 """Server test fixtures: a real `mimo-tts serve` process on 127.0.0.1 (tiny preset) per module.
 
-`start_server(*args, env=..., port=...)` runs the installed entry point (on a free port, or on
-`port`: 0 lets the server pick one, read back from its serving line), waits for `/health` and
+`start_server(*args, env=..., port=...)` runs the installed entry point (on `port`; by default 0,
+a port the server's kernel picks, read back from its serving line: no other process, such as
+another test worker's server, can take it between the pick and the bind), waits for `/health` and
 returns its base URL as a `Served` (a str that also holds the process and its stderr log). A
 process still running at the module's end is stopped with SIGTERM and must exit 0; a test may
 stop one itself (`Served.stop`). The modules skip without the serve extra or httpx; CI installs
@@ -26,6 +27,8 @@ SERVING = re.compile(r"^serving \S+ .*on http://127\.0\.0\.1:(\d+) ", re.MULTILI
 
 
 def free_port() -> int:
+    """A port free now, for a server that says nothing (`-q`), so its port cannot be read back;
+    another process may take it before the server binds (then the start fails: exit 5)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -56,15 +59,14 @@ class Served(str):
 
 @pytest.fixture(scope="module")
 def start_server(base_env, entry_point, tmp_path_factory):
-    """start_server(*args, env={...}, port=None) -> "http://127.0.0.1:PORT" of a running
+    """start_server(*args, env={...}, port=0) -> "http://127.0.0.1:PORT" of a running
     server (a `Served`)."""
     import httpx
 
     served: list[Served] = []
     server_env = {k: v for k, v in base_env.items() if k != API_KEY_ENV}
 
-    def start(*args, env: dict | None = None, port: int | None = None) -> Served:
-        port = free_port() if port is None else port
+    def start(*args, env: dict | None = None, port: int = 0) -> Served:
         log = tmp_path_factory.mktemp("serve") / "stderr.log"
         model = [] if "--model" in args else ["--model", "tiny"]
         with open(log, "wb") as handle:

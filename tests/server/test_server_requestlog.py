@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from tests.server.conftest import free_port
+
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -70,7 +72,7 @@ def test_one_line_per_request_without_text_or_key(logged):
 
 
 def test_quiet_silences_the_request_log(start_server):
-    quiet = start_server("-q", "--max-new-groups", "2")
+    quiet = start_server("-q", "--max-new-groups", "2", port=free_port())
     with httpx.Client(base_url=quiet, timeout=120) as client:
         assert client.post("/v1/audio/speech", json={
             "model": "tiny", "input": TEXT, "response_format": "wav"}).status_code == 200
