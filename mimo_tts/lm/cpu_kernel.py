@@ -429,21 +429,19 @@ def pack_model(model: MiMoAudioLM, quant: str | None = None) -> int:
             fuse_parts(owner, parts)
     todo = [(owner, name, parts) for owner, name, parts in model.streamed_matrices()
             if lib is not None and (getattr(owner, name) is None or fits(getattr(owner, name)))]
-    sizes = [-(-_packed_bytes(_shape_of(o, n, p), quant) // mmap.PAGESIZE) * mmap.PAGESIZE
-             for o, n, p in todo]
-    arena, offset, total = huge_bytes(sum(sizes)), 0, 0  # one mapping, filled as packed
+    nbytes = [_packed_bytes(_shape_of(o, n, p), quant) for o, n, p in todo]
+    sizes = [-(-b // mmap.PAGESIZE) * mmap.PAGESIZE for b in nbytes]  # whole pages each
+    arena, offset = huge_bytes(sum(sizes)), 0  # one mapping, filled as packed
     with torch.no_grad():
-        for (owner, name, parts), size in zip(todo, sizes, strict=True):
+        for (owner, name, parts), size, used in zip(todo, sizes, nbytes, strict=True):
             weight = getattr(owner, name)
             if weight is None:  # q/k/v or gate/up still in their mapped parts (`load_lm`)
-                total += _packed_bytes(_shape_of(owner, name, parts), quant)
                 weight = _pack_parts(lib, parts, arena[offset:offset + size], quant)
                 setattr(owner, name, weight)
                 _view_parts(weight, parts)
                 offset += size
                 continue
-            packed = packer(lib, weight,
-                            arena[offset:offset + size][:_packed_bytes(weight, quant)])
+            packed = packer(lib, weight, arena[offset:offset + used])
             offset += size
             if isinstance(weight, nn.Parameter):
                 scale = getattr(packed, "scale", None)
@@ -453,9 +451,8 @@ def pack_model(model: MiMoAudioLM, quant: str | None = None) -> int:
             setattr(owner, name, packed)
             _view_parts(packed, parts)
             pages.drop(weight)  # the file's copy, now packed
-            total += _packed_bytes(weight, quant)
             del weight
-    return total
+    return sum(nbytes)
 
 
 def _shape_of(owner: nn.Module, name: str, parts: Sequence[nn.Module]) -> Tensor:
